@@ -1,0 +1,34 @@
+# Two entry points a new machine needs: `make demo` (the main job) and `make test`.
+# Both create .venv and install the pinned stack on first use; nothing is downloaded at run time.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench install clean
+
+demo: $(STAMP)
+	$(BIN)/python examples/train_digits.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+install: $(STAMP)
+
+# torch goes in first and explicitly: the CPU wheel lies on this machine's disk, and letting a
+# dependency pull "torch" would fetch a multi-GB CUDA build instead.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,40 @@
+"""Shared test helpers: per-dtype tolerances and a graph that wraps one module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tvmgraph
+
+# Tolerances for graph-vs-eager comparisons, by dtype (JAX public_test_util style).
+# float32 kernels in TVM reassociate sums differently from MKL/oneDNN, hence not bit-exact.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float64: dict(atol=1e-10, rtol=1e-8),
+    torch.int64: dict(atol=0, rtol=0),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, **override) -> None:
+    """Compare shape and dtype first, then values within the dtype's tolerance."""
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
+    tol = {**TOLERANCES[expected.dtype], **override}
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+class ModuleGraph(tvmgraph.nn.Graph):
+    """The simplest graph: build(*args) = model(*args)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def build(self, *args):
+        return self.model(*args)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

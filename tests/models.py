@@ -1,0 +1,86 @@
+"""Small reference models used across the tests (shapes kept small for 2-core CI)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mlp(sizes: tuple[int, ...] = (32, 64, 64, 10)) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2 block: 1x1 expand, 3x3 depthwise, 1x1 project, skip add when shapes allow."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int):
+        super().__init__()
+        hidden = cin * expand
+        self.use_skip = stride == 1 and cin == cout
+        self.block = nn.Sequential(
+            nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return x + y if self.use_skip else y
+
+
+class SmallCNN(nn.Module):
+    """MobileNetV2-style: conv-bn-relu6 stem, inverted residuals, pools, classifier."""
+
+    def __init__(self, in_ch: int = 3, classes: int = 10, width: int = 8, dropout: float = 0.0):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_ch, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU6(),
+            InvertedResidual(width, width, 1, 2),
+            InvertedResidual(width, 2 * width, 2, 2),
+            nn.MaxPool2d(kernel_size=3, stride=1, padding=1),
+            InvertedResidual(2 * width, 2 * width, 1, 2),
+            nn.AvgPool2d(kernel_size=3, stride=1, padding=1),
+            nn.Conv2d(2 * width, 4 * width, 1), nn.ReLU6(),
+        )
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(4 * width, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.pool(self.features(x)))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm transformer encoder block: LayerNorm, multi-head attention, GELU MLP, residuals."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4, ff: int = 64, dropout: float = 0.0,
+                 approximate: str = "none"):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attn = nn.MultiheadAttention(d_model, heads, dropout=dropout, batch_first=True)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.ff = nn.Sequential(nn.Linear(d_model, ff), nn.GELU(approximate=approximate),
+                                nn.Dropout(dropout), nn.Linear(ff, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.ff(self.norm2(x))
+
+
+class SoftmaxAttention(nn.Module):
+    """Hand-written single-head attention with an explicit softmax (no fused SDPA)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.scale = d ** -0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.softmax(q @ k.transpose(-2, -1) * self.scale, dim=-1)
+        return weights @ v

@@ -1,0 +1,173 @@
+"""Bad input gets an error that names the graph, the argument or op, and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tvmgraph
+from tvmgraph import errors
+from tests.conftest import ModuleGraph
+
+
+class TwoInputs(tvmgraph.nn.Graph):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def build(self, x, y):
+        return self.linear(x) + y
+
+
+def test_missing_super_init_on_attribute_assignment() -> None:
+    class Forgot(tvmgraph.nn.Graph):
+        def __init__(self):
+            self.model = nn.Linear(2, 2)
+
+        def build(self, x):
+            return self.model(x)
+
+    with pytest.raises(errors.GraphInitError, match=r"Forgot: super\(\).__init__\(\) was not called before assigning self.model"):
+        Forgot()
+
+
+def test_missing_super_init_on_call() -> None:
+    class Forgot(tvmgraph.nn.Graph):
+        def __init__(self):
+            pass
+
+        def build(self, x):
+            return x
+
+    with pytest.raises(errors.GraphInitError, match="was not called before calling the graph"):
+        Forgot()(torch.ones(1))
+
+
+def test_build_not_overridden() -> None:
+    class NoBuild(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+
+    graph = NoBuild()
+    with pytest.raises(errors.BuildNotImplementedError, match=rf"{graph.name}: build\(\) is not overridden in NoBuild"):
+        graph(torch.ones(1))
+    assert isinstance(errors.BuildNotImplementedError("x"), NotImplementedError)
+
+
+@pytest.mark.parametrize("args", [(torch.ones(1, 3),), (torch.ones(1, 3),) * 3], ids=["too_few", "too_many"])
+def test_wrong_number_of_arguments(args: tuple) -> None:
+    graph = TwoInputs()
+    with pytest.raises(errors.GraphArgumentError,
+                       match=rf"{graph.name}: build\(x, y\) takes 2 argument\(s\) but {len(args)} were given"):
+        graph(*args)
+
+
+def test_keyword_arguments_are_refused() -> None:
+    graph = TwoInputs()
+    with pytest.raises(errors.GraphArgumentError, match=r"keyword argument\(s\) y= given; build\(\) takes positional arguments only"):
+        graph(torch.ones(1, 3), y=torch.ones(1, 3))
+
+
+def test_non_tensor_argument_is_named() -> None:
+    graph = TwoInputs()
+    with pytest.raises(errors.GraphArgumentError, match=r"argument 'y' is int; build\(\) arguments must be a torch.Tensor"):
+        graph(torch.ones(1, 3), 3)
+    with pytest.raises(errors.GraphArgumentError, match=r"argument 'y'\[1\] is str"):
+        graph(torch.ones(1, 3), [torch.ones(1), "a"])
+    assert issubclass(errors.GraphArgumentError, TypeError)
+
+
+def test_non_tensor_output() -> None:
+    class ReturnsInt(tvmgraph.nn.Graph):
+        def build(self, x):
+            return x, 3
+
+    graph = ReturnsInt()
+    with pytest.raises(errors.GraphOutputError, match=rf"{graph.name}: build\(\) returned int at output\[1\]"):
+        graph(torch.ones(2))
+
+
+class Kth(nn.Module):
+    def forward(self, x):
+        return torch.kthvalue(x, 2, dim=-1).values
+
+
+def test_unsupported_op_names_op_and_module_path() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Kth())
+    graph = ModuleGraph(model)
+    with pytest.raises(errors.UnsupportedOpError) as info:
+        graph(torch.randn(2, 4))
+    message = str(info.value)
+    assert f"{graph.name}: 1 op(s) used in build() have no lowering to TVM Relax" in message
+    assert "aten.kthvalue.default from 'model.1' (Kth)" in message
+    assert "Rewrite that code with supported torch ops" in message
+    assert message.endswith("See docs/errors.md#unsupportedoperror")
+
+
+def test_data_dependent_control_flow_is_a_trace_error() -> None:
+    class Branchy(tvmgraph.nn.Graph):
+        def build(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    graph = Branchy()
+    with pytest.raises(errors.TraceError, match=rf"{graph.name}: torch.export could not trace build\(\)"):
+        graph(torch.ones(3))
+
+
+def test_tensor_attribute_is_refused() -> None:
+    class HoldsTensor(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+    with pytest.raises(errors.GraphAttributeError, match=r"self.w is a Parameter; a graph owns modules, not tensors"):
+        HoldsTensor()
+
+
+def test_nested_graph_assignment_is_refused() -> None:
+    inner = TwoInputs()
+
+    class Outer(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+    with pytest.raises(errors.NestedGraphError, match=rf"self.inner is a Graph \({inner.name}\); a Graph cannot be nested"):
+        Outer()
+
+
+def test_calling_a_graph_inside_build_is_refused() -> None:
+    inner = ModuleGraph(nn.Linear(2, 2))
+
+    class Outer(tvmgraph.nn.Graph):
+        def build(self, x):
+            return inner(x)
+
+    outer = Outer()
+    with pytest.raises(errors.NestedGraphError, match=rf"{inner.name} was called inside build\(\) of {outer.name}"):
+        outer(torch.ones(1, 2))
+
+
+def test_inputs_on_different_devices() -> None:
+    graph = TwoInputs()
+    with pytest.raises(errors.DeviceMismatchError, match=r"inputs are on different devices \('x' on cpu, 'y' on meta\)"):
+        graph(torch.ones(1, 3), torch.ones(1, 3, device="meta"))
+
+
+def test_parameter_replaced_with_other_shape_is_a_stale_graph() -> None:
+    model = nn.Linear(3, 2)
+    graph = ModuleGraph(model)
+    graph(torch.ones(1, 3))
+    model.weight = nn.Parameter(torch.ones(2, 4))
+    with pytest.raises(errors.StaleGraphError, match=r"parameter 'model.weight' is now float32\[2, 4\] but the graph was compiled for float32\[2, 3\]"):
+        graph(torch.ones(1, 3))
+
+
+def test_every_error_class_has_a_docs_section() -> None:
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[2] / "docs" / "errors.md").read_text()
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.TvmGraphError)]
+    for cls in classes:
+        assert f'<a id="{cls.__name__.lower()}"></a>' in docs, cls.__name__

@@ -1,0 +1,86 @@
+"""Surprising tracing behaviours, pinned so that a change to any of them is noticed.
+
+Each test states what happens today; `# should be X!` marks where eager code would differ.
+docs/footguns.md explains each one to users.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tvmgraph
+from tvmgraph import errors
+from tests.conftest import ModuleGraph
+
+
+class Scaled(tvmgraph.nn.Graph):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.scale = 1.0
+        self.trace_count = 0
+
+    def build(self, x):
+        self.trace_count += 1  # Python side effects run while tracing only
+        return self.linear(x) * self.scale
+
+
+def test_python_attributes_are_frozen_at_the_first_call() -> None:
+    graph = Scaled()
+    x = torch.ones(1, 2)
+    first = graph(x)
+    graph.scale = 3.0
+    again = graph(x)
+    torch.testing.assert_close(again, first)  # should be 3x first!
+
+
+def test_python_side_effects_in_build_run_once_per_signature() -> None:
+    graph = Scaled()
+    for _ in range(3):
+        graph(torch.ones(1, 2))
+    assert graph.trace_count == 1  # should be 3!
+    graph(torch.ones(5, 2))  # a new signature traces again
+    assert graph.trace_count == 2
+
+
+def test_train_eval_switch_is_not_frozen() -> None:
+    """Unlike OneFlow (which fixes the mode at the first call), a mode change recompiles."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    graph = ModuleGraph(model.eval())
+    x = torch.randn(8, 4)
+    eval_out = graph(x)
+    model.train()
+    train_out = graph(x)
+    assert not torch.allclose(eval_out, train_out)
+    assert graph.num_compiled == 2
+
+
+def test_outputs_are_fresh_tensors_each_call() -> None:
+    graph = ModuleGraph(nn.Linear(2, 2))
+    a = graph(torch.ones(1, 2))
+    b = graph(torch.ones(1, 2))
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_in_place_change_of_an_input_is_written_back() -> None:
+    class Bumps(tvmgraph.nn.Graph):
+        def build(self, x):
+            x.add_(1)
+            return x * 2
+
+    x = torch.zeros(3)
+    out = Bumps()(x)
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+    torch.testing.assert_close(x, torch.ones(3))  # as eager does
+
+
+def test_random_ops_in_build_are_refused_not_frozen() -> None:
+    """torch.rand would be traced as a constant by some tracers; here it is an explicit error."""
+    class Noisy(tvmgraph.nn.Graph):
+        def build(self, x):
+            return x + torch.rand(x.shape)
+
+    with pytest.raises(errors.UnsupportedOpError, match=r"aten.rand.default from build\(\) itself"):
+        Noisy()(torch.zeros(3))

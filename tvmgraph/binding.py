@@ -1,0 +1,45 @@
+"""How a compiled program finds the live parameters and buffers of the user's modules.
+
+The program takes every parameter and buffer as an argument. At each call `TensorBinder` reads
+them from the modules' own `_parameters`/`_buffers` dicts, so the program always sees what
+eager code sees: an in-place update (`p.data.mul_(2)`, `load_state_dict`) or a replaced
+Parameter object is picked up by the next call without recompiling, and nothing is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .lower import InputSource
+
+
+class TensorBinder:
+    """Resolves `InputSource`s (module paths like `model.0.weight`) to live tensors."""
+
+    __slots__ = ("_slots", "_constants", "sources")
+
+    def __init__(self, sources: tuple[InputSource, ...], modules: Mapping[str, torch.nn.Module],
+                 constants: Mapping[str, torch.Tensor]):
+        self.sources = [s for s in sources if s.kind in ("parameter", "buffer", "constant")]
+        self._constants = dict(constants)
+        self._slots: list[tuple[dict, str]] = [self._slot(s, modules) for s in self.sources]
+
+    def _slot(self, source: InputSource, modules: Mapping[str, torch.nn.Module]) -> tuple[dict, str]:
+        if source.kind == "constant":
+            return self._constants, source.target
+        top, _, rest = source.target.partition(".")
+        owner_path, _, leaf = rest.rpartition(".")
+        owner = modules[top].get_submodule(owner_path) if owner_path else modules[top]
+        table = owner._parameters if source.kind == "parameter" else owner._buffers
+        if leaf not in table:
+            raise KeyError(f"{source.kind} '{source.target}' is no longer registered on its module")
+        return table, leaf
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The current tensors, in the program's argument order."""
+        return [table[leaf] for table, leaf in self._slots]
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return {s.target: t for s, t in zip(self.sources, self.tensors())}

@@ -1,0 +1,137 @@
+"""Every knob of tvmgraph, in one place.
+
+`GraphConfig` holds the per-graph options listed in OneFlow's `nn.Graph` documentation
+(seeds 000 and 004), one method each. An option whose feature is not built yet raises
+`NotImplementedError` when switched on: nothing is silently ignored.
+
+Process-wide settings (where caches live) are read once from the environment here and nowhere
+else; `settings` is the single instance.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _not_yet(option: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"GraphConfig.{option} is not implemented in tvmgraph yet ({issue}); "
+        f"leave it off (the default) for now."
+    )
+
+
+@dataclass
+class GraphConfig:
+    """Optimization options of one `tvmgraph.nn.Graph`, reached as `graph.config`.
+
+    >>> cfg = GraphConfig()
+    >>> cfg.set_gradient_accumulation_steps(1)
+    >>> cfg
+    GraphConfig(training=False, )
+    """
+
+    training: bool = False
+    amp: bool = False
+    zero: bool = False
+    fuse_model_update_ops: bool = False
+    fuse_add_to_output: bool = False
+    fuse_cast_scale: bool = False
+    gradient_accumulation_steps: int = 1
+    cudnn_conv_heuristic_search_algo: bool = False
+    straighten_algorithm: bool = False
+    compress_memory: bool = False
+    _defaults: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._defaults = self.options()
+
+    # ---- the options, in the order of OneFlow's documentation ----
+
+    def enable_amp(self, mode: bool = True) -> None:
+        """Mixed precision: compute in float16/bfloat16 where safe, keep float32 master weights."""
+        if mode:
+            raise _not_yet("enable_amp", "AMP with a grad scaler is planned")
+        self.amp = False
+
+    def enable_zero(self, mode: bool = True) -> None:
+        """ZeRO: shard optimizer state over the ranks of `torch.distributed`."""
+        if mode:
+            raise _not_yet("enable_zero", "data-parallel training and ZeRO are planned")
+        self.zero = False
+
+    def allow_fuse_model_update_ops(self, mode: bool = True) -> None:
+        """Fuse the optimizer update of all parameters into as few kernels as possible."""
+        if mode:
+            raise _not_yet("allow_fuse_model_update_ops", "the fusion passes are planned")
+        self.fuse_model_update_ops = False
+
+    def allow_fuse_add_to_output(self, mode: bool = True) -> None:
+        """Fuse bias add, activation and residual add into the producing matmul/conv."""
+        if mode:
+            raise _not_yet("allow_fuse_add_to_output", "the fusion passes are planned")
+        self.fuse_add_to_output = False
+
+    def allow_fuse_cast_scale(self, mode: bool = True) -> None:
+        """Fuse a dtype cast with the scalar multiply that follows it."""
+        if mode:
+            raise _not_yet("allow_fuse_cast_scale", "the fusion passes are planned")
+        self.fuse_cast_scale = False
+
+    def set_gradient_accumulation_steps(self, value: int) -> None:
+        """Accumulate gradients over `value` calls before one optimizer step."""
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"set_gradient_accumulation_steps: value must be an int >= 1, got {value!r}")
+        if value > 1:
+            raise _not_yet("set_gradient_accumulation_steps(>1)", "gradient accumulation is planned")
+        self.gradient_accumulation_steps = value
+
+    def enable_cudnn_conv_heuristic_search_algo(self, mode: bool = True) -> None:
+        """OneFlow picks cuDNN conv algorithms heuristically; tvmgraph generates its own kernels."""
+        if mode:
+            raise _not_yet("enable_cudnn_conv_heuristic_search_algo",
+                           "tvmgraph does not call cuDNN; its convolutions are TVM kernels")
+        self.cudnn_conv_heuristic_search_algo = False
+
+    def enable_straighten_algorithm(self, mode: bool = True) -> None:
+        """Order ops to lower the peak of live memory."""
+        if mode:
+            raise _not_yet("enable_straighten_algorithm", "the memory passes are planned")
+        self.straighten_algorithm = False
+
+    def enable_compress_memory(self, mode: bool = True) -> None:
+        """Plan memory harder than TVM's StaticPlanBlockMemory (in-place ops, packing)."""
+        if mode:
+            raise _not_yet("enable_compress_memory", "the memory passes are planned")
+        self.compress_memory = False
+
+    # ---- reading the options ----
+
+    def options(self) -> dict[str, object]:
+        """All option values by name (`training` excluded): part of the compiled-cache key."""
+        return {
+            name: getattr(self, name)
+            for name in self.__dataclass_fields__
+            if name not in ("training", "_defaults")
+        }
+
+    def __repr__(self) -> str:
+        changed = "".join(
+            f"{k}={v}, " for k, v in self.options().items() if self._defaults.get(k) != v
+        )
+        return f"GraphConfig(training={self.training}, {changed})"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide settings, read once from the environment."""
+
+    cache_dir: Path = field(
+        default_factory=lambda: Path(
+            os.environ.get("TVMGRAPH_CACHE_DIR", Path.home() / ".cache" / "tvmgraph")
+        )
+    )
+
+
+settings = Settings()

@@ -1,0 +1,134 @@
+"""tvmgraph's own fx -> Relax converters, for ops whose stock TVM 0.27 conversion is wrong.
+
+Each converter takes `(node, importer)` like a `custom_convert_map` entry of
+`from_exported_program` and returns the Relax expression for the node.
+
+- `_native_batch_norm_legit_functional` (batch norm in train mode): the stock converter returns
+  zeros for the updated running variance. Here the running statistics follow torch exactly:
+  `running = (1 - momentum) * running + momentum * batch_stat`, with the unbiased variance.
+- `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
+  result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
+  the inputs, as in torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from tvm import relax
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: object) -> object:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(out, save_mean, save_invstd, new_running_mean, new_running_var), as aten defines them."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    shape = [int(d) for d in x.ty.shape]
+    dtype = x.ty.dtype.dtype
+    channels = shape[1]
+    weight, bias, running_mean, running_var = (
+        importer.env.get(a) if a is not None else None for a in node.args[1:5]
+    )
+    training = _arg(node, 5, "training", True)
+    momentum = float(_arg(node, 6, "momentum", 0.1))
+    eps = float(_arg(node, 7, "eps", 1e-5))
+    if not training:
+        raise NotImplementedError("the functional batch norm was exported with training=False")
+
+    def ones_or(v: relax.Expr | None, fill: float) -> relax.Expr:
+        return v if v is not None else relax.const(np.full(channels, fill, dtype=dtype), dtype)
+
+    normalized = bb.emit(
+        relax.op.nn.batch_norm(
+            x, ones_or(weight, 1.0), ones_or(bias, 0.0), running_mean, running_var,
+            axis=1, epsilon=eps, center=bias is not None, scale=weight is not None,
+            momentum=momentum, training=True,
+        )
+    )
+    out = bb.emit(relax.TupleGetItem(normalized, 0))
+    axes = [0, *range(2, len(shape))]
+    count = math.prod(shape[a] for a in axes)
+    mean = bb.emit(relax.op.mean(x, axis=axes))
+    var = bb.emit(relax.op.variance(x, axis=axes))
+    invstd = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, dtype))))
+
+    def blend(running: relax.Expr, batch: relax.Expr, scale: float) -> relax.Expr:
+        keep = relax.op.multiply(running, relax.const(1.0 - momentum, dtype))
+        return bb.emit(relax.op.add(keep, relax.op.multiply(batch, relax.const(momentum * scale, dtype))))
+
+    unbiased = count / (count - 1) if count > 1 else 1.0
+    new_mean = blend(running_mean, mean, 1.0)
+    new_var = blend(running_var, var, unbiased)
+    return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
+
+
+def _dtype(expr: relax.Expr) -> str:
+    return expr.ty.dtype.dtype
+
+
+def matmul(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """mm / bmm / matmul with the inputs' dtype."""
+    a, b = importer.env[node.args[0]], importer.env[node.args[1]]
+    return importer.block_builder.emit(relax.op.matmul(a, b, out_dtype=_dtype(a)))
+
+
+def addmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """beta * input + alpha * (mat1 @ mat2)."""
+    bb = importer.block_builder
+    bias, a, b = (importer.env[x] for x in node.args[:3])
+    alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
+    dtype = _dtype(a)
+    product = bb.emit(relax.op.matmul(a, b, out_dtype=dtype))
+    if alpha != 1:
+        product = bb.emit(relax.op.multiply(product, relax.const(alpha, dtype)))
+    if beta == 0:
+        return product
+    if beta != 1:
+        bias = bb.emit(relax.op.multiply(bias, relax.const(beta, dtype)))
+    return bb.emit(relax.op.add(bias, product))
+
+
+def convolution(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """2-D convolution (plain or transposed) with the inputs' dtype; other ranks go to the stock
+    converter, which is right for float32 only."""
+    bb = importer.block_builder
+    x, weight = importer.env[node.args[0]], importer.env[node.args[1]]
+    bias = importer.env.get(node.args[2]) if node.args[2] is not None else None
+    stride, padding, dilation, transposed, output_padding, groups = node.args[3:9]
+    dtype = _dtype(x)
+    if len(x.ty.shape) != 4:
+        if dtype != "float32":
+            raise NotImplementedError(f"{len(x.ty.shape) - 2}-D convolution in {dtype}")
+        return importer._convolution(node)
+    if transposed:
+        out = relax.op.nn.conv2d_transpose(
+            x, weight, strides=stride, padding=padding, output_padding=output_padding,
+            dilation=dilation, groups=groups, data_layout="NCHW", kernel_layout="IOHW", out_dtype=dtype)
+    else:
+        out = relax.op.nn.conv2d(x, weight, strides=stride, padding=padding, dilation=dilation,
+                                 groups=groups, data_layout="NCHW", kernel_layout="OIHW", out_dtype=dtype)
+    out = bb.emit(out)
+    if bias is None:
+        return out
+    return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1, 1, 1))))
+
+
+CONVERTERS: dict[str, Converter] = {
+    "_native_batch_norm_legit_functional.default": batch_norm_train,
+    "mm.default": matmul,
+    "bmm.default": matmul,
+    "matmul.default": matmul,
+    "addmm.default": addmm,
+    "convolution.default": convolution,
+}

@@ -1,0 +1,66 @@
+"""Exceptions a user of tvmgraph can act on.
+
+One class per mistake. Every message names the graph, the argument or op at fault, and the fix;
+`str(err)` ends with a link to the section of docs/errors.md that explains the class.
+Each class also derives from the built-in exception a Python user would expect (`TypeError` for
+a wrong argument, `NotImplementedError` for a missing feature), so existing `except` clauses work.
+"""
+
+from __future__ import annotations
+
+DOCS = "docs/errors.md"
+
+
+class TvmGraphError(Exception):
+    """Base class of every error tvmgraph raises on purpose."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nSee {DOCS}#{type(self).__name__.lower()}"
+
+
+class GraphInitError(TvmGraphError, RuntimeError):
+    """`super().__init__()` was not called at the start of a Graph subclass's `__init__`."""
+
+
+class NestedGraphError(TvmGraphError, TypeError):
+    """A Graph was assigned to, or called inside, another Graph (not supported, as in OneFlow)."""
+
+
+class GraphAttributeError(TvmGraphError, TypeError):
+    """A value the graph cannot own was assigned as a graph attribute (a bare tensor, say)."""
+
+
+class BuildNotImplementedError(TvmGraphError, NotImplementedError):
+    """The Graph subclass does not override `build()`."""
+
+
+class GraphArgumentError(TvmGraphError, TypeError):
+    """The arguments of a graph call do not fit `build()`: count, keywords or types."""
+
+
+class GraphOutputError(TvmGraphError, TypeError):
+    """`build()` returned something other than Tensors, lists/tuples of Tensors, or None."""
+
+
+class DeviceMismatchError(TvmGraphError, RuntimeError):
+    """Inputs, parameters and buffers of one graph call live on different devices."""
+
+
+class StaleGraphError(TvmGraphError, RuntimeError):
+    """A parameter or buffer changed shape or dtype after the graph was compiled."""
+
+
+class TraceError(TvmGraphError, RuntimeError):
+    """`torch.export` could not trace `build()`; the message carries torch's reason."""
+
+
+class UnsupportedOpError(TvmGraphError, NotImplementedError):
+    """`build()` uses an op that has no lowering to Relax."""
+
+
+class BackwardError(TvmGraphError, RuntimeError):
+    """`loss.backward()` was misused inside `build()` (non-scalar loss, no optimizer, twice...)."""
+
+
+class OptimizerError(TvmGraphError, TypeError):
+    """An optimizer, its options or its lr scheduler cannot be lowered into the graph."""

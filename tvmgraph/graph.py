@@ -1,0 +1,361 @@
+"""`tvmgraph.nn.Graph`: OneFlow's `nn.Graph` for PyTorch modules, compiled with TVM Relax.
+
+    >>> import torch, tvmgraph
+    >>> class LinearGraph(tvmgraph.nn.Graph):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.linear = torch.nn.Linear(3, 8, bias=False)
+    ...     def build(self, x):
+    ...         return self.linear(x)
+    >>> g = LinearGraph()
+    >>> g(torch.randn(4, 3)).shape     # first call: trace, lower, compile, run
+    torch.Size([4, 8])
+    >>> g(torch.randn(4, 3)).shape     # later calls with the same signature only run
+    torch.Size([4, 8])
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import inspect
+import itertools
+from typing import Any
+
+import torch
+
+from .config import GraphConfig
+from .debug import GraphLog
+from .errors import (
+    BuildNotImplementedError,
+    DeviceMismatchError,
+    GraphArgumentError,
+    GraphAttributeError,
+    GraphInitError,
+    NestedGraphError,
+)
+from .graph_repr import graph_repr
+from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
+from . import lower as lowering
+from .stages import CompiledGraph, LoweredGraph, TracedGraph
+from .trace import trace_build, tracing_graph
+
+_instance_counters: dict[str, itertools.count] = collections.defaultdict(itertools.count)
+
+MSG_INIT_NOT_CALLED = """\
+{cls}: super().__init__() was not called before {what}. Call it first in __init__:
+
+    class {cls}(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()      # must come first
+            self.model = model
+"""
+
+
+class _GraphState:
+    """Everything the Graph base class keeps; one attribute on the instance, so that user
+    attributes and ours never collide."""
+
+    __slots__ = ("name", "config", "log", "modules", "module_list", "module_paths", "entries",
+                 "last", "build_params", "optimizers")
+
+    def __init__(self, name: str, cls: str):
+        self.name = name
+        self.config = GraphConfig()
+        self.log = GraphLog(f"(GRAPH:{name}:{cls})")
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.module_list: list[torch.nn.Module] | None = None  # cached named_modules() walk
+        self.module_paths: list[str] = []
+        self.entries: dict[Signature, CompiledGraph] = {}
+        self.last: CompiledGraph | None = None
+        self.build_params: list[inspect.Parameter] | None = None
+        self.optimizers: list[Any] = []
+
+
+class Graph:
+    """Base class for running `torch.nn.Module`s as a compiled static graph.
+
+    Subclass it, call `super().__init__()` first in `__init__`, assign modules as attributes,
+    describe the computation in `build()`, then call the instance like a module. The first call
+    traces `build()` with torch.export, lowers it to TVM Relax and compiles it for the inputs'
+    device; later calls with the same signature (shapes, dtypes, devices, argument structure,
+    train/eval modes) run the compiled program. A new signature compiles a new entry.
+    """
+
+    def __init__(self) -> None:
+        if "_tvmgraph" in self.__dict__:
+            return
+        cls = type(self).__name__
+        object.__setattr__(self, "_tvmgraph", _GraphState(f"{cls}_{next(_instance_counters[cls])}", cls))
+
+    # ---- attributes: modules are registered, everything else is a plain attribute ----
+
+    def _state(self, what: str = "using the graph") -> _GraphState:
+        try:
+            return self.__dict__["_tvmgraph"]
+        except KeyError:
+            raise GraphInitError(MSG_INIT_NOT_CALLED.format(cls=type(self).__name__, what=what)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        st = self._state(f"assigning self.{name}")
+        if isinstance(value, Graph):
+            raise NestedGraphError(
+                f"{st.name}: self.{name} is a Graph ({value.name}); a Graph cannot be nested in "
+                f"another Graph. Assign its modules instead (self.{name} = other_graph.model)."
+            )
+        if isinstance(value, torch.nn.Module):
+            st.modules.pop(name, None)
+            st.modules[name] = value
+            st.module_list = None
+            self.__dict__.pop(name, None)
+            return
+        if isinstance(value, torch.Tensor):
+            kind = "Parameter" if isinstance(value, torch.nn.Parameter) else "Tensor"
+            raise GraphAttributeError(
+                f"{st.name}: self.{name} is a {kind}; a graph owns modules, not tensors. Put it in a "
+                f"module (module.register_parameter / register_buffer) and assign the module, or pass "
+                f"it to the graph call as an argument."
+            )
+        if name in st.modules:
+            del st.modules[name]
+            st.module_list = None
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: that is where registered modules live.
+        state = self.__dict__.get("_tvmgraph")
+        if state is not None and name in state.modules:
+            return state.modules[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        st = self._state()
+        if name in st.modules:
+            del st.modules[name]
+            st.module_list = None
+        else:
+            object.__delattr__(self, name)
+
+    # ---- public surface ----
+
+    @property
+    def name(self) -> str:
+        """Name auto-generated for this graph: `ClassName_N`, N counting instances of the class."""
+        return self._state().name
+
+    @property
+    def training(self) -> bool:
+        """True when the graph has an optimizer (it then runs a training step per call)."""
+        return bool(self._state().optimizers)
+
+    @property
+    def config(self) -> GraphConfig:
+        """The graph's `GraphConfig`; set options before the first call."""
+        st = self._state()
+        st.config.training = self.training
+        return st.config
+
+    def build(self, *args: Any) -> Any:
+        """Describe the computation; must be overridden (like `nn.Module.forward`)."""
+        raise BuildNotImplementedError(
+            f"{self.name}: build() is not overridden in {type(self).__name__}. Define it:\n\n"
+            f"    def build(self, x):\n        return self.model(x)\n"
+        )
+
+    def debug(self, v_level: int = 0, ranks: int | list[int] | None = None, mode: bool = True) -> None:
+        """Open (or close, `mode=False`) debug output of this graph, at verbosity `v_level` 0..3.
+
+        `ranks` picks which torch.distributed ranks print (default 0; -1 for all).
+        """
+        self._state().log.configure(v_level, ranks, mode)
+
+    def named_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        """Every registered module and its submodules, with their paths in the graph."""
+        return [(f"{name}.{sub}" if sub else name, m)
+                for name, top in self._state().modules.items() for sub, m in top.named_modules()]
+
+    @property
+    def lowered(self) -> LoweredGraph | None:
+        """The Relax stage of the most recently run entry (`graph.lowered.as_text()`)."""
+        last = self._state().last
+        return last.lowered if last is not None else None
+
+    @property
+    def compiled(self) -> CompiledGraph | None:
+        """The compiled stage of the most recently run entry."""
+        return self._state().last
+
+    @property
+    def num_compiled(self) -> int:
+        """How many signatures have been compiled so far."""
+        return len(self._state().entries)
+
+    def __repr__(self) -> str:
+        st = self._state()
+        return graph_repr(self, st.last.lowered.traced if st.last else None)
+
+    # ---- calling ----
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the graph: compile on the first call of each signature, then execute."""
+        st = self._state("calling the graph")
+        self._check_callable(st, args, kwargs)
+        flat, args_tree = self._flatten_args(st, args)
+        signature = self._signature(st, args_tree, flat)
+        entry = st.entries.get(signature)
+        if entry is None:
+            entry = self._compile(st, signature, args_tree, flat)
+        st.last = entry
+        flat = [t if t.is_contiguous() else t.contiguous() for t in flat]
+        outputs, _loss = entry.run(flat)
+        return entry.lowered.traced.out_tree.unflatten(outputs)
+
+    def trace(self, *args: Any) -> TracedGraph:
+        """Stage 1 alone: trace `build(*args)` without lowering or compiling it."""
+        st = self._state("tracing the graph")
+        self._check_callable(st, args, {})
+        flat, args_tree = self._flatten_args(st, args)
+        return self._trace(st, self._signature(st, args_tree, flat), args_tree, flat)
+
+    def _check_callable(self, st: _GraphState, args: tuple, kwargs: dict) -> None:
+        outer = tracing_graph()
+        if outer is not None:
+            raise NestedGraphError(f"{st.name} was called inside build() of {outer}; graphs cannot be nested. "
+                                   f"Call the modules of {st.name} directly instead.")
+        if type(self).build is Graph.build:
+            self.build()  # raises BuildNotImplementedError
+        if kwargs:
+            names = ", ".join(f"{k}=" for k in kwargs)
+            raise GraphArgumentError(
+                f"{st.name}: keyword argument(s) {names} given; build() takes positional arguments only "
+                f"(as in OneFlow). Call {st.name.rsplit('_', 1)[0]}(...) with the values in the order of "
+                f"build({', '.join(p.name for p in self._build_params(st))})."
+            )
+        params = self._build_params(st)
+        variadic = any(p.kind is p.VAR_POSITIONAL for p in params)
+        required = [p for p in params if p.kind is not p.VAR_POSITIONAL and p.default is p.empty]
+        fixed = [p for p in params if p.kind is not p.VAR_POSITIONAL]
+        if len(args) < len(required) or (not variadic and len(args) > len(fixed)):
+            expected = f"{len(required)}" if len(required) == len(fixed) else f"{len(required)} to {len(fixed)}"
+            if variadic:
+                expected = f"at least {len(required)}"
+            names = ", ".join(p.name for p in fixed)
+            raise GraphArgumentError(
+                f"{st.name}: build({names}) takes {expected} argument(s) but {len(args)} were given; "
+                f"call the graph with exactly the arguments of build()."
+            )
+
+    def _build_params(self, st: _GraphState) -> list[inspect.Parameter]:
+        if st.build_params is None:
+            st.build_params = list(inspect.signature(self.build).parameters.values())
+        return st.build_params
+
+    def _arg_names(self, st: _GraphState, count: int) -> list[str]:
+        names = [p.name for p in self._build_params(st) if p.kind is not p.VAR_POSITIONAL]
+        return [names[i] if i < len(names) else f"args[{i}]" for i in range(count)]
+
+    def _leaf_names(self, st: _GraphState, args_tree: TreeDef) -> list[str]:
+        """Identifiers for the flat inputs: `x` for a tensor argument, `xs_0` inside a list."""
+        names = self._arg_names(st, len(args_tree.children))
+        paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
+        return [p.replace(".", "_").replace("[", "_").replace("]", "") for p in paths]
+
+    def _flatten_args(self, st: _GraphState, args: tuple) -> tuple[list[torch.Tensor], TreeDef]:
+        try:
+            flat, tree = flatten(args)
+        except NotATreeError as e:
+            index = int(e.path[1:].split("]")[0])
+            name = self._arg_names(st, len(args))[index]
+            inner = e.path[len(f"[{index}]"):]
+            raise GraphArgumentError(
+                f"{st.name}: argument '{name}'{inner} is {type(e.value).__name__}; build() arguments must "
+                f"be a torch.Tensor, a list or tuple of Tensors, or None. Pass torch.as_tensor(value), "
+                f"or keep Python values as graph attributes set in __init__."
+            ) from None
+        devices = {t.device for t in flat}
+        if len(devices) > 1:
+            names = self._arg_names(st, len(args))
+            paths = [p for n, sub in zip(names, tree.children) for p in sub.leaf_paths(n)]
+            where = ", ".join(f"'{p}' on {t.device}" for p, t in zip(paths, flat))
+            raise DeviceMismatchError(f"{st.name}: inputs are on different devices ({where}); "
+                                      f"move them to one device with .to(device).")
+        return flat, tree
+
+    def _modules_walk(self, st: _GraphState) -> list[torch.nn.Module]:
+        if st.module_list is None:
+            named = self.named_modules()
+            st.module_paths = [p for p, _ in named]
+            st.module_list = [m for _, m in named]
+        return st.module_list
+
+    def _signature(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> Signature:
+        modes = tuple(m.training for m in self._modules_walk(st))
+        return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes)
+
+    def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
+               flat: list[torch.Tensor]) -> TracedGraph:
+        with st.log.stage("tracing build()"):
+            result = trace_build(st.name, self.build, st.modules, args_tree, flat,
+                                 self._leaf_names(st, args_tree))
+        traced = TracedGraph(st.name, signature, args_tree, result)
+        if st.log.on(1):
+            for path, io in result.module_io.items():
+                ins = ", ".join(s.describe() for s in io.inputs)
+                outs = ", ".join(s.describe() for s in io.outputs)
+                st.log.info(1, f"(MODULE:{path}) inputs ({ins}) -> outputs ({outs})")
+        return traced
+
+    def _compile(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
+                 flat: list[torch.Tensor]) -> CompiledGraph:
+        if st.last is not None:
+            old = st.last.lowered.traced.signature
+            arg_names = self._arg_names(st, len(args_tree.children))
+            diffs = signature.differences(old, arg_names, st.module_paths)
+            st.log.warning(f"compiling entry #{len(st.entries) + 1} for a new call signature: "
+                           + "; ".join(diffs or ["(first call of this signature)"]))
+        traced = self._trace(st, signature, args_tree, flat)
+        with st.log.stage("lowering to Relax"):
+            lowered = traced.lower()
+        if st.log.on(2):
+            _log_ops(st.log, lowered, self.build)
+        device = flat[0].device if flat else _module_device(st)
+        with st.log.stage(f"compiling for {device}"):
+            compiled = lowered.compile(device, self.config, st.modules)
+        st.entries[signature] = compiled
+        return compiled
+
+
+def _module_device(st: _GraphState) -> torch.device:
+    for module in st.modules.values():
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            return t.device
+    return torch.device("cpu")
+
+
+def _log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:
+    """v_level 2: every binding of the lowered main; v_level 3: each ATen op with its module
+    and source line."""
+    from tvm import relax
+
+    for var, value in relax.analysis.get_var2val(lowered.mod["main"]).items():
+        if isinstance(value, relax.Call):
+            args = ", ".join(getattr(a, "name", type(a).__name__) for a in value.args)
+            op = getattr(value.op, "name", None) or getattr(value.op, "global_symbol", value.op)
+            log.info(2, f"(OP:{var.name}) {op}({args}) -> {var.ty}")
+    if log.on(3):
+        for node in lowered.exported.graph.nodes:
+            if node.op == "call_function":
+                where = _source_of(node.meta.get("stack_trace") or "", build)
+                log.info(3, f"(OP:{node.name}) aten.{node.target.__name__} "
+                            f"from {lowering.module_path(node)} at {where}")
+
+
+def _source_of(stack_trace: str, build: Any) -> str:
+    """The innermost recorded frame that is not tvmgraph's own. torch records frames inside
+    module forward() methods only, so an op written directly in build() gets build's location."""
+    frames = [line.strip() for line in stack_trace.splitlines() if line.strip().startswith("File ")]
+    outside = [f for f in frames if os.sep + "tvmgraph" + os.sep not in f]
+    if outside:
+        return outside[-1]
+    code = build.__func__.__code__
+    return f'File "{code.co_filename}", line {code.co_firstlineno}, in build'

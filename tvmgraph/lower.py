@@ -1,0 +1,178 @@
+"""Lowering: a traced `torch.export` program becomes a Relax `IRModule`.
+
+Steps, in order:
+  1. decompose to core ATen (`ExportedProgram.run_decompositions`);
+  2. check every op against the importer's table, naming the module each unsupported op came
+     from (all of them at once, not the first only);
+  3. turn every input into a plain function parameter and every output into a plain result.
+     TVM's importer would otherwise bind buffers and lifted constants into the module as copies
+     (stale as soon as the eager module changes them) and would drop buffer mutations such as
+     batch-norm running statistics. Inputs keep this order: user inputs, parameters, buffers,
+     constants; `LoweredSignature` records where each one comes from and which outputs are
+     mutations to write back;
+  4. import with `from_exported_program`, using tvmgraph's own converters where the stock ones
+     are wrong for training (see converters.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import tvm
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from tvm import relax
+from tvm.relax.frontend.torch import from_exported_program
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+from . import converters
+from .errors import UnsupportedOpError
+
+_INPUT_ORDER = {InputKind.USER_INPUT: 0, InputKind.PARAMETER: 1, InputKind.BUFFER: 2,
+                InputKind.CONSTANT_TENSOR: 3}
+
+
+@dataclass(frozen=True)
+class InputSource:
+    """Where the runtime finds one parameter of `main`: a user input, or a tensor by path."""
+
+    kind: str  # "user" | "parameter" | "buffer" | "constant" | "rng"
+    target: str | None  # module path for parameter/buffer, constant name, None for user inputs
+
+
+@dataclass(frozen=True)
+class LoweredSignature:
+    """How `main`'s parameters and results map onto the torch side.
+
+    Results are laid out as: mutations (written back in place), then user outputs, then the
+    loss when `build()` called backward().
+    """
+
+    inputs: tuple[InputSource, ...]
+    mutations: tuple[InputSource, ...]
+    num_user_outputs: int
+    has_loss: bool
+    constants: dict[str, torch.Tensor]
+
+    @property
+    def num_user_inputs(self) -> int:
+        return sum(1 for s in self.inputs if s.kind == "user")
+
+
+def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Rewrite the program into core ATen ops, the vocabulary the Relax importer knows."""
+    with warnings.catch_warnings():
+        # torch 2.13 deep-copies its own pytree specs here and warns about itself.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        return exported.run_decompositions()
+
+
+def op_key(node: torch.fx.Node) -> str:
+    """The name the importer uses for a node's op: `convolution.default`, `getitem`, ..."""
+    return node.target.__name__
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """`model.features.3 (InvertedResidual)` for the innermost module a node came from."""
+    frames = [v for v in (node.meta.get("nn_module_stack") or {}).values() if v[0]]
+    if not frames:  # only the root module: the op is written in build() itself
+        return "build() itself"
+    path, cls = frames[-1]
+    return f"'{path}' ({cls.rsplit('.', 1)[-1] if isinstance(cls, str) else cls.__name__})"
+
+
+def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> None:
+    """Raise UnsupportedOpError listing every op the importer cannot lower, with its module."""
+    known = set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS)
+    missing: dict[str, list[str]] = {}
+    for node in exported.graph.nodes:
+        if node.op == "call_function" and op_key(node) not in known:
+            missing.setdefault(f"aten.{op_key(node)}", []).append(module_path(node))
+    if missing:
+        lines = [f"  * {op} from {', '.join(sorted(set(paths)))}" for op, paths in missing.items()]
+        raise UnsupportedOpError(
+            f"{graph_name}: {len(missing)} op(s) used in build() have no lowering to TVM Relax:\n"
+            + "\n".join(lines)
+            + "\nRewrite that code with supported torch ops, or run the module eagerly outside "
+            "the graph. Supported ops are listed by `tvmgraph.lower.supported_ops()`."
+        )
+
+
+def supported_ops() -> list[str]:
+    """Core ATen ops (after decomposition) that tvmgraph can lower."""
+    return sorted(set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS))
+
+
+def _plain_signature(exported: torch.export.ExportedProgram) -> tuple[ExportGraphSignature, LoweredSignature]:
+    """Every input becomes a user input (user inputs first), every output a user output."""
+    kind_names = {InputKind.USER_INPUT: "user", InputKind.PARAMETER: "parameter",
+                  InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+    specs = sorted(exported.graph_signature.input_specs, key=lambda s: _INPUT_ORDER[s.kind])
+    sources, inputs = [], []
+    for spec in specs:
+        if spec.kind not in kind_names:
+            raise NotImplementedError(f"torch.export input kind {spec.kind} is not supported")
+        sources.append(InputSource(kind_names[spec.kind], spec.target))
+        inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(spec.arg.name), None, None))
+
+    mutations, outputs, num_user = [], [], 0
+    for spec in exported.graph_signature.output_specs:
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutations.append(InputSource("buffer", spec.target))
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            user_names = [s.arg.name for s in specs if s.kind == InputKind.USER_INPUT]
+            mutations.append(InputSource("user", str(user_names.index(spec.target))))
+        elif spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+            num_user += 1
+        else:
+            raise NotImplementedError(f"torch.export output kind {spec.kind} is not supported")
+        outputs.append(OutputSpec(OutputKind.USER_OUTPUT, spec.arg, None))
+    return (
+        ExportGraphSignature(input_specs=inputs, output_specs=outputs),
+        LoweredSignature(tuple(sources), tuple(mutations), num_user, has_loss=False,
+                         constants=dict(exported.constants)),
+    )
+
+
+def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: bool) -> tuple[tvm.IRModule, LoweredSignature]:
+    """Import a decomposed, checked program into Relax with plain inputs and outputs.
+
+    NOTE: `exported` is modified (its signature and constants); pass a program of your own,
+    such as the result of `decompose`.
+    """
+    plain_sig, lowered_sig = _plain_signature(exported)
+    exported._graph_signature = plain_sig
+    exported._constants = {}  # constants are inputs now; nothing is bound into the module
+    convert_map = {key: _named_errors(fn, graph_name) for key, fn in converters.CONVERTERS.items()}
+    mod = from_exported_program(
+        exported,
+        keep_params_as_input=False,
+        run_ep_decomposition=False,
+        no_bind_return_tuple=True,
+        custom_convert_map=convert_map,
+    )
+    num_user = lowered_sig.num_user_outputs - (1 if has_loss else 0)
+    lowered_sig = dataclasses.replace(lowered_sig, num_user_outputs=num_user, has_loss=has_loss)
+    return mod, lowered_sig
+
+
+def _named_errors(fn: Callable, graph_name: str) -> Callable:
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        try:
+            return fn(node, importer)
+        except NotImplementedError as e:
+            raise UnsupportedOpError(
+                f"{graph_name}: aten.{op_key(node)} from {module_path(node)} cannot be lowered: {e}"
+            ) from None
+
+    return convert

@@ -1,0 +1,5 @@
+"""`tvmgraph.nn`: the graph-mode counterpart of `torch.nn` (as `oneflow.nn.Graph` is to OneFlow)."""
+
+from ..graph import Graph as Graph
+
+__all__ = ["Graph"]

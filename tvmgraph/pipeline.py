@@ -1,0 +1,91 @@
+"""Named Relax pass pipelines, one per target kind, built as a straight line of steps.
+
+`get_pipeline(target)` returns the pipeline `CompiledGraph` uses. A pipeline is a function of
+the target and the graph's config returning a `tvm.transform.Pass`; register a new one with
+`@register_pipeline("name")` and select it with `get_pipeline(target, name=...)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import relax
+
+from .config import GraphConfig
+
+PipelineFn = Callable[[tvm.target.Target, GraphConfig], tvm.transform.Pass]
+PIPELINE_MAP: dict[str, PipelineFn] = {}
+
+
+def register_pipeline(name: str) -> Callable[[PipelineFn], PipelineFn]:
+    """Decorator: make a pipeline available under `name`."""
+
+    def register(fn: PipelineFn) -> PipelineFn:
+        if name in PIPELINE_MAP:
+            raise ValueError(f"pipeline {name!r} is already registered")
+        PIPELINE_MAP[name] = fn
+        return fn
+
+    return register
+
+
+def get_pipeline(target: tvm.target.Target, config: GraphConfig, name: str = "default") -> tvm.transform.Pass:
+    """The pass pipeline `name` for `target`; an unknown name lists the registered ones."""
+    if name not in PIPELINE_MAP:
+        raise ValueError(f"unknown pipeline {name!r}; registered pipelines: {sorted(PIPELINE_MAP)}")
+    return PIPELINE_MAP[name](target, config)
+
+
+def _gpu_schedules() -> list[tvm.transform.Pass]:
+    from tvm.s_tir import dlight as dl
+
+    # Every GPU kernel needs thread bindings; dlight's rules give each PrimFunc a default one.
+    return [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
+
+
+@register_pipeline("default")
+def default_pipeline(target: tvm.target.Target, config: GraphConfig) -> tvm.transform.Pass:
+    """Legalize, fuse, schedule and lower a Relax module to VM code for `target`.
+
+    The same steps as TVM's per-target pipelines (relax/backend/*/pipeline.py), listed here so
+    that tvmgraph's own passes have visible places to go.
+    """
+    T = relax.transform
+    is_gpu = target.kind.name == "cuda"
+    passes = [
+        # 1. Sort/scan/sampling ops to library or TIR implementations.
+        relax.backend.DispatchSampling(),
+        relax.backend.DispatchSortScan(),
+        # 2. Every Relax op becomes a call to a TIR PrimFunc.
+        T.LegalizeOps(),
+        # 3. Operator fusion: group element-wise/injective ops with their producers.
+        T.AnnotateTIROpPattern(),
+        T.FoldConstant(),
+        T.FuseOps(),
+        T.FuseTIR(),
+        # 4. Schedules for the kernels.
+        *(_gpu_schedules() if is_gpu else []),
+        # 5. Dataflow blocks become plain bindings; calls become destination-passing style.
+        T.RewriteDataflowReshape(),
+        T.ToNonDataflow(),
+        T.RemovePurityChecking(),
+        T.CallTIRRewrite(),
+        # 6. Memory planning, then lowering to VM builtins.
+        T.StaticPlanBlockMemory(),
+        *([T.RewriteCUDAGraph()] if is_gpu else []),
+        T.LowerAllocTensor(),
+        T.KillAfterLastUse(),
+        T.LowerRuntimeBuiltin(),
+        T.ComputePrimValue(),
+        T.VMShapeLower(),
+        T.AttachGlobalSymbol(),
+    ]
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmgraph.default_pipeline")
+    def pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return pipeline

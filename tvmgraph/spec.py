@@ -1,0 +1,155 @@
+"""What a graph call looks like from outside: tensor specs, argument trees and call signatures.
+
+A `build()` argument or result is a tree whose leaves are tensors and whose inner nodes are lists,
+tuples or None (seed 002: "Tensor, list of Tensor, None"). `flatten` turns a tree into its leaves
+plus a `TreeDef`; `TreeDef.unflatten` puts leaves back. A `Signature` is everything a compiled
+entry depends on; two calls with equal signatures share one compiled program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape, dtype and device of one tensor leaf, e.g. `Tensor([64, 784], float32, cpu)`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(t.shape), t.dtype, t.device)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def __repr__(self) -> str:
+        return f"Tensor({list(self.shape)}, {self.dtype_name}, {self.device})"
+
+    def describe(self) -> str:
+        """Short form used in error messages: `float32[64, 784]`."""
+        return f"{self.dtype_name}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True, slots=True)
+class TreeDef:
+    """The structure of an argument tree with its tensor leaves taken out.
+
+    `kind` is "tensor", "none", "list" or "tuple"; `children` hold the sub-structures.
+    """
+
+    kind: str
+    children: tuple[TreeDef, ...] = ()
+
+    @property
+    def num_leaves(self) -> int:
+        if self.kind == "tensor":
+            return 1
+        return sum(c.num_leaves for c in self.children)
+
+    def unflatten(self, leaves: Sequence[Any]) -> Any:
+        """Rebuild the tree from `leaves`, in the order `flatten` produced them."""
+        it = iter(leaves)
+        out = self._build(it)
+        if next(it, _END) is not _END:
+            raise ValueError("more leaves than the tree has slots")
+        return out
+
+    def _build(self, it: Any) -> Any:
+        if self.kind == "tensor":
+            return next(it)
+        if self.kind == "none":
+            return None
+        items = [c._build(it) for c in self.children]
+        return items if self.kind == "list" else tuple(items)
+
+    def leaf_paths(self, prefix: str) -> list[str]:
+        """Names of the leaves: `prefix` for a lone tensor, `prefix.1.0` inside lists."""
+        if self.kind == "tensor":
+            return [prefix]
+        out: list[str] = []
+        for i, c in enumerate(self.children):
+            out.extend(c.leaf_paths(f"{prefix}.{i}"))
+        return out
+
+    def __repr__(self) -> str:
+        if self.kind in ("tensor", "none"):
+            return "T" if self.kind == "tensor" else "None"
+        inner = ", ".join(map(repr, self.children))
+        return f"[{inner}]" if self.kind == "list" else f"({inner}{',' if len(self.children) == 1 else ''})"
+
+
+_END = object()
+
+
+class NotATreeError(TypeError):
+    """A value in an argument tree is not a Tensor, list, tuple or None; `path` says where."""
+
+    def __init__(self, path: str, value: Any):
+        super().__init__(path)
+        self.path = path
+        self.value = value
+
+
+def flatten(tree: Any, path: str = "") -> tuple[list[torch.Tensor], TreeDef]:
+    """Split `tree` into its tensor leaves and its structure; raise NotATreeError on other types."""
+    if isinstance(tree, torch.Tensor):
+        return [tree], TreeDef("tensor")
+    if tree is None:
+        return [], TreeDef("none")
+    if isinstance(tree, (list, tuple)):
+        leaves: list[torch.Tensor] = []
+        children = []
+        for i, item in enumerate(tree):
+            sub_leaves, sub_def = flatten(item, f"{path}[{i}]")
+            leaves.extend(sub_leaves)
+            children.append(sub_def)
+        return leaves, TreeDef("list" if isinstance(tree, list) else "tuple", tuple(children))
+    raise NotATreeError(path, tree)
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """Everything a compiled entry depends on besides the code of `build()` itself.
+
+    `module_modes` holds `training` of every registered submodule (train/eval changes the
+    program: batch norm and dropout behave differently), in `named_modules()` order; the
+    module paths in that order are passed to `differences` for messages.
+    """
+
+    args: TreeDef
+    leaves: tuple[TensorSpec, ...]
+    module_modes: tuple[bool, ...]
+
+    def differences(self, other: Signature, arg_names: Sequence[str], module_paths: Sequence[str]) -> list[str]:
+        """Human-readable list of what differs from `other` (an earlier signature)."""
+        diffs = []
+        if self.args != other.args:
+            diffs.append(f"argument structure {other.args!r} became {self.args!r}")
+        else:
+            paths = [p for name, sub in zip(arg_names, self.args.children) for p in sub.leaf_paths(name)]
+            for path, new, old in zip(paths, self.leaves, other.leaves):
+                if new != old:
+                    diffs.append(f"argument '{path}' was {old.describe()} on {old.device}, "
+                                 f"now {new.describe()} on {new.device}")
+        changed = [f"'{path}' {_mode(old)} -> {_mode(now)}"
+                   for path, old, now in zip(module_paths, other.module_modes, self.module_modes)
+                   if old != now]
+        if changed:
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            diffs.append(f"module mode changed: {', '.join(changed[:3])}{more}")
+        elif self.module_modes != other.module_modes:
+            diffs.append("the set of registered modules changed")
+        return diffs
+
+
+def _mode(training: bool) -> str:
+    return "train" if training else "eval"

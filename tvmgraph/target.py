@@ -1,0 +1,36 @@
+"""Which TVM target and device a graph compiles for, from the torch device of its inputs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import tvm
+
+
+@functools.cache
+def host_cpu() -> str:
+    """LLVM's name for this machine's CPU (e.g. `znver5`), so kernels use all its vector units."""
+    return tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()
+
+
+def target_for(device: torch.device) -> tvm.target.Target:
+    """The target that runs best on `device`: LLVM for the host CPU, or CUDA for its GPU."""
+    if device.type == "cpu":
+        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()})
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"})
+    raise NotImplementedError(
+        f"tvmgraph compiles for CPU and CUDA devices; got inputs on {device}. "
+        f"Move the inputs and the modules to 'cpu' or 'cuda'."
+    )
+
+
+def tvm_device(device: torch.device) -> tvm.runtime.Device:
+    """The TVM runtime device that shares memory with torch `device`."""
+    if device.type == "cpu":
+        return tvm.cpu(0)
+    if device.type == "cuda":
+        return tvm.cuda(device.index if device.index is not None else torch.cuda.current_device())
+    raise NotImplementedError(f"no TVM device for torch device {device}")

@@ -1,0 +1,186 @@
+"""Tracing: run `build()` under `torch.export` (non-strict) and record what it did.
+
+The graph's registered modules become children of a throw-away root module whose `forward`
+calls `build()`. Because the children are the user's own module objects, `torch.export` lifts
+their parameters and buffers as inputs named by their path in the graph (`model.0.weight`):
+the compiled program reads the live tensors at every call, never a stale copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import BackwardError, GraphOutputError, TraceError, TvmGraphError
+from .spec import NotATreeError, TensorSpec, TreeDef, flatten
+
+_state = threading.local()
+
+
+def tracing_graph() -> str | None:
+    """Name of the graph whose `build()` is being traced on this thread, if any."""
+    return getattr(_state, "graph_name", None)
+
+
+@dataclass
+class ModuleIO:
+    """Inputs and outputs one registered submodule saw while `build()` was traced."""
+
+    inputs: list[TensorSpec] = field(default_factory=list)
+    outputs: list[TensorSpec] = field(default_factory=list)
+
+
+@dataclass
+class BackwardCall:
+    """The `loss.backward()` recorded while tracing: which flat output holds the loss."""
+
+    loss: torch.Tensor
+    where: str
+
+
+def _leaves(value: object) -> list[TensorSpec]:
+    if isinstance(value, torch.Tensor):
+        return [TensorSpec.of(value)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _leaves(v)]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _leaves(v)]
+    return []
+
+
+@dataclass
+class _Record:
+    """Facts collected while build() runs (kept off the module: export restores module state)."""
+
+    graph_name: str
+    out_tree: TreeDef | None = None
+    backward: BackwardCall | None = None
+
+
+class _BuildRoot(torch.nn.Module):
+    """Root module handed to torch.export: forward(*flat_inputs) = flat(build(*args))."""
+
+    def __init__(self, record: _Record, build: Callable, modules: dict[str, torch.nn.Module], args_tree: TreeDef):
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+        self._record = record
+        self._build_fn = build
+        self._args_tree = args_tree
+
+    def forward(self, *flat_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        record = self._record
+        args = self._args_tree.unflatten(flat_inputs)
+        with _capture_backward(record):
+            out = self._build_fn(*args)
+        try:
+            leaves, record.out_tree = flatten(out, "output")
+        except NotATreeError as e:
+            raise GraphOutputError(
+                f"{record.graph_name}: build() returned {type(e.value).__name__} at {e.path or 'output'}; "
+                f"build() may return only Tensors, lists or tuples of Tensors, and None. "
+                f"Convert the value to a tensor (torch.as_tensor) or return it outside the graph."
+            ) from None
+        if record.backward is not None:
+            # The loss joins the outputs so that autodiff can find it in the lowered program.
+            leaves = [*leaves, record.backward.loss]
+        return tuple(leaves)
+
+
+@contextlib.contextmanager
+def _capture_backward(record: _Record) -> Iterator[None]:
+    """Turn `loss.backward()` inside build() into a record instead of running autograd."""
+    original = torch.Tensor.backward
+
+    def record_backward(tensor: torch.Tensor, gradient=None, *args, **kwargs) -> None:
+        name = record.graph_name
+        if record.backward is not None:
+            raise BackwardError(f"{name}: backward() was called twice in build(); call it once, "
+                                f"on the sum of your losses: (loss_a + loss_b).backward()")
+        if tensor.dim() != 0 or not tensor.is_floating_point():
+            raise BackwardError(
+                f"{name}: backward() was called on a {TensorSpec.of(tensor).describe()} tensor; only a "
+                f"scalar floating-point loss may call backward() in build(). Reduce it first: "
+                f"loss.sum().backward() or loss.mean().backward()"
+            )
+        if gradient is not None:
+            raise BackwardError(f"{name}: backward(gradient=...) is not supported in build(); "
+                                f"scale the loss instead: (loss * g).backward()")
+        record.backward = BackwardCall(tensor, where="build()")
+
+    torch.Tensor.backward = record_backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
+
+
+@dataclass
+class TraceResult:
+    """What tracing produced: the exported program plus the facts export does not keep."""
+
+    exported: torch.export.ExportedProgram
+    out_tree: TreeDef
+    module_io: dict[str, ModuleIO]
+    has_backward: bool
+
+
+def trace_build(
+    graph_name: str,
+    build: Callable,
+    modules: dict[str, torch.nn.Module],
+    args_tree: TreeDef,
+    flat_inputs: list[torch.Tensor],
+    arg_names: list[str],
+) -> TraceResult:
+    """Export `build(*args)` with torch.export (non-strict) and record module inputs/outputs."""
+    record = _Record(graph_name)
+    root = _named_inputs(_BuildRoot, arg_names)(record, build, modules, args_tree)
+    module_io: dict[str, ModuleIO] = {}
+    handles = []
+    for path, module in root.named_modules():
+        if path:
+            handles.append(module.register_forward_hook(_io_recorder(module_io, path), with_kwargs=True))
+    _state.graph_name = graph_name
+    try:
+        exported = torch.export.export(root, tuple(flat_inputs), strict=False)
+    except TvmGraphError:
+        raise
+    except Exception as e:  # torch raises many types here; all mean "could not trace"
+        raise TraceError(
+            f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}\n"
+            f"Tracing runs build() once with symbolic tensors: data-dependent Python control flow "
+            f"(`if x.sum() > 0:`) and .item()/.tolist() cannot be traced. Rewrite them with "
+            f"torch.where / torch.cond, or compute them outside the graph."
+        ) from e
+    finally:
+        _state.graph_name = None
+        for h in handles:
+            h.remove()
+    assert record.out_tree is not None
+    return TraceResult(exported, record.out_tree, module_io, record.backward is not None)
+
+
+def _named_inputs(cls: type[_BuildRoot], names: list[str]) -> type[_BuildRoot]:
+    """A subclass whose forward() declares one parameter per flat input, named after build()'s
+    arguments (`x`, `xs_0`, ...), so that export and the Relax program use the user's names."""
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+
+    def forward(self: _BuildRoot, *flat_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cls.forward(self, *flat_inputs)
+
+    forward.__signature__ = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params])
+    return type(cls.__name__, (cls,), {"forward": forward})
+
+
+def _io_recorder(module_io: dict[str, ModuleIO], path: str) -> Callable:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        # A module called twice keeps its first call's record, like OneFlow's repr.
+        module_io.setdefault(path, ModuleIO(_leaves(args) + _leaves(kwargs), _leaves(output)))
+
+    return hook
