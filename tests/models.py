@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from examples.mobilenet import InvertedResidual
+
 
 def mlp(sizes: tuple[int, ...] = (32, 64, 64, 10)) -> nn.Sequential:
     layers: list[nn.Module] = []
@@ -13,24 +15,6 @@ def mlp(sizes: tuple[int, ...] = (32, 64, 64, 10)) -> nn.Sequential:
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
-
-
-class InvertedResidual(nn.Module):
-    """MobileNetV2 block: 1x1 expand, 3x3 depthwise, 1x1 project, skip add when shapes allow."""
-
-    def __init__(self, cin: int, cout: int, stride: int, expand: int):
-        super().__init__()
-        hidden = cin * expand
-        self.use_skip = stride == 1 and cin == cout
-        self.block = nn.Sequential(
-            nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
-            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
-            nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.block(x)
-        return x + y if self.use_skip else y
 
 
 class SmallCNN(nn.Module):

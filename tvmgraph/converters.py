@@ -6,6 +6,8 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
 - `_native_batch_norm_legit_functional` (batch norm in train mode): the stock converter returns
   zeros for the updated running variance. Here the running statistics follow torch exactly:
   `running = (1 - momentum) * running + momentum * batch_stat`, with the unbiased variance.
+- `native_dropout`: the stock converter drops dropout even in train mode; here it draws a mask
+  (see dropout.py).
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
@@ -14,6 +16,7 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 import numpy as np
@@ -124,6 +127,36 @@ def convolution(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax
     return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1, 1, 1))))
 
 
+def dropout(seed_node: torch.fx.Node | None, salts: dict[torch.fx.Node, int]) -> Converter:
+    """`native_dropout(x, p, train)` -> (x * mask, mask != 0), the mask drawn in the graph
+    (dropout.py); forward and backward are each one kernel."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        from . import dropout as dropout_kernels
+
+        bb = importer.block_builder
+        x = importer.env[node.args[0]]
+        p, train = float(node.args[1]), bool(node.args[2])
+        if not train or p == 0.0:
+            keep = bb.emit(relax.op.astype(relax.op.ones_like(x), "bool"))
+            return bb.emit(relax.Tuple([x, keep]))
+        if p >= 1.0:
+            zeros = bb.emit(relax.op.zeros_like(x))
+            return bb.emit(relax.Tuple([zeros, bb.emit(relax.op.astype(zeros, "bool"))]))
+        dropout_kernels.register()
+        seed, salt = importer.env[seed_node], salts[node]
+        out = bb.emit(bb.call_te_with_grad(dropout_kernels.dropout_apply, x, seed, p=p, salt=salt,
+                                           te_grad_name=dropout_kernels.GRAD_NAME,
+                                           te_grad_kwargs={"p": p, "salt": salt}))
+        # aten's second output (the keep mask) is rarely used; only build it when it is, so that
+        # autodiff never meets its (non-differentiable) kernel.
+        keep_used = any(u.target is operator.getitem and u.args[1] == 1 for u in node.users)
+        keep = bb.emit_te(dropout_kernels.dropout_keep, x, seed, p, salt) if keep_used else out
+        return bb.emit(relax.Tuple([out, keep]))
+
+    return convert
+
+
 CONVERTERS: dict[str, Converter] = {
     "_native_batch_norm_legit_functional.default": batch_norm_train,
     "mm.default": matmul,
@@ -131,4 +164,5 @@ CONVERTERS: dict[str, Converter] = {
     "matmul.default": matmul,
     "addmm.default": addmm,
     "convolution.default": convolution,
+    "native_dropout.default": dropout(None, {}),  # placeholder entry; lower.py binds the seed
 }

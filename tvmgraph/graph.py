@@ -27,18 +27,22 @@ import torch
 from .config import GraphConfig
 from .debug import GraphLog
 from .errors import (
+    BackwardError,
     BuildNotImplementedError,
     DeviceMismatchError,
     GraphArgumentError,
     GraphAttributeError,
     GraphInitError,
     NestedGraphError,
+    OptimizerError,
 )
 from .graph_repr import graph_repr
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
 from . import lower as lowering
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
+from .training.optimizers import rule_for
+from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE, TrainingPlan
 
 _instance_counters: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
@@ -57,7 +61,7 @@ class _GraphState:
     attributes and ours never collide."""
 
     __slots__ = ("name", "config", "log", "modules", "module_list", "module_paths", "entries",
-                 "last", "build_params", "optimizers")
+                 "last", "build_params", "optimizers", "step")
 
     def __init__(self, name: str, cls: str):
         self.name = name
@@ -69,7 +73,8 @@ class _GraphState:
         self.entries: dict[Signature, CompiledGraph] = {}
         self.last: CompiledGraph | None = None
         self.build_params: list[inspect.Parameter] | None = None
-        self.optimizers: list[Any] = []
+        self.optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, lr_sch)
+        self.step = 0  # training steps run, part of the graph's state_dict
 
 
 class Graph:
@@ -162,6 +167,64 @@ class Graph:
             f"    def build(self, x):\n        return self.model(x)\n"
         )
 
+    def add_optimizer(self, optim: torch.optim.Optimizer, *, lr_sch: Any = None) -> None:
+        """Add an optimizer (and optionally its lr scheduler): the graph then trains.
+
+        Each call of a training graph runs `build()` (which must call `loss.backward()`),
+        the gradients, gradient clipping if a param group sets `clip_grad_max_norm`, the
+        optimizer step and `zero_grad`, all in one compiled program; then `lr_sch.step()`.
+        Supported: torch.optim.SGD, Adam, AdamW, with any param groups.
+        """
+        st = self._state("add_optimizer()")
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise OptimizerError(f"{st.name}: add_optimizer() takes a torch.optim.Optimizer, got "
+                                 f"{type(optim).__name__}")
+        if lr_sch is not None and getattr(lr_sch, "optimizer", None) is not optim:
+            raise OptimizerError(f"{st.name}: lr_sch must be a scheduler of the optimizer passed with it "
+                                 f"(torch.optim.lr_scheduler.X(optimizer, ...))")
+        if any(o is optim for o, _ in st.optimizers):
+            raise OptimizerError(f"{st.name}: this optimizer was already added")
+        rule_for(optim, f"{st.name}: add_optimizer()")  # fail now, not at the first call
+        st.optimizers.append((optim, lr_sch))
+
+    def set_grad_scaler(self, grad_scaler: Any = None) -> None:
+        """Set a GradScaler for loss scaling (AMP); not built yet."""
+        raise NotImplementedError(f"{self.name}: set_grad_scaler() is not implemented in tvmgraph yet "
+                                  f"(AMP with a grad scaler is planned); train in float32 for now.")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole training state: module parameters and buffers, optimizer and lr scheduler
+        states, and the graph's step counter. `torch.save` it to resume training later."""
+        st = self._state()
+        return {
+            "modules": {name: m.state_dict() for name, m in st.modules.items()},
+            "optimizers": [o.state_dict() for o, _ in st.optimizers],
+            "lr_schedulers": [s.state_dict() if s is not None else None for _, s in st.optimizers],
+            "step": st.step,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict()` returned (same graph structure and optimizers)."""
+        st = self._state()
+        missing = set(st.modules) - set(state_dict["modules"])
+        if missing or len(state_dict["optimizers"]) != len(st.optimizers):
+            raise ValueError(f"{st.name}: state_dict does not fit this graph (modules missing: "
+                             f"{sorted(missing)}; optimizers: {len(state_dict['optimizers'])} saved, "
+                             f"{len(st.optimizers)} in the graph)")
+        for name, module in st.modules.items():
+            module.load_state_dict(state_dict["modules"][name])
+        for (optimizer, scheduler), opt_state, sch_state in zip(
+                st.optimizers, state_dict["optimizers"], state_dict["lr_schedulers"]):
+            optimizer.load_state_dict(opt_state)
+            if scheduler is not None and sch_state is not None:
+                scheduler.load_state_dict(sch_state)
+        st.step = int(state_dict["step"])
+
+    @property
+    def step(self) -> int:
+        """Number of training steps this graph has run (restored by load_state_dict)."""
+        return self._state().step
+
     def debug(self, v_level: int = 0, ranks: int | list[int] | None = None, mode: bool = True) -> None:
         """Open (or close, `mode=False`) debug output of this graph, at verbosity `v_level` 0..3.
 
@@ -208,6 +271,11 @@ class Graph:
         st.last = entry
         flat = [t if t.is_contiguous() else t.contiguous() for t in flat]
         outputs, _loss = entry.run(flat)
+        if entry.training is not None:
+            st.step += 1
+            for _, scheduler in st.optimizers:
+                if scheduler is not None:
+                    scheduler.step()
         return entry.lowered.traced.out_tree.unflatten(outputs)
 
     def trace(self, *args: Any) -> TracedGraph:
@@ -290,7 +358,8 @@ class Graph:
 
     def _signature(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> Signature:
         modes = tuple(m.training for m in self._modules_walk(st))
-        return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes)
+        training = tuple(_optimizer_structure(o) for o, _ in st.optimizers)
+        return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training)
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
@@ -305,6 +374,25 @@ class Graph:
                 st.log.info(1, f"(MODULE:{path}) inputs ({ins}) -> outputs ({outs})")
         return traced
 
+    def _training_plan(self, st: _GraphState, traced: TracedGraph) -> TrainingPlan | None:
+        if traced.result.has_backward and not st.optimizers:
+            raise BackwardError(f"{st.name}: build() called loss.backward() but the graph has no optimizer; "
+                                f"add one in __init__: self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))")
+        if st.optimizers and not traced.result.has_backward:
+            raise BackwardError(f"{st.name}: the graph has an optimizer but build() never called "
+                                f"loss.backward(); call it on the scalar loss and return the loss")
+        if not st.optimizers:
+            return None
+        plan = TrainingPlan.build(st.name, st.optimizers, self.named_parameters())
+        if not plan.targets:
+            raise OptimizerError(f"{st.name}: the optimizers have no parameter that requires grad")
+        return plan
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Every parameter of the registered modules, with its path in the graph."""
+        return [(f"{name}.{path}", p) for name, m in self._state().modules.items()
+                for path, p in m.named_parameters()]
+
     def _compile(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                  flat: list[torch.Tensor]) -> CompiledGraph:
         if st.last is not None:
@@ -314,8 +402,9 @@ class Graph:
             st.log.warning(f"compiling entry #{len(st.entries) + 1} for a new call signature: "
                            + "; ".join(diffs or ["(first call of this signature)"]))
         traced = self._trace(st, signature, args_tree, flat)
-        with st.log.stage("lowering to Relax"):
-            lowered = traced.lower()
+        plan = self._training_plan(st, traced)
+        with st.log.stage("lowering to Relax" + (" with autodiff and optimizer update" if plan else "")):
+            lowered = traced.lower(plan)
         if st.log.on(2):
             _log_ops(st.log, lowered, self.build)
         device = flat[0].device if flat else _module_device(st)
@@ -323,6 +412,13 @@ class Graph:
             compiled = lowered.compile(device, self.config, st.modules)
         st.entries[signature] = compiled
         return compiled
+
+
+def _optimizer_structure(optimizer: torch.optim.Optimizer) -> tuple:
+    """What about an optimizer changes the compiled program (cheap enough for every call)."""
+    rule = rule_for(optimizer, "")
+    return tuple((rule.structure(g), tuple(map(id, g["params"])), g.get(CLIP_MAX_NORM), g.get(CLIP_NORM_TYPE))
+                 for g in optimizer.param_groups)
 
 
 def _module_device(st: _GraphState) -> torch.device:

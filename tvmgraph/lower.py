@@ -64,10 +64,6 @@ class LoweredSignature:
     has_loss: bool
     constants: dict[str, torch.Tensor]
 
-    @property
-    def num_user_inputs(self) -> int:
-        return sum(1 for s in self.inputs if s.kind == "user")
-
 
 def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Rewrite the program into core ATen ops, the vocabulary the Relax importer knows."""
@@ -113,8 +109,26 @@ def supported_ops() -> list[str]:
     return sorted(set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS))
 
 
-def _plain_signature(exported: torch.export.ExportedProgram) -> tuple[ExportGraphSignature, LoweredSignature]:
-    """Every input becomes a user input (user inputs first), every output a user output."""
+RNG_INPUT = "rng_seed"
+
+
+def _add_rng_input(exported: torch.export.ExportedProgram) -> tuple[torch.fx.Node | None, dict[torch.fx.Node, int]]:
+    """Give the program an int64[2] seed input if it has train-mode dropout; number the dropouts."""
+    graph = exported.graph
+    dropouts = [n for n in graph.nodes if n.op == "call_function" and op_key(n) == "native_dropout.default"
+                and bool(n.args[2]) and 0.0 < float(n.args[1]) < 1.0]
+    if not dropouts:
+        return None, {}
+    last_placeholder = list(graph.find_nodes(op="placeholder"))[-1]
+    with graph.inserting_after(last_placeholder):
+        seed = graph.placeholder(RNG_INPUT)
+    seed.meta["val"] = torch.zeros(2, dtype=torch.int64)
+    return seed, {node: salt for salt, node in enumerate(dropouts)}
+
+
+def _plain_signature(exported: torch.export.ExportedProgram, seed: torch.fx.Node | None) -> tuple[ExportGraphSignature, LoweredSignature]:
+    """Every input becomes a user input (user inputs first, then the rng seed if any), every
+    output a user output."""
     kind_names = {InputKind.USER_INPUT: "user", InputKind.PARAMETER: "parameter",
                   InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
     specs = sorted(exported.graph_signature.input_specs, key=lambda s: _INPUT_ORDER[s.kind])
@@ -122,8 +136,14 @@ def _plain_signature(exported: torch.export.ExportedProgram) -> tuple[ExportGrap
     for spec in specs:
         if spec.kind not in kind_names:
             raise NotImplementedError(f"torch.export input kind {spec.kind} is not supported")
+        if seed is not None and spec.kind != InputKind.USER_INPUT and not any(s.kind == "rng" for s in sources):
+            sources.append(InputSource("rng", None))
+            inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(seed.name), None, None))
         sources.append(InputSource(kind_names[spec.kind], spec.target))
         inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(spec.arg.name), None, None))
+    if seed is not None and not any(s.kind == "rng" for s in sources):
+        sources.append(InputSource("rng", None))
+        inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(seed.name), None, None))
 
     mutations, outputs, num_user = [], [], 0
     for spec in exported.graph_signature.output_specs:
@@ -150,10 +170,12 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     NOTE: `exported` is modified (its signature and constants); pass a program of your own,
     such as the result of `decompose`.
     """
-    plain_sig, lowered_sig = _plain_signature(exported)
+    seed, salts = _add_rng_input(exported)
+    plain_sig, lowered_sig = _plain_signature(exported, seed)
     exported._graph_signature = plain_sig
     exported._constants = {}  # constants are inputs now; nothing is bound into the module
-    convert_map = {key: _named_errors(fn, graph_name) for key, fn in converters.CONVERTERS.items()}
+    convert_map = dict(converters.CONVERTERS, **{"native_dropout.default": converters.dropout(seed, salts)})
+    convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
     mod = from_exported_program(
         exported,
         keep_params_as_input=False,

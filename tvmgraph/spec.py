@@ -122,12 +122,14 @@ class Signature:
 
     `module_modes` holds `training` of every registered submodule (train/eval changes the
     program: batch norm and dropout behave differently), in `named_modules()` order; the
-    module paths in that order are passed to `differences` for messages.
+    module paths in that order are passed to `differences` for messages. `optimizers` holds
+    what about each optimizer shapes the program (a learning rate does not: it is an input).
     """
 
     args: TreeDef
     leaves: tuple[TensorSpec, ...]
     module_modes: tuple[bool, ...]
+    optimizers: tuple = ()  # what about each optimizer changes the program (training graphs)
 
     def differences(self, other: Signature, arg_names: Sequence[str], module_paths: Sequence[str]) -> list[str]:
         """Human-readable list of what differs from `other` (an earlier signature)."""
@@ -148,6 +150,9 @@ class Signature:
             diffs.append(f"module mode changed: {', '.join(changed[:3])}{more}")
         elif self.module_modes != other.module_modes:
             diffs.append("the set of registered modules changed")
+        if self.optimizers != other.optimizers:
+            diffs.append("optimizer options that shape the program changed (momentum/nesterov/"
+                         "amsgrad/maximize/weight decay on-off, param groups, clipping)")
         return diffs
 
 

@@ -1,10 +1,12 @@
 """The three stages of compiling a graph, each a small object you can hold and print.
 
-    Graph.trace(*args) -> TracedGraph     torch.export program of build(), ready to lower
-    TracedGraph.lower() -> LoweredGraph   Relax IRModule with a known calling convention
+    Graph.trace(*args) -> TracedGraph         torch.export program of build(), ready to lower
+    TracedGraph.lower() -> LoweredGraph       Relax IRModule with a known calling convention
     LoweredGraph.compile() -> CompiledGraph   VM executable bound to a device, ready to run
 
-`Graph.__call__` chains them with a cache keyed by the call's `Signature`.
+`Graph.__call__` chains them with a cache keyed by the call's `Signature`. A training graph
+(build() called loss.backward() and the graph has optimizers) lowers to a `train_step`
+function instead of `main` (tvmgraph/training/train_step.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
 from .trace import ModuleIO, TraceResult
+from .training.plan import TrainingPlan
+from .training.runtime import TrainingBinding
+from .training.train_step import FUNC_NAME as TRAIN_STEP
+from .training.train_step import TrainStepLayout, append_train_step
 
 
 class TracedGraph:
@@ -48,25 +54,40 @@ class TracedGraph:
         """The torch.export FX graph of build()."""
         return str(self.result.exported.graph)
 
-    def lower(self) -> LoweredGraph:
-        """Decompose to core ATen, check every op, import into Relax."""
+    def lower(self, plan: TrainingPlan | None = None) -> LoweredGraph:
+        """Decompose to core ATen, check every op, import into Relax; with a `plan`, append
+        autodiff and the optimizer update."""
         exported = lowering.decompose(self.result.exported)
         lowering.check_supported(exported, self.graph_name)
         mod, sig = lowering.to_relax(exported, self.graph_name, self.result.has_backward)
-        return LoweredGraph(self, mod, sig, exported)
+        layout = None
+        if plan is not None:
+            index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
+            grad_indices = [index_of[t] for t in plan.targets]
+            loss_index = len(sig.mutations) + sig.num_user_outputs
+            mod, layout = append_train_step(mod, plan, grad_indices, loss_index)
+        return LoweredGraph(self, mod, sig, exported, plan, layout)
 
 
 class LoweredGraph:
-    """A Relax `IRModule` whose `main` follows `LoweredSignature`; `.compile()` builds it."""
+    """A Relax `IRModule` whose entry follows `LoweredSignature`; `.compile()` builds it."""
 
-    __slots__ = ("traced", "mod", "signature", "exported")
+    __slots__ = ("traced", "mod", "signature", "exported", "plan", "train_layout")
 
     def __init__(self, traced: TracedGraph, mod: tvm.IRModule, signature: lowering.LoweredSignature,
-                 exported: torch.export.ExportedProgram):
+                 exported: torch.export.ExportedProgram, plan: TrainingPlan | None = None,
+                 train_layout: TrainStepLayout | None = None):
         self.traced = traced
         self.mod = mod
         self.signature = signature
         self.exported = exported
+        self.plan = plan
+        self.train_layout = train_layout
+
+    @property
+    def entry(self) -> str:
+        """Name of the function a call runs: `main`, or `train_step` for a training graph."""
+        return TRAIN_STEP if self.train_layout is not None else "main"
 
     def as_text(self) -> str:
         """TVMScript of the Relax module."""
@@ -84,29 +105,32 @@ class LoweredGraph:
         target = target_for(device)
         optimized, executable = self.build(target, config, pipeline)
         binder = TensorBinder(self.signature.inputs, modules, self.signature.constants)
-        return CompiledGraph(self, optimized, executable, target, device, binder)
+        training = TrainingBinding(self.plan, self.train_layout, device) if self.train_layout else None
+        return CompiledGraph(self, optimized, executable, target, device, binder, training)
 
 
 class CompiledGraph:
     """A VM executable plus everything needed to call it with torch tensors."""
 
-    __slots__ = ("lowered", "optimized", "executable", "target", "device", "binder", "_main",
-                 "_num_mutations", "_num_user_outputs", "_mutation_sources")
+    __slots__ = ("lowered", "optimized", "executable", "target", "device", "binder", "training",
+                 "_entry", "_num_mutations", "_num_user_outputs", "_has_rng")
 
     def __init__(self, lowered: LoweredGraph, optimized: tvm.IRModule, executable: relax.VMExecutable,
-                 target: tvm.target.Target, device: torch.device, binder: TensorBinder):
+                 target: tvm.target.Target, device: torch.device, binder: TensorBinder,
+                 training: TrainingBinding | None = None):
         self.lowered = lowered
         self.optimized = optimized
         self.executable = executable
         self.target = target
         self.device = device
         self.binder = binder
+        self.training = training
         vm = relax.VirtualMachine(executable, tvm_device(device))
-        self._main: Callable = vm["main"]
+        self._entry: Callable = vm[lowered.entry]
         sig = lowered.signature
         self._num_mutations = len(sig.mutations)
         self._num_user_outputs = sig.num_user_outputs
-        self._mutation_sources = sig.mutations
+        self._has_rng = any(s.kind == "rng" for s in sig.inputs)
 
     def as_text(self) -> str:
         """TVMScript of the module after the pass pipeline (what was built)."""
@@ -115,8 +139,10 @@ class CompiledGraph:
     def run(self, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Run once: returns the user outputs (flat) and the loss, if build() called backward()."""
         state = self.binder.tensors()
+        rng = [_draw_seed(self.device)] if self._has_rng else []
+        extra = self.training.inputs() if self.training is not None else []
         try:
-            results = self._main(*flat_inputs, *state)
+            results = self._entry(*flat_inputs, *rng, *state, *extra)
         except Exception:  # the VM raises plain errors; say which tensor is at fault
             self._diagnose(state)
             raise
@@ -124,25 +150,30 @@ class CompiledGraph:
         if n_mut:
             self._write_back(flat_inputs, state, results[:n_mut])
         user = list(results[n_mut:n_mut + n_user])
-        loss = results[n_mut + n_user] if len(results) > n_mut + n_user else None
+        has_loss = self.lowered.signature.has_loss
+        loss = results[n_mut + n_user] if has_loss else None
+        if self.training is not None:
+            self.training.write_back(results[n_mut + n_user + 1:])
         return user, loss
 
     def _write_back(self, flat_inputs: Sequence[torch.Tensor], state: list[torch.Tensor], new_values) -> None:
         named = dict(zip((s.target for s in self.binder.sources), state))
         with torch.no_grad():
-            for source, value in zip(self._mutation_sources, new_values):
+            for source, value in zip(self.lowered.signature.mutations, new_values):
                 dest = flat_inputs[int(source.target)] if source.kind == "user" else named[source.target]
                 dest.copy_(value)
 
     def _diagnose(self, state: list[torch.Tensor]) -> None:
         graph = self.lowered.traced.graph_name
-        params = self.lowered.mod["main"].params[self.lowered.signature.num_user_inputs:]
+        sig = self.lowered.signature
+        params = [p for p, s in zip(self.lowered.mod[self.lowered.entry].params, sig.inputs)
+                  if s.kind in ("parameter", "buffer", "constant")]
         for source, t, param in zip(self.binder.sources, state, params):
             expected = [int(d) for d in param.ty.shape]
-            if list(t.shape) != expected or str(t.dtype).removeprefix("torch.") != param.ty.dtype:
+            if list(t.shape) != expected or str(t.dtype).removeprefix("torch.") != param.ty.dtype.dtype:
                 raise StaleGraphError(
                     f"{graph}: {source.kind} '{source.target}' is now {TensorSpec.of(t).describe()} but the "
-                    f"graph was compiled for {param.ty.dtype}{expected}; create a new graph object "
+                    f"graph was compiled for {param.ty.dtype.dtype}{expected}; create a new graph object "
                     f"after changing the model's structure."
                 )
             if t.device != self.device:
@@ -151,3 +182,8 @@ class CompiledGraph:
                     f"{self.device}; move the module with .to({str(self.device)!r}) or the inputs with "
                     f".to({str(t.device)!r})."
                 )
+
+
+def _draw_seed(device: torch.device) -> torch.Tensor:
+    """Two fresh 31-bit integers from torch's default generator (seeded by torch.manual_seed)."""
+    return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64).to(device)

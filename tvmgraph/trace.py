@@ -22,6 +22,15 @@ from .spec import NotATreeError, TensorSpec, TreeDef, flatten
 _state = threading.local()
 
 
+_DATA_DEPENDENT_MARKERS = ("data-dependent", "data dependent", "GuardOnDataDependent", "Could not guard",
+                           "Could not extract specialized integer", "item()")
+_DATA_DEPENDENT_HINT = (
+    "\nTracing runs build() once with symbolic tensors: data-dependent Python control flow "
+    "(`if x.sum() > 0:`) and .item()/.tolist() cannot be traced. Rewrite them with torch.where / "
+    "torch.cond, or compute them outside the graph."
+)
+
+
 def tracing_graph() -> str | None:
     """Name of the graph whose `build()` is being traced on this thread, if any."""
     return getattr(_state, "graph_name", None)
@@ -152,11 +161,9 @@ def trace_build(
     except TvmGraphError:
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
+        hint = _DATA_DEPENDENT_HINT if any(m in str(e) for m in _DATA_DEPENDENT_MARKERS) else ""
         raise TraceError(
-            f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}\n"
-            f"Tracing runs build() once with symbolic tensors: data-dependent Python control flow "
-            f"(`if x.sum() > 0:`) and .item()/.tolist() cannot be traced. Rewrite them with "
-            f"torch.where / torch.cond, or compute them outside the graph."
+            f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}{hint}"
         ) from e
     finally:
         _state.graph_name = None

@@ -1,0 +1,1 @@
+"""Runnable examples; `examples.mobilenet` and `examples.digits` are shared with tests and benchmarks."""

@@ -1,0 +1,123 @@
+"""Training misuse gets a clear error naming the graph and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tvmgraph
+from tvmgraph import errors
+
+
+class Train(tvmgraph.nn.Graph):
+    def __init__(self, model=None, optimizer=None, loss="scalar"):
+        super().__init__()
+        self.model = model if model is not None else nn.Linear(3, 2)
+        if optimizer is not False:
+            self.add_optimizer(optimizer or torch.optim.SGD(self.model.parameters(), lr=0.1))
+        self.loss = loss
+
+    def build(self, x):
+        out = self.model(x)
+        if self.loss in ("scalar", "twice"):
+            loss = out.sum()
+        elif self.loss == "vector":
+            loss = out.sum(dim=1)
+        elif self.loss == "none":
+            return out
+        loss.backward()
+        if self.loss == "twice":
+            loss.backward()
+        return loss
+
+
+def test_backward_on_a_non_scalar_loss() -> None:
+    graph = Train(loss="vector")
+    with pytest.raises(errors.BackwardError, match=rf"{graph.name}: backward\(\) was called on a float32\[4\] tensor; "
+                                                   r"only a scalar floating-point loss"):
+        graph(torch.ones(4, 3))
+
+
+def test_backward_twice() -> None:
+    graph = Train(loss="twice")
+    with pytest.raises(errors.BackwardError, match=r"backward\(\) was called twice"):
+        graph(torch.ones(4, 3))
+
+
+def test_backward_without_optimizer() -> None:
+    graph = Train(optimizer=False)
+    with pytest.raises(errors.BackwardError, match=r"called loss.backward\(\) but the graph has no optimizer"):
+        graph(torch.ones(4, 3))
+
+
+def test_optimizer_without_backward() -> None:
+    graph = Train(loss="none")
+    with pytest.raises(errors.BackwardError, match=r"has an optimizer but build\(\) never called loss.backward\(\)"):
+        graph(torch.ones(4, 3))
+
+
+def test_unsupported_optimizer_lists_the_supported_ones() -> None:
+    model = nn.Linear(3, 2)
+    with pytest.raises(errors.OptimizerError, match=r"torch.optim.rmsprop.RMSprop cannot be lowered into a graph; "
+                                                    r"supported optimizers: torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW"):
+        Train(model, torch.optim.RMSprop(model.parameters()))
+
+
+def test_add_optimizer_argument_checks() -> None:
+    graph = Train(optimizer=False)
+    with pytest.raises(errors.OptimizerError, match="takes a torch.optim.Optimizer, got list"):
+        graph.add_optimizer([1])
+    opt = torch.optim.SGD(graph.model.parameters(), lr=0.1)
+    other = torch.optim.SGD(graph.model.parameters(), lr=0.1)
+    with pytest.raises(errors.OptimizerError, match="lr_sch must be a scheduler of the optimizer passed with it"):
+        graph.add_optimizer(opt, lr_sch=torch.optim.lr_scheduler.StepLR(other, 1))
+
+
+def test_optimizer_parameter_outside_the_graph() -> None:
+    stray = nn.Linear(3, 3)
+    model = nn.Linear(3, 2)
+    graph = Train(model, torch.optim.SGD(list(model.parameters()) + list(stray.parameters()), lr=0.1))
+    with pytest.raises(errors.OptimizerError, match=r"parameter #2 \(3, 3\) belongs to no module of the graph"):
+        graph(torch.ones(4, 3))
+
+
+def test_parameter_in_two_optimizers() -> None:
+    model = nn.Linear(3, 2)
+    graph = Train(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    graph.add_optimizer(torch.optim.Adam([model.weight]))
+    with pytest.raises(errors.OptimizerError, match=r"parameter 'model.weight' is also updated by"):
+        graph(torch.ones(4, 3))
+
+
+def test_capturable_adam_is_refused() -> None:
+    model = nn.Linear(3, 2)
+    graph = Train(model, torch.optim.Adam(model.parameters(), capturable=True))
+    with pytest.raises(errors.OptimizerError, match=r"Adam\(capturable=True\) is not supported in graph mode"):
+        graph(torch.ones(4, 3))
+
+
+def test_bad_clip_settings() -> None:
+    model = nn.Linear(3, 2)
+    graph = Train(model, torch.optim.SGD([{"params": model.parameters(), "clip_grad_norm_type": 2.0}], lr=0.1))
+    with pytest.raises(errors.OptimizerError, match="clip_grad_norm_type is set but clip_grad_max_norm is not"):
+        graph(torch.ones(4, 3))
+
+
+def test_set_grad_scaler_is_not_built_yet() -> None:
+    with pytest.raises(NotImplementedError, match=r"set_grad_scaler\(\) is not implemented"):
+        Train().set_grad_scaler(None)
+
+
+def test_load_state_dict_of_another_graph() -> None:
+    graph = Train()
+    state = graph.state_dict()
+    state["optimizers"].append({})
+    with pytest.raises(ValueError, match="state_dict does not fit this graph"):
+        graph.load_state_dict(state)
+
+
+def test_training_property_and_config() -> None:
+    assert Train().training is True
+    assert repr(Train().config) == "GraphConfig(training=True, )"
+    assert Train(optimizer=False).training is False

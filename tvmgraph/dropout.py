@@ -1,0 +1,105 @@
+"""Dropout in a compiled graph: a counter-based hash of (seed, op salt, element index).
+
+Each train-mode dropout computes its mask inside the program from a seed input, so a mask is
+fresh at every call (the runtime draws the seed from torch's default generator: `torch.manual_seed`
+makes graph training reproducible). Forward and backward are one TE kernel each
+(`call_tir_with_grad`): the backward recomputes the mask from the seed instead of keeping it,
+so no mask tensor lives between the two passes.
+
+The hash is murmur3's 32-bit finalizer. Values are combined with XOR only: TVM's integer
+simplifier does not respect uint32 wrap-around for additions with large constants.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx as tir
+
+_GOLDEN = 0x9E3779B9
+_BITS = 24  # uniform resolution: keep if hash >> 8 < keep_prob * 2**24
+
+
+def _u32(value: int) -> tir.PrimExpr:
+    return tir.const(value & 0xFFFFFFFF, "uint32")
+
+
+def fmix32(h: tir.PrimExpr) -> tir.PrimExpr:
+    """murmur3 finalizer: a bijection on uint32 with full avalanche."""
+    h = h ^ (h >> _u32(16))
+    h = h * _u32(0x85EBCA6B)
+    h = h ^ (h >> _u32(13))
+    h = h * _u32(0xC2B2AE35)
+    return h ^ (h >> _u32(16))
+
+
+def fmix32_reference(h: int) -> int:
+    """The same function in Python, for tests."""
+    mask = 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & mask
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & mask
+    return h ^ (h >> 16)
+
+
+def keep_threshold(p: float) -> int:
+    return int(round((1.0 - p) * (1 << _BITS)))
+
+
+def _mask_value(seed: te.Tensor, shape: tuple[int, ...], p: float, salt: int, dtype: str):
+    """A function of an element index: 1 / (1 - p) where the element is kept, else 0."""
+    key = fmix32(tir.Cast("uint32", seed[0]) ^ fmix32(tir.Cast("uint32", seed[1]) ^ _u32(salt * _GOLDEN)))
+    threshold = _u32(keep_threshold(p))
+    scale = tir.const(1.0 / (1.0 - p), dtype)
+    zero = tir.const(0.0, dtype)
+
+    def value(*index: tir.Var) -> tir.PrimExpr:
+        linear = index[0]
+        for extent, i in zip(shape[1:], index[1:]):
+            linear = linear * extent + i
+        h = fmix32(tir.Cast("uint32", linear) ^ key)
+        return tir.Select((h >> _u32(32 - _BITS)) < threshold, scale, zero)
+
+    return value
+
+
+def _shape(t: te.Tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in t.shape)
+
+
+def dropout_apply(x: te.Tensor, seed: te.Tensor, p: float, salt: int) -> te.Tensor:
+    """Forward: `x * mask`; `seed` is int64[2]."""
+    mask = _mask_value(seed, _shape(x), p, salt, x.dtype)
+    return te.compute(x.shape, lambda *i: x(*i) * mask(*i), name="dropout")
+
+
+def dropout_grad(grad: te.Tensor, x: te.Tensor, seed: te.Tensor, p: float, salt: int) -> list[te.Tensor]:
+    """Backward: `grad * mask` for x (the same mask, recomputed); zeros for the seed."""
+    mask = _mask_value(seed, _shape(x), p, salt, x.dtype)
+    grad_x = te.compute(x.shape, lambda *i: grad(*i) * mask(*i), name="dropout_grad")
+    grad_seed = te.compute(seed.shape, lambda *i: tir.const(0, seed.dtype), name="dropout_seed_grad")
+    return [grad_x, grad_seed]
+
+
+def dropout_keep(x: te.Tensor, seed: te.Tensor, p: float, salt: int) -> te.Tensor:
+    """The boolean keep mask (aten's second output of native_dropout)."""
+    mask = _mask_value(seed, _shape(x), p, salt, x.dtype)
+    return te.compute(x.shape, lambda *i: mask(*i) != tir.const(0, x.dtype), name="dropout_keep")
+
+
+GRAD_NAME = "tvmgraph.dropout_grad"
+
+
+def dropout_mask_reference(seed: tuple[int, int], numel: int, p: float, salt: int) -> list[bool]:
+    """Which elements `dropout_mask` keeps, computed in Python (for tests)."""
+    key = fmix32_reference((seed[0] & 0xFFFFFFFF) ^ fmix32_reference((seed[1] & 0xFFFFFFFF) ^ ((salt * _GOLDEN) & 0xFFFFFFFF)))
+    threshold = keep_threshold(p)
+    return [(fmix32_reference(i ^ key) >> (32 - _BITS)) < threshold for i in range(numel)]
+
+
+def register() -> None:
+    """Register `dropout_grad` under GRAD_NAME for `call_tir_with_grad` (idempotent)."""
+    from tvm.relax.training.utils import register_te_gradient
+    import tvm
+
+    if tvm.get_global_func("tvm.relax.te_grad._register." + GRAD_NAME, allow_missing=True) is None:
+        register_te_gradient(GRAD_NAME, dropout_grad)

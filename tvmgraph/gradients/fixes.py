@@ -1,0 +1,140 @@
+"""Overrides of TVM 0.27 gradients that are wrong, fail, or disagree with torch at kinks.
+
+Each is registered above TVM's level (``fixes_tvm=True``); the reason is in its docstring:
+
+* ``relax.nn.conv2d`` (in ``conv.py``, with conv1d): wrong ``output_padding`` with
+  dilation > 1 (fails to build).
+* ``relax.take``: 0-d and N-d indices fail (``take_backward`` takes 1-D indices only).
+* ``relax.where``: the branch gradients are not summed back to broadcast branch shapes.
+* ``relax.nn.relu``, ``relax.abs``, ``relax.maximum``, ``relax.minimum``: at the kink
+  (``x == 0``, ``x == y``) TVM passes the whole gradient one way; torch passes 0 (relu, abs)
+  or half to each side (maximum, minimum). Exact kinks are common in training, see ``relu_grad``.
+"""
+
+from __future__ import annotations
+
+from tvm import relax
+from tvm.relax.op import grad as grad_op
+
+from ._common import const, dtype_of, prod, register, shape_of
+
+op = relax.op
+
+
+def _sum_to(ctx: relax.BlockBuilder, grad: relax.Expr, like: relax.Expr) -> relax.Expr:
+    """``grad`` summed over the axes ``like`` was broadcast along (a no-op for equal shapes)."""
+    if shape_of(like) == shape_of(ctx.normalize(grad)):
+        return grad
+    return op.collapse_sum_to(grad, shape_of(like))
+
+
+@register("relax.take", fixes_tvm=True)
+def take_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = take(x, idx, axis)``:  ``dx[..., k, ...] = sum of dy[..., j, ...] over idx[j] == k``.
+
+    TVM hands the indices straight to ``take_backward``, whose legalization asserts 1-D indices,
+    so ``x[:, 0]`` (``torch.select``, a 0-d index) and embedding lookups with ``[batch, seq]``
+    indices fail to build. Here the indices are flattened to 1-D (and dy's index dimensions with
+    them) and resolved like the forward's ``mode`` (``fast``: ``k < 0`` means ``k + d``;
+    ``clip``: clamped into ``[0, d-1]``; ``wrap``: ``k mod d``) before ``take_backward``.
+    """
+    x, indices = orig_call.args
+    x_shape = shape_of(x)
+    count = prod(shape_of(indices))
+    axis = orig_call.attrs.axis
+    if axis is None:
+        size = prod(x_shape)
+        grad = op.reshape(output_grad, [count])
+    else:
+        axis = int(axis) % len(x_shape)
+        size = x_shape[axis]
+        grad = op.reshape(output_grad, x_shape[:axis] + [count] + x_shape[axis + 1 :])
+    flat = op.reshape(indices, [count])
+    dtype = dtype_of(indices)
+    mode = str(orig_call.attrs.mode)
+    if mode == "clip":
+        flat = op.clip(flat, 0, size - 1)
+    elif mode == "wrap":
+        flat = op.floor_mod(flat, relax.const(size, dtype))
+    else:
+        negative = op.less(flat, relax.const(0, dtype))
+        flat = op.where(negative, flat + relax.const(size, dtype), flat)
+    return [grad_op.take_backward(grad, x, flat, axis), grad_op.no_grad(indices)]
+
+
+@register("relax.where", fixes_tvm=True)
+def where_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = where(c, a, b)``:  ``da = sum_to(where(c, dy, 0), a)``,
+    ``db = sum_to(where(c, 0, dy), b)``; c is not differentiable.
+
+    TVM returns the full-shape ``where(...)`` terms, so a branch broadcast into y (a bias row,
+    a scalar tensor) gets an adjoint of the wrong shape.
+    """
+    cond, on_true, on_false = orig_call.args
+    zero = const(0.0, orig_var)
+    return [
+        grad_op.no_grad(cond),
+        _sum_to(ctx, op.where(cond, output_grad, zero), on_true),
+        _sum_to(ctx, op.where(cond, zero, output_grad), on_false),
+    ]
+
+
+@register("relax.nn.relu", fixes_tvm=True)
+def relu_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = max(x, 0)``:  ``dx = dy where x > 0, else 0``.
+
+    TVM's is ``where(x < 0, 0, dy)``, which passes dy at ``x == 0``; torch, JAX and TensorFlow
+    pass 0. Exact zeros do reach a ReLU in training: a batch-norm channel with zero variance (a
+    dead channel) outputs exactly ``beta``, 0 at initialization, and the batch-norm backward
+    then scales the difference by ``1 / sqrt(eps)``.
+    """
+    x = orig_call.args[0]
+    zero = const(0.0, x)
+    return [op.where(op.greater(x, zero), output_grad, zero)]
+
+
+@register("relax.abs", fixes_tvm=True)
+def abs_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = |x|``:  ``dx = sign(x) * dy``, 0 at ``x == 0`` (TVM's passes ``+dy`` there)."""
+    return [op.sign(orig_call.args[0]) * output_grad]
+
+
+def _split_at_ties(
+    ctx: relax.BlockBuilder, orig_call: relax.Call, output_grad: relax.Var, first_wins: relax.Expr
+) -> list[relax.Expr]:
+    """``[sum_to(g_x, x), sum_to(g_y, y)]`` where the chosen side gets dy, ties half each."""
+    x, y = orig_call.args
+    half = const(0.5, x) * output_grad
+    zero = const(0.0, x)
+    tie = op.equal(x, y)
+    x_grad = op.where(tie, half, op.where(first_wins, output_grad, zero))
+    y_grad = op.where(tie, half, op.where(first_wins, zero, output_grad))
+    return [_sum_to(ctx, x_grad, x), _sum_to(ctx, y_grad, y)]
+
+
+@register("relax.maximum", fixes_tvm=True)
+def maximum_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``z = maximum(x, y)``:  ``dx = dy`` where ``x > y``, ``dy/2`` where ``x == y``, else 0;
+    dy symmetrically. TVM gives a tie's whole gradient to x; torch splits it."""
+    x, y = orig_call.args
+    return _split_at_ties(ctx, orig_call, output_grad, op.greater(x, y))
+
+
+@register("relax.minimum", fixes_tvm=True)
+def minimum_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``z = minimum(x, y)``:  ``dx = dy`` where ``x < y``, ``dy/2`` where ``x == y``, else 0;
+    dy symmetrically. TVM gives a tie's whole gradient to y; torch splits it."""
+    x, y = orig_call.args
+    return _split_at_ties(ctx, orig_call, output_grad, op.less(x, y))

@@ -1,0 +1,32 @@
+"""Gradients of the max/min reductions (``torch.amax``/``amin``, the max of a stable softmax)."""
+
+from __future__ import annotations
+
+from tvm import relax
+
+from ._common import dtype_of, normalize_axes, register, shape_of
+
+op = relax.op
+
+
+def _extremum_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = max(x, axis)`` or ``min(x, axis)``: the gradient is shared among the ties.
+
+    ``m = (x == y)`` with y broadcast back over ``axis``;  ``dx = m * dy / sum(m, axis)``, which
+    is what ``torch.amax``/``amin`` do (``torch.max(x, dim)`` instead picks one index).
+    """
+    x = orig_call.args[0]
+    attrs = orig_call.attrs
+    axes = normalize_axes(attrs.axis, len(shape_of(x)))
+    y, grad = orig_var, output_grad
+    if not attrs.keepdims:
+        y, grad = op.expand_dims(y, axes), op.expand_dims(grad, axes)
+    hits = op.astype(op.equal(x, y), dtype_of(x))
+    count = op.sum(hits, axes, keepdims=True)
+    return [hits * (grad / count)]
+
+
+for _name in ("relax.max", "relax.min"):
+    register(_name)(_extremum_grad)

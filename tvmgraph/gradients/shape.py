@@ -1,0 +1,151 @@
+"""Gradients of data-movement ops: squeeze, flatten, strided_slice, stack, flip, tile, repeat, pad.
+
+Each gradient moves the output gradient back to where the input element came from; elements
+the forward dropped (a slice's gaps, a pad's border) get zero, and copies (tile, repeat) sum.
+"""
+
+from __future__ import annotations
+
+from tvm import relax
+from tvm.relax.op import grad as grad_op
+
+from ._common import dtype_of, prod, register, scalar_of, shape_of
+
+op = relax.op
+
+
+@register("relax.squeeze")
+def squeeze_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = squeeze(x, axis)``:  ``dx = reshape(dy, x.shape)``."""
+    return [op.reshape(output_grad, shape_of(orig_call.args[0]))]
+
+
+@register("relax.flatten")
+def flatten_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = flatten(x)``:  ``dx = reshape(dy, x.shape)``."""
+    return [op.reshape(output_grad, shape_of(orig_call.args[0]))]
+
+
+@register("relax.flip")
+def flip_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = flip(x, axis)``:  ``dx = flip(dy, axis)``."""
+    return [op.flip(output_grad, int(orig_call.attrs.axis))]
+
+
+@register("relax.strided_slice")
+def strided_slice_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = strided_slice(x, axes, begin, end, strides)``, positive strides only.
+
+    Along each sliced axis ``a`` (size ``d``, start ``b`` clamped into ``[0, d]``, stride ``s``,
+    ``n = y.shape[a]`` elements taken): ``dx[b + i*s] = dy[i]`` for ``i < n`` and 0 elsewhere.
+    Built one axis at a time with ``slice_scatter`` into zeros; axes, begin, end and strides are
+    not differentiable.
+    """
+    x, axes, begin = orig_call.args[:3]
+    strides = orig_call.args[4] if len(orig_call.args) > 4 else None
+    x_shape = shape_of(x)
+    grad: relax.Expr = output_grad
+    grad_shape = shape_of(orig_var)
+    for i, axis_value in enumerate(axes.fields):
+        axis = int(scalar_of(axis_value)) % len(x_shape)
+        dim, taken = x_shape[axis], grad_shape[axis]
+        step = int(scalar_of(strides.fields[i])) if strides is not None else 1
+        if step <= 0:
+            raise NotImplementedError(
+                f"gradient of relax.strided_slice with stride {step} on axis {axis}: only "
+                "positive strides are supported (torch slicing never produces others)"
+            )
+        start = int(scalar_of(begin.fields[i]))
+        start = min(max(start + dim if start < 0 else start, 0), dim)
+        if taken == dim:
+            continue
+        grad_shape[axis] = dim
+        zeros = op.zeros(list(grad_shape), dtype_of(x))
+        stop = start + (taken - 1) * step + 1 if taken else start
+        grad = op.slice_scatter(zeros, grad, start, stop, step, axis=axis)
+    no_grads = [grad_op.no_grad(arg) for arg in orig_call.args[1:]]
+    return [grad, *no_grads]
+
+
+@register("relax.stack")
+def stack_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = stack((x_0, ..., x_{k-1}), axis)``:
+    ``dx_i = squeeze(split(dy, k, axis)[i], axis)``."""
+    axis = int(orig_call.attrs.axis) % len(shape_of(orig_var))
+    count = len(orig_call.args[0].ty.fields)
+    parts = ctx.emit(op.split(output_grad, count, axis))
+    return [relax.Tuple([op.squeeze(relax.TupleGetItem(parts, i), [axis]) for i in range(count)])]
+
+
+@register("relax.tile")
+def tile_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = tile(x, reps)``: ``y.shape[i] = r_i * d_i`` (x and reps padded with leading 1s).
+
+    ``dx = sum(reshape(dy, [r_0, d_0, r_1, d_1, ...]), axes=[0, 2, ...])``, reshaped to x.
+    """
+    x = orig_call.args[0]
+    x_shape = shape_of(x)
+    reps = [int(r) for r in orig_call.attrs.repeats]
+    ndim = max(len(x_shape), len(reps))
+    dims = [1] * (ndim - len(x_shape)) + x_shape
+    reps = [1] * (ndim - len(reps)) + reps
+    split_shape = [size for pair in zip(reps, dims) for size in pair]
+    grad = op.sum(op.reshape(output_grad, split_shape), list(range(0, 2 * ndim, 2)))
+    return [op.reshape(grad, x_shape)]
+
+
+@register("relax.repeat")
+def repeat_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = repeat(x, r, axis)`` (each element r times in a row, like ``repeat_interleave``).
+
+    ``dx = sum(reshape(dy, [..., d_axis, r, ...]), axis + 1)``; with ``axis=None`` x is
+    flattened first, so ``dx = reshape(sum(reshape(dy, [x.size, r]), 1), x.shape)``.
+    """
+    x = orig_call.args[0]
+    x_shape = shape_of(x)
+    reps = int(orig_call.attrs.repeats)
+    if orig_call.attrs.axis is None:
+        grad = op.sum(op.reshape(output_grad, [prod(x_shape), reps]), [1])
+        return [op.reshape(grad, x_shape)]
+    axis = int(orig_call.attrs.axis) % len(x_shape)
+    split_shape = x_shape[: axis + 1] + [reps] + x_shape[axis + 1 :]
+    return [op.sum(op.reshape(output_grad, split_shape), [axis + 1])]
+
+
+@register("relax.nn.pad")
+def pad_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = pad(x, [before_0, after_0, ...], "constant")``, widths >= 0.
+
+    ``dx = dy[before_0 : before_0 + d_0, ...]``: the border holds the constant, which does not
+    depend on x.
+    """
+    attrs = orig_call.attrs
+    widths = [int(w) for w in attrs.pad_width]
+    if attrs.pad_mode != "constant" or min(widths) < 0:
+        raise NotImplementedError(
+            f"gradient of relax.nn.pad with pad_mode={attrs.pad_mode!r} and pad_width={widths}: "
+            "only constant padding with non-negative widths is supported"
+        )
+    x = orig_call.args[0]
+    x_shape = shape_of(x)
+    axes = list(range(len(x_shape)))
+    begin = widths[0::2]
+    end = [b + d for b, d in zip(begin, x_shape)]
+    grad = op.strided_slice(output_grad, axes, begin, end)
+    return [grad, *(grad_op.no_grad(arg) for arg in orig_call.args[1:])]

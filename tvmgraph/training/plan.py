@@ -1,0 +1,107 @@
+"""What a training graph updates: every optimizer param group, resolved to module paths.
+
+`TrainingPlan.build` reads the optimizers given to `Graph.add_optimizer` and finds each of their
+parameters among the graph's modules (by identity), so that the compiled program can address
+them by path (`model.0.weight`), like every other tensor it reads.
+
+Gradient clipping follows OneFlow: a param group with `clip_grad_max_norm` (and optionally
+`clip_grad_norm_type`, default 2.0) has its gradients scaled so that their joint norm is at most
+`clip_grad_max_norm`, exactly as `torch.nn.utils.clip_grad_norm_` over that group would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import OptimizerError
+from .optimizers import UpdateRule, rule_for
+
+CLIP_MAX_NORM = "clip_grad_max_norm"
+CLIP_NORM_TYPE = "clip_grad_norm_type"
+
+
+@dataclass
+class GroupPlan:
+    """One param group of one optimizer: its rule, its live dict, its parameters by path."""
+
+    optimizer: torch.optim.Optimizer
+    group_index: int
+    rule: UpdateRule
+    targets: list[str]
+    params: list[torch.nn.Parameter]
+    clip: tuple[float, float] | None  # (max_norm, norm_type)
+
+    @property
+    def group(self) -> dict:
+        return self.optimizer.param_groups[self.group_index]
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return self.rule.state_keys_for(self.group)
+
+    def structure(self) -> tuple:
+        return (type(self.rule).__name__, self.rule.structure(self.group), tuple(self.targets), self.clip)
+
+
+@dataclass
+class TrainingPlan:
+    """All groups of all optimizers of one graph, in `add_optimizer` order."""
+
+    groups: list[GroupPlan] = field(default_factory=list)
+    lr_schedulers: list[object] = field(default_factory=list)
+
+    @property
+    def targets(self) -> list[str]:
+        """Paths of every trained parameter, in update order (one entry per parameter)."""
+        return [t for g in self.groups for t in g.targets]
+
+    def structure(self) -> tuple:
+        """Everything about the optimizers that changes the compiled program."""
+        return tuple(g.structure() for g in self.groups)
+
+    @staticmethod
+    def build(graph_name: str, optimizers: list[tuple[torch.optim.Optimizer, object]],
+              named_parameters: list[tuple[str, torch.nn.Parameter]]) -> TrainingPlan:
+        path_of = {id(p): path for path, p in named_parameters}
+        plan = TrainingPlan(lr_schedulers=[s for _, s in optimizers if s is not None])
+        seen: dict[int, str] = {}
+        for opt_index, (optimizer, _) in enumerate(optimizers):
+            rule = rule_for(optimizer, f"{graph_name}: add_optimizer() #{opt_index}")
+            for group_index, group in enumerate(optimizer.param_groups):
+                where = f"{graph_name}: optimizer #{opt_index} ({type(optimizer).__name__}) param group {group_index}"
+                rule.check_group(group, where)
+                targets, params = [], []
+                for param_index, p in enumerate(group["params"]):
+                    if id(p) not in path_of:
+                        raise OptimizerError(
+                            f"{where}: parameter #{param_index} {tuple(p.shape)} belongs to no module "
+                            f"of the graph; assign the module that owns it in __init__ "
+                            f"(self.model = model) before add_optimizer()")
+                    if not p.requires_grad:
+                        continue  # torch skips parameters without a gradient, so do we
+                    path = path_of[id(p)]
+                    if path in seen:
+                        raise OptimizerError(f"{where}: parameter '{path}' is also updated by {seen[path]}; "
+                                             f"give each parameter to one optimizer group only")
+                    seen[path] = where
+                    targets.append(path)
+                    params.append(p)
+                plan.groups.append(GroupPlan(optimizer, group_index, rule, targets, params, _clip(group, where)))
+        return plan
+
+
+def _clip(group: dict, where: str) -> tuple[float, float] | None:
+    if CLIP_MAX_NORM not in group:
+        if CLIP_NORM_TYPE in group:
+            raise OptimizerError(f"{where}: {CLIP_NORM_TYPE} is set but {CLIP_MAX_NORM} is not; set both")
+        return None
+    max_norm = float(group[CLIP_MAX_NORM])
+    norm_type = float(group.get(CLIP_NORM_TYPE, 2.0))
+    if not max_norm > 0:
+        raise OptimizerError(f"{where}: {CLIP_MAX_NORM} must be > 0, got {group[CLIP_MAX_NORM]!r}")
+    if not (norm_type > 0 or math.isinf(norm_type)):
+        raise OptimizerError(f"{where}: {CLIP_NORM_TYPE} must be > 0 or inf, got {group[CLIP_NORM_TYPE]!r}")
+    return max_norm, norm_type

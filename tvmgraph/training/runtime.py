@@ -1,0 +1,69 @@
+"""Running a training step: optimizer state in, trained values out.
+
+Optimizer state lives where torch keeps it, in `optimizer.state[p]` (the same keys and tensor
+shapes as eager torch), so `optimizer.state_dict()` and `torch.save` work as usual and eager and
+graph training can take turns. Before each step `TrainingBinding.inputs` creates missing state
+the way torch does lazily and packs each group's hyperparameters (read from `param_groups` at
+every call, so lr schedulers need no recompile); after it, `write_back` stores the new parameter
+values and state. Parameters keep their identity: only `.data` is swapped for the new values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .plan import TrainingPlan
+from .train_step import TrainStepLayout
+
+
+class TrainingBinding:
+    """Extra inputs and outputs of `train_step` for one compiled entry."""
+
+    __slots__ = ("plan", "layout", "device")
+
+    def __init__(self, plan: TrainingPlan, layout: TrainStepLayout, device: torch.device):
+        self.plan = plan
+        self.layout = layout
+        self.device = device
+
+    def inputs(self) -> list[torch.Tensor]:
+        """State tensors in layout order, then one hyperparameter vector per group."""
+        states, hypers = [], []
+        for group in self.plan.groups:
+            fresh = False
+            keys = group.state_keys
+            for param in group.params:
+                state = group.optimizer.state[param]
+                if any(k not in state for k in keys):
+                    state.update({k: v for k, v in group.rule.init_state(param, group.group).items()
+                                  if k not in state})
+                    fresh = True
+                for key in keys:
+                    value = state[key]
+                    if value.device != self.device:  # e.g. torch keeps Adam's step on the CPU
+                        value = state[key] = value.to(self.device)
+                    states.append(value)
+            values = group.rule.hyper_values(group.group, fresh)
+            hypers.append(torch.tensor(values, dtype=torch.float32, device=self.device))
+        return states + hypers
+
+    def write_back(self, results: Sequence[torch.Tensor]) -> None:
+        """Store `new_params..., new_states...` (the tail of train_step's results)."""
+        params = [p for g in self.plan.groups for p in g.params]
+        new_params, new_states = results[:len(params)], results[len(params):]
+        with torch.no_grad():
+            for param, value in zip(params, new_params):
+                param.data = value
+        cursor = 0
+        for group in self.plan.groups:
+            keys = group.state_keys
+            for param in group.params:
+                state = group.optimizer.state[param]
+                for key in keys:
+                    state[key] = new_states[cursor]
+                    cursor += 1
+        for group in self.plan.groups:
+            # Tell torch's lr schedulers that the optimizer did step (else they warn).
+            group.optimizer._opt_called = True
