@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import tempfile
 
-import tvmgraph
+# A fresh compiled cache per test session (never the user's ~/.cache); set before tvmgraph is
+# imported, since tvmgraph reads its settings once.
+os.environ.setdefault("TVMGRAPH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmgraph-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tvmgraph  # noqa: E402
 
 # Tolerances for graph-vs-eager comparisons, by dtype (JAX public_test_util style).
 # float32 kernels in TVM reassociate sums differently from MKL/oneDNN, hence not bit-exact.

@@ -132,6 +132,19 @@ class Settings:
             os.environ.get("TVMGRAPH_CACHE_DIR", Path.home() / ".cache" / "tvmgraph")
         )
     )
+    # TVM VM memory allocator: "pooled" keeps freed blocks for reuse (fast); "naive" returns
+    # them at once (the memory benchmark uses it so that RSS follows live tensors).
+    vm_allocator: str = field(default_factory=lambda: os.environ.get("TVMGRAPH_VM_ALLOCATOR", "pooled"))
+    # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
+    compile_cache: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_COMPILE_CACHE", "1") != "0")
 
 
 settings = Settings()
+
+# TVM's CPU worker threads spin after each parallel kernel before they sleep. With the default
+# spin count they keep both cores busy long after a graph call returns, and eager torch code
+# that runs next (its OpenMP threads) slows down up to 40x (measured: a 70 us eager MLP took
+# 2.5 ms right after a graph call). A short spin keeps consecutive kernels of one graph call on
+# warm threads and lets them sleep between calls. Read by TVM when its thread pool starts, so
+# it is set here, at import; a value the user exported wins.
+os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "1000")

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import inspect
 import itertools
@@ -38,6 +39,8 @@ from .errors import (
 )
 from .graph_repr import graph_repr
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
+from .target import target_for
+from . import artifact
 from . import lower as lowering
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
@@ -45,6 +48,7 @@ from .training.optimizers import rule_for
 from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE, TrainingPlan
 
 _instance_counters: dict[str, itertools.count] = collections.defaultdict(itertools.count)
+PIPELINE = "default"
 
 MSG_INIT_NOT_CALLED = """\
 {cls}: super().__init__() was not called before {what}. Call it first in __init__:
@@ -255,7 +259,7 @@ class Graph:
 
     def __repr__(self) -> str:
         st = self._state()
-        return graph_repr(self, st.last.lowered.traced if st.last else None)
+        return graph_repr(self, st.last.traced if st.last else None)
 
     # ---- calling ----
 
@@ -276,7 +280,7 @@ class Graph:
             for _, scheduler in st.optimizers:
                 if scheduler is not None:
                     scheduler.step()
-        return entry.lowered.traced.out_tree.unflatten(outputs)
+        return entry.traced.out_tree.unflatten(outputs)
 
     def trace(self, *args: Any) -> TracedGraph:
         """Stage 1 alone: trace `build(*args)` without lowering or compiling it."""
@@ -396,22 +400,40 @@ class Graph:
     def _compile(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                  flat: list[torch.Tensor]) -> CompiledGraph:
         if st.last is not None:
-            old = st.last.lowered.traced.signature
+            old = st.last.traced.signature
             arg_names = self._arg_names(st, len(args_tree.children))
             diffs = signature.differences(old, arg_names, st.module_paths)
             st.log.warning(f"compiling entry #{len(st.entries) + 1} for a new call signature: "
                            + "; ".join(diffs or ["(first call of this signature)"]))
         traced = self._trace(st, signature, args_tree, flat)
         plan = self._training_plan(st, traced)
+        device = flat[0].device if flat else _module_device(st)
+        compiled = self._compile_or_load(st, traced, plan, device)
+        st.entries[signature] = compiled
+        return compiled
+
+    def _compile_or_load(self, st: _GraphState, traced: TracedGraph, plan: TrainingPlan | None,
+                         device: torch.device) -> CompiledGraph:
+        """Load the program from the persistent compiled cache, or lower and compile it (and
+        store it there)."""
+        cache = artifact.compiled_cache()
+        key = artifact.graph_key(type(self).__name__, traced, plan, self.config, target_for(device), PIPELINE)
+        if cache is not None:
+            compiled = artifact.load(cache, key, traced, plan, device, st.modules)
+            if compiled is not None:
+                st.log.info(0, f"loaded the compiled program from the cache ({key}).")
+                return compiled
         with st.log.stage("lowering to Relax" + (" with autodiff and optimizer update" if plan else "")):
             lowered = traced.lower(plan)
         if st.log.on(2):
             _log_ops(st.log, lowered, self.build)
-        device = flat[0].device if flat else _module_device(st)
+        store = None
+        if cache is not None:
+            meta = {"signature": lowered.signature, "train_layout": lowered.train_layout,
+                    "target": str(target_for(device))}
+            store = functools.partial(cache.store, key, meta=meta)
         with st.log.stage(f"compiling for {device}"):
-            compiled = lowered.compile(device, self.config, st.modules)
-        st.entries[signature] = compiled
-        return compiled
+            return lowered.compile(device, self.config, st.modules, PIPELINE, store=store)
 
 
 def _optimizer_structure(optimizer: torch.optim.Optimizer) -> tuple:
@@ -433,7 +455,7 @@ def _log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:
     and source line."""
     from tvm import relax
 
-    for var, value in relax.analysis.get_var2val(lowered.mod["main"]).items():
+    for var, value in relax.analysis.get_var2val(lowered.mod[lowered.entry]).items():
         if isinstance(value, relax.Call):
             args = ", ".join(getattr(a, "name", type(a).__name__) for a in value.args)
             op = getattr(value.op, "name", None) or getattr(value.op, "global_symbol", value.op)

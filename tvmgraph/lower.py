@@ -63,6 +63,7 @@ class LoweredSignature:
     num_user_outputs: int
     has_loss: bool
     constants: dict[str, torch.Tensor]
+    input_types: tuple[tuple[tuple[int, ...], str], ...] = ()  # (shape, dtype) of each input
 
 
 def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -184,7 +185,9 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
         custom_convert_map=convert_map,
     )
     num_user = lowered_sig.num_user_outputs - (1 if has_loss else 0)
-    lowered_sig = dataclasses.replace(lowered_sig, num_user_outputs=num_user, has_loss=has_loss)
+    types = tuple((tuple(int(d) for d in p.ty.shape), p.ty.dtype.dtype) for p in mod["main"].params)
+    lowered_sig = dataclasses.replace(lowered_sig, num_user_outputs=num_user, has_loss=has_loss,
+                                      input_types=types)
     return mod, lowered_sig
 
 

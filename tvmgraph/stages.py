@@ -2,24 +2,29 @@
 
     Graph.trace(*args) -> TracedGraph         torch.export program of build(), ready to lower
     TracedGraph.lower() -> LoweredGraph       Relax IRModule with a known calling convention
-    LoweredGraph.compile() -> CompiledGraph   VM executable bound to a device, ready to run
+    LoweredGraph.compile() -> CompiledGraph   shared library loaded on a device, ready to run
 
-`Graph.__call__` chains them with a cache keyed by the call's `Signature`. A training graph
-(build() called loss.backward() and the graph has optimizers) lowers to a `train_step`
-function instead of `main` (tvmgraph/training/train_step.py).
+`Graph.__call__` chains them with a cache keyed by the call's `Signature`, and with the
+persistent compiled cache (tvmgraph/artifact.py): a program compiled once, by any process, is
+loaded instead of compiled again. A training graph (build() called loss.backward() and the
+graph has optimizers) lowers to a `train_step` function instead of `main`
+(tvmgraph/training/train_step.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 import tvm
 from tvm import relax
 
 from . import lower as lowering
+from .debug import logger
 from .binding import TensorBinder
-from .config import GraphConfig
+from .config import GraphConfig, settings
 from .errors import DeviceMismatchError, StaleGraphError
 from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
@@ -100,41 +105,71 @@ class LoweredGraph:
         return optimized, tvm.compile(optimized, target=target, relax_pipeline=None)
 
     def compile(self, device: torch.device, config: GraphConfig, modules: Mapping[str, torch.nn.Module],
-                pipeline: str = "default") -> CompiledGraph:
-        """Build for `device`'s target and load the result onto `device`, bound to `modules`."""
+                pipeline: str = "default", store: Callable[[relax.VMExecutable], Path] | None = None) -> CompiledGraph:
+        """Build for `device`'s target and load the program onto `device`, bound to `modules`.
+
+        With `store` (the compiled cache's writer, returning the library's path) the program is
+        exported as a shared library and loaded from there; without it, it runs from memory.
+        """
         target = target_for(device)
         optimized, executable = self.build(target, config, pipeline)
-        binder = TensorBinder(self.signature.inputs, modules, self.signature.constants)
-        training = TrainingBinding(self.plan, self.train_layout, device) if self.train_layout else None
-        return CompiledGraph(self, optimized, executable, target, device, binder, training)
+        lib = executable
+        if store is not None:
+            try:
+                lib = tvm.runtime.load_module(str(store(executable)))
+            except Exception as e:  # exporting links with a C compiler; without one, run from memory
+                logger.warning("%s: could not export the compiled library (%s: %s); running it from memory "
+                               "and not caching it", self.traced.graph_name, type(e).__name__, e)
+        return CompiledGraph(self.traced, self.plan, self.signature, self.train_layout, lib, target,
+                             device, modules, lowered=self, optimized=optimized)
 
 
 class CompiledGraph:
-    """A VM executable plus everything needed to call it with torch tensors."""
+    """A compiled program loaded on a device, plus everything needed to call it with torch
+    tensors. Made by `LoweredGraph.compile`, or from a compiled-cache entry (no lowering)."""
 
-    __slots__ = ("lowered", "optimized", "executable", "target", "device", "binder", "training",
-                 "_entry", "_num_mutations", "_num_user_outputs", "_has_rng")
+    __slots__ = ("traced", "plan", "signature", "train_layout", "lib", "target", "device", "binder",
+                 "training", "_lowered", "optimized", "_entry", "_num_mutations", "_num_user_outputs",
+                 "_has_rng")
 
-    def __init__(self, lowered: LoweredGraph, optimized: tvm.IRModule, executable: relax.VMExecutable,
-                 target: tvm.target.Target, device: torch.device, binder: TensorBinder,
-                 training: TrainingBinding | None = None):
-        self.lowered = lowered
-        self.optimized = optimized
-        self.executable = executable
+    def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, signature: lowering.LoweredSignature,
+                 train_layout: TrainStepLayout | None, lib: tvm.runtime.Module | relax.VMExecutable,
+                 target: tvm.target.Target,
+                 device: torch.device, modules: Mapping[str, torch.nn.Module],
+                 lowered: LoweredGraph | None = None, optimized: tvm.IRModule | None = None):
+        self.traced = traced
+        self.plan = plan
+        self.signature = signature
+        self.train_layout = train_layout
+        self.lib = lib
         self.target = target
         self.device = device
-        self.binder = binder
-        self.training = training
-        vm = relax.VirtualMachine(executable, tvm_device(device))
-        self._entry: Callable = vm[lowered.entry]
-        sig = lowered.signature
-        self._num_mutations = len(sig.mutations)
-        self._num_user_outputs = sig.num_user_outputs
-        self._has_rng = any(s.kind == "rng" for s in sig.inputs)
+        self.binder = TensorBinder(signature.inputs, modules, signature.constants)
+        self.training = TrainingBinding(plan, train_layout, device) if train_layout is not None else None
+        self._lowered = lowered
+        self.optimized = optimized
+        vm = relax.VirtualMachine(lib, tvm_device(device), memory_cfg=settings.vm_allocator)
+        self._entry: Callable = vm[TRAIN_STEP if train_layout is not None else "main"]
+        self._num_mutations = len(signature.mutations)
+        self._num_user_outputs = signature.num_user_outputs
+        self._has_rng = any(s.kind == "rng" for s in signature.inputs)
+
+    @property
+    def lowered(self) -> LoweredGraph:
+        """The Relax stage; lowered again on first access when the program came from the cache."""
+        if self._lowered is None:
+            self._lowered = self.traced.lower(self.plan)
+        return self._lowered
 
     def as_text(self) -> str:
-        """TVMScript of the module after the pass pipeline (what was built)."""
+        """TVMScript of the module after the pass pipeline (what was built), when built here."""
+        if self.optimized is None:
+            return "# loaded from the compiled cache; see .lowered.as_text() for the Relax program\n"
         return self.optimized.script(show_meta=False)
+
+    def artifact_meta(self) -> dict[str, Any]:
+        """What a compiled-cache entry stores besides the library."""
+        return {"signature": self.signature, "train_layout": self.train_layout, "target": str(self.target)}
 
     def run(self, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Run once: returns the user outputs (flat) and the loss, if build() called backward()."""
@@ -150,8 +185,7 @@ class CompiledGraph:
         if n_mut:
             self._write_back(flat_inputs, state, results[:n_mut])
         user = list(results[n_mut:n_mut + n_user])
-        has_loss = self.lowered.signature.has_loss
-        loss = results[n_mut + n_user] if has_loss else None
+        loss = results[n_mut + n_user] if self.signature.has_loss else None
         if self.training is not None:
             self.training.write_back(results[n_mut + n_user + 1:])
         return user, loss
@@ -159,21 +193,19 @@ class CompiledGraph:
     def _write_back(self, flat_inputs: Sequence[torch.Tensor], state: list[torch.Tensor], new_values) -> None:
         named = dict(zip((s.target for s in self.binder.sources), state))
         with torch.no_grad():
-            for source, value in zip(self.lowered.signature.mutations, new_values):
+            for source, value in zip(self.signature.mutations, new_values):
                 dest = flat_inputs[int(source.target)] if source.kind == "user" else named[source.target]
                 dest.copy_(value)
 
     def _diagnose(self, state: list[torch.Tensor]) -> None:
-        graph = self.lowered.traced.graph_name
-        sig = self.lowered.signature
-        params = [p for p, s in zip(self.lowered.mod[self.lowered.entry].params, sig.inputs)
-                  if s.kind in ("parameter", "buffer", "constant")]
-        for source, t, param in zip(self.binder.sources, state, params):
-            expected = [int(d) for d in param.ty.shape]
-            if list(t.shape) != expected or str(t.dtype).removeprefix("torch.") != param.ty.dtype.dtype:
+        graph = self.traced.graph_name
+        types = [t for t, s in zip(self.signature.input_types, self.signature.inputs)
+                 if s.kind in ("parameter", "buffer", "constant")]
+        for source, t, (shape, dtype) in zip(self.binder.sources, state, types):
+            if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
                 raise StaleGraphError(
                     f"{graph}: {source.kind} '{source.target}' is now {TensorSpec.of(t).describe()} but the "
-                    f"graph was compiled for {param.ty.dtype.dtype}{expected}; create a new graph object "
+                    f"graph was compiled for {dtype}{list(shape)}; create a new graph object "
                     f"after changing the model's structure."
                 )
             if t.device != self.device:

@@ -130,8 +130,10 @@ def test_repr_shows_buffers_and_nested_inputs() -> None:
     assert f"(INPUT:_{graph.name}-input_0.1:tensor(..., size=(5, 2), dtype=torch.float32))" in text
 
 
-def test_debug_levels(caplog: pytest.LogCaptureFixture) -> None:
+def test_debug_levels(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """v_level 0: stages; 1: modules; 2: ops; 3: source lines. Off: nothing below WARNING."""
+    monkeypatch.setattr(tvmgraph.artifact, "compiled_cache", lambda: None)  # always lower and compile
+
     def messages(level: int | None) -> str:
         graph = ScaledLinearGraph()
         if level is not None:
