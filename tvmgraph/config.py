@@ -35,7 +35,7 @@ class GraphConfig:
     training: bool = False
     amp: bool = False
     zero: bool = False
-    fuse_model_update_ops: bool = False
+    fuse_model_update_ops: bool = True
     fuse_add_to_output: bool = False
     fuse_cast_scale: bool = False
     gradient_accumulation_steps: int = 1
@@ -62,10 +62,13 @@ class GraphConfig:
         self.zero = False
 
     def allow_fuse_model_update_ops(self, mode: bool = True) -> None:
-        """Fuse the optimizer update of all parameters into as few kernels as possible."""
-        if mode:
-            raise _not_yet("allow_fuse_model_update_ops", "the fusion passes are planned")
-        self.fuse_model_update_ops = False
+        """One in-place kernel per param group for the optimizer update (default: on).
+
+        relay_passes/fuse_model_update.py: every parameter and optimizer state is read and
+        written once, in its own memory. Off: the update is plain Relax ops, fused by FuseOps
+        into one kernel per result, each allocating a new tensor.
+        """
+        self.fuse_model_update_ops = bool(mode)
 
     def allow_fuse_add_to_output(self, mode: bool = True) -> None:
         """Fuse bias add, activation and residual add into the producing matmul/conv."""
@@ -135,6 +138,11 @@ class Settings:
     # TVM VM memory allocator: "pooled" keeps freed blocks for reuse (fast); "naive" returns
     # them at once (the memory benchmark uses it so that RSS follows live tensors).
     vm_allocator: str = field(default_factory=lambda: os.environ.get("TVMGRAPH_VM_ALLOCATOR", "pooled"))
+    # tvmgraph's default CPU schedules (tvmgraph/schedules); TVMGRAPH_CPU_SCHEDULES=0 leaves
+    # kernels as TVM's plain loop nests (slow; for debugging a schedule).
+    cpu_schedules: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_CPU_SCHEDULES", "1") != "0")
+    # float32 exp/erf/tanh/sigmoid as vectorizable polynomials (~1e-7 relative error) on CPU.
+    fast_math: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_FAST_MATH", "1") != "0")
     # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
     compile_cache: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_COMPILE_CACHE", "1") != "0")
 

@@ -433,7 +433,8 @@ class Graph:
                     "target": str(target_for(device))}
             store = functools.partial(cache.store, key, meta=meta)
         with st.log.stage(f"compiling for {device}"):
-            return lowered.compile(device, self.config, st.modules, PIPELINE, store=store)
+            return lowered.compile(device, self.config, st.modules, PIPELINE, store=store,
+                                   report=lambda msg: st.log.info(1, msg))
 
 
 def _optimizer_structure(optimizer: torch.optim.Optimizer) -> tuple:

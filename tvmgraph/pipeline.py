@@ -12,11 +12,13 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
+from relay_passes.fuse_model_update import FuseModelUpdate
 from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
 
-from .config import GraphConfig
+from .config import GraphConfig, settings
 
-PipelineFn = Callable[[tvm.target.Target, GraphConfig], tvm.transform.Pass]
+Report = Callable[[str], None]  # where passes say what they did (graph.debug(1))
+PipelineFn = Callable[[tvm.target.Target, GraphConfig, Report], tvm.transform.Pass]
 PIPELINE_MAP: dict[str, PipelineFn] = {}
 
 
@@ -32,11 +34,13 @@ def register_pipeline(name: str) -> Callable[[PipelineFn], PipelineFn]:
     return register
 
 
-def get_pipeline(target: tvm.target.Target, config: GraphConfig, name: str = "default") -> tvm.transform.Pass:
-    """The pass pipeline `name` for `target`; an unknown name lists the registered ones."""
+def get_pipeline(target: tvm.target.Target, config: GraphConfig, name: str = "default",
+                 report: Report | None = None) -> tvm.transform.Pass:
+    """The pass pipeline `name` for `target`; an unknown name lists the registered ones.
+    Passes report what they did through `report` (the graph's debug log at v_level 1)."""
     if name not in PIPELINE_MAP:
         raise ValueError(f"unknown pipeline {name!r}; registered pipelines: {sorted(PIPELINE_MAP)}")
-    return PIPELINE_MAP[name](target, config)
+    return PIPELINE_MAP[name](target, config, report or (lambda msg: None))
 
 
 def _gpu_schedules() -> list[tvm.transform.Pass]:
@@ -47,8 +51,14 @@ def _gpu_schedules() -> list[tvm.transform.Pass]:
                                     dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
 
 
+def _cpu_schedules() -> list[tvm.transform.Pass]:
+    from .schedules import ApplyCPUSchedules
+
+    return [ApplyCPUSchedules(fast_math=settings.fast_math)] if settings.cpu_schedules else []
+
+
 @register_pipeline("default")
-def default_pipeline(target: tvm.target.Target, config: GraphConfig) -> tvm.transform.Pass:
+def default_pipeline(target: tvm.target.Target, config: GraphConfig, report: Report) -> tvm.transform.Pass:
     """Legalize, fuse, schedule and lower a Relax module to VM code for `target`.
 
     The same steps as TVM's per-target pipelines (relax/backend/*/pipeline.py), listed here so
@@ -60,23 +70,27 @@ def default_pipeline(target: tvm.target.Target, config: GraphConfig) -> tvm.tran
         # 1. Sort/scan/sampling ops to library or TIR implementations.
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
-        # 2. Every Relax op becomes a call to a TIR PrimFunc.
+        # 2. Training graphs: the optimizer update of each param group becomes one in-place
+        #    kernel (allow_fuse_model_update_ops), or its Relax function is inlined.
+        FuseModelUpdate(config.fuse_model_update_ops, report),
+        T.InlinePrivateFunctions(),
+        # 3. Every Relax op becomes a call to a TIR PrimFunc.
         LowerCallTIRWithGrad(),
         T.LegalizeOps(),
-        # 3. Operator fusion: group element-wise/injective ops with their producers.
+        # 4. Operator fusion: group element-wise/injective ops with their producers.
         #    (No FoldConstant: parameters are inputs, so little folds, and folding compiles and
         #    runs every constant kernel once: 4 s of a 19 s CNN training-graph compile.)
         T.AnnotateTIROpPattern(),
         T.FuseOps(),
         T.FuseTIR(),
-        # 4. Schedules for the kernels.
-        *(_gpu_schedules() if is_gpu else []),
-        # 5. Dataflow blocks become plain bindings; calls become destination-passing style.
+        # 5. Schedules for the kernels: dlight on GPU, tvmgraph's CPU rules on LLVM.
+        *(_gpu_schedules() if is_gpu else _cpu_schedules()),
+        # 6. Dataflow blocks become plain bindings; calls become destination-passing style.
         T.RewriteDataflowReshape(),
         T.ToNonDataflow(),
         T.RemovePurityChecking(),
         T.CallTIRRewrite(),
-        # 6. Memory planning, then lowering to VM builtins.
+        # 7. Memory planning, then lowering to VM builtins.
         T.StaticPlanBlockMemory(),
         *([T.RewriteCUDAGraph()] if is_gpu else []),
         T.LowerAllocTensor(),

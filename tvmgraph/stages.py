@@ -98,21 +98,22 @@ class LoweredGraph:
         """TVMScript of the Relax module."""
         return self.mod.script(show_meta=False)
 
-    def build(self, target: tvm.target.Target, config: GraphConfig,
-              pipeline: str = "default") -> tuple[tvm.IRModule, relax.VMExecutable]:
+    def build(self, target: tvm.target.Target, config: GraphConfig, pipeline: str = "default",
+              report: Callable[[str], None] | None = None) -> tuple[tvm.IRModule, relax.VMExecutable]:
         """Run the pass pipeline for `target` and generate code; needs no device (cross-compiles)."""
-        optimized = get_pipeline(target, config, pipeline)(self.mod)
+        optimized = get_pipeline(target, config, pipeline, report)(self.mod)
         return optimized, tvm.compile(optimized, target=target, relax_pipeline=None)
 
     def compile(self, device: torch.device, config: GraphConfig, modules: Mapping[str, torch.nn.Module],
-                pipeline: str = "default", store: Callable[[relax.VMExecutable], Path] | None = None) -> CompiledGraph:
+                pipeline: str = "default", store: Callable[[relax.VMExecutable], Path] | None = None,
+                report: Callable[[str], None] | None = None) -> CompiledGraph:
         """Build for `device`'s target and load the program onto `device`, bound to `modules`.
 
         With `store` (the compiled cache's writer, returning the library's path) the program is
         exported as a shared library and loaded from there; without it, it runs from memory.
         """
         target = target_for(device)
-        optimized, executable = self.build(target, config, pipeline)
+        optimized, executable = self.build(target, config, pipeline, report)
         lib = executable
         if store is not None:
             try:

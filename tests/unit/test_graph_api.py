@@ -62,7 +62,7 @@ def test_training_is_false_without_optimizer() -> None:
 
 @pytest.mark.parametrize(
     "option",
-    ["enable_amp", "enable_zero", "allow_fuse_model_update_ops", "allow_fuse_add_to_output",
+    ["enable_amp", "enable_zero", "allow_fuse_add_to_output",
      "allow_fuse_cast_scale", "enable_cudnn_conv_heuristic_search_algo",
      "enable_straighten_algorithm", "enable_compress_memory"],
 )

@@ -39,11 +39,15 @@ class GroupPlan:
         return self.optimizer.param_groups[self.group_index]
 
     @property
+    def flags(self) -> dict[str, bool]:
+        return self.rule.flags(self.group)
+
+    @property
     def state_keys(self) -> tuple[str, ...]:
-        return self.rule.state_keys_for(self.group)
+        return self.rule.state_keys(self.flags)
 
     def structure(self) -> tuple:
-        return (type(self.rule).__name__, self.rule.structure(self.group), tuple(self.targets), self.clip)
+        return (self.rule.name, self.rule.structure(self.group), tuple(self.targets), self.clip)
 
 
 @dataclass

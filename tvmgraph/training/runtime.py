@@ -37,7 +37,7 @@ class TrainingBinding:
             for param in group.params:
                 state = group.optimizer.state[param]
                 if any(k not in state for k in keys):
-                    state.update({k: v for k, v in group.rule.init_state(param, group.group).items()
+                    state.update({k: v for k, v in group.rule.init_state(param, group.flags).items()
                                   if k not in state})
                     fresh = True
                 for key in keys:
@@ -55,7 +55,8 @@ class TrainingBinding:
         new_params, new_states = results[:len(params)], results[len(params):]
         with torch.no_grad():
             for param, value in zip(params, new_params):
-                param.data = value
+                if value.data_ptr() != param.data_ptr():  # not updated in place
+                    param.data = value
         cursor = 0
         for group in self.plan.groups:
             keys = group.state_keys

@@ -12,13 +12,22 @@ Output: the module with `main` replaced by
     @R.function
     def train_step(inputs..., params..., buffers..., constants..., states..., hypers...):
         (outs, grads) = main_adjoint(inputs..., params..., buffers..., constants...)  # inlined
-        grads = clip(grads)                                    # per group, when configured
-        new_params, new_states = optimizer updates             # per parameter
+        grads = clip(grads)                                   # per group, when configured
+        upd_0 = update_0(hyper_0, p, g, states..., p, g, states..., ...)   # one call per group
+        ...
         return (mutations..., outputs..., loss, new_params..., new_states...)
 
-where `states` are one tensor per (trained parameter, state key) in plan order and `hypers` one
+    @R.function(private=True)
+    def update_0(hyper, p, g, s..., ...):   # attrs: tvmgraph.model_update = rule name, flags
+        ...elementwise update of every parameter of group 0...
+        return (new_s..., new_p, new_s..., new_p, ...)
+
+`states` are one tensor per (trained parameter, state key) in plan order and `hypers` one
 float32 vector per param group (its `UpdateRule.hyper_keys`). `main_adjoint` comes from
-`relax.transform.Gradient` and is inlined, so the update can fuse with the backward pass.
+`relax.transform.Gradient` and is inlined, so the update can fuse with the backward pass. The
+update functions are inlined by the pipeline, or replaced by one in-place kernel each by
+relay_passes/fuse_model_update.py. All updates come after all gradients, so an in-place update
+never overwrites a parameter that the backward pass still reads.
 """
 
 from __future__ import annotations
@@ -30,10 +39,13 @@ import tvm
 from tvm import relax
 
 from .. import gradients as _gradients  # noqa: F401  (registers the gradients TVM lacks)
-from .optimizers import UpdateInputs
+from .optimizers import PARAM, UpdateRule
 from .plan import GroupPlan, TrainingPlan
+from .update_ops import RelaxUpdateOps
 
 FUNC_NAME = "train_step"
+MODEL_UPDATE_ATTR = "tvmgraph.model_update"  # rule name, on each group's update function
+FLAGS_ATTR = "tvmgraph.update_flags"
 
 
 @dataclass(frozen=True)
@@ -45,8 +57,34 @@ class TrainStepLayout:
     num_groups: int
 
 
-def _take(bb: relax.BlockBuilder, vector: relax.Expr, index: int) -> relax.Var:
-    return bb.emit(relax.op.take(vector, relax.const(index, "int64"), axis=0))
+def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
+                    name: str) -> relax.Function:
+    """The Relax function updating every parameter of one group (see the module docstring)."""
+    keys = rule.state_keys(flags)
+    bb = relax.BlockBuilder()
+    hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), "float32"))
+    params, per_param = [hyper], []
+    for i, ty in enumerate(param_types):
+        p, g = relax.Var(f"p{i}", ty), relax.Var(f"g{i}", ty)
+        states = {k: relax.Var(f"{k}{i}", relax.TensorType((), "float32") if rule.scalar_state(k) else ty)
+                  for k in keys}
+        params += [p, g, *states.values()]
+        per_param.append((p, g, states))
+    # Public while the adjoint is inlined (see append_train_step), private afterwards.
+    with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags}):
+        with bb.dataflow():
+            h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0))
+                 for i, k in enumerate(rule.hyper_keys)}
+            results = []
+            for p, g, states in per_param:
+                dtype = p.ty.dtype.dtype
+                ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: v.ty.dtype.dtype for k, v in states.items()}})
+                rule.update(ops, ops.wrap(p), ops.wrap(g), {k: ops.wrap(v) for k, v in states.items()},
+                            {k: ops.wrap(v) for k, v in h.items()}, flags)
+                results += [ops.outputs[k] for k in keys] + [ops.outputs[PARAM]]
+            out = bb.emit_output(relax.Tuple(results))
+        bb.emit_func_output(out)
+    return bb.get()[name]
 
 
 def _clip(bb: relax.BlockBuilder, grads: list[relax.Expr], max_norm: float, norm_type: float) -> list[relax.Expr]:
@@ -80,12 +118,16 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     bb = relax.BlockBuilder(mod)
     inputs = [relax.Var(v.name, v.ty) for v in main.params]
     state_vars, state_shapes = [], []
-    for group in plan.groups:
-        for target, index in zip(group.targets, _indices_of(group, plan, grad_indices)):
-            ty = main.params[index].ty
+    update_gvs = []
+    for index, group in enumerate(plan.groups):
+        types = [main.params[i].ty for i in _indices_of(group, plan, grad_indices)]
+        name = f"update_{index}_{group.rule.name}"
+        update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name), name))
+        for target, ty in zip(group.targets, types):
             for key in group.state_keys:
-                shape, dtype = ((), "float32") if key == "step" else (tuple(int(d) for d in ty.shape), ty.dtype.dtype)
-                state_vars.append(relax.Var(f"{_ident(target)}__{key}", relax.TensorType(shape, dtype)))
+                scalar = group.rule.scalar_state(key)
+                shape, dtype = ((), "float32") if scalar else (tuple(int(d) for d in ty.shape), ty.dtype.dtype)
+                state_vars.append(relax.Var(f"{target.replace('.', '_')}__{key}", relax.TensorType(shape, dtype)))
                 state_shapes.append((target, key, shape, dtype))
     hyper_vars = [relax.Var(f"hyper_{i}", relax.TensorType((len(g.rule.hyper_keys),), "float32"))
                   for i, g in enumerate(plan.groups)]
@@ -97,32 +139,35 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
             grads = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 1), j)) for j in range(len(grad_indices))]
             new_params, new_states = [], []
             cursor, state_cursor = 0, 0
-            for group, hyper in zip(plan.groups, hyper_vars):
-                n = len(group.targets)
+            for group, hyper, update_gv in zip(plan.groups, hyper_vars, update_gvs):
+                n, keys = len(group.targets), group.state_keys
                 group_grads = grads[cursor:cursor + n]
                 if group.clip is not None and n:
                     group_grads = _clip(bb, group_grads, *group.clip)
-                h = {key: _take(bb, hyper, i) for i, key in enumerate(group.rule.hyper_keys)}
+                args = [hyper]
                 for k in range(n):
-                    param = inputs[grad_indices[cursor + k]]
-                    keys = group.state_keys
-                    state = dict(zip(keys, state_vars[state_cursor:state_cursor + len(keys)]))
+                    args += [inputs[grad_indices[cursor + k]], group_grads[k],
+                             *state_vars[state_cursor:state_cursor + len(keys)]]
                     state_cursor += len(keys)
-                    new_p, new_s = group.rule.emit_update(bb.emit, UpdateInputs(param, group_grads[k], state, h), group.group)
-                    new_params.append(new_p)
-                    new_states.extend(new_s[key] for key in keys)
+                updated = bb.emit(relax.Call(update_gv, args))
+                for k in range(n):
+                    base = k * (len(keys) + 1)
+                    new_states += [bb.emit(relax.TupleGetItem(updated, base + j)) for j in range(len(keys))]
+                    new_params.append(bb.emit(relax.TupleGetItem(updated, base + len(keys))))
                 cursor += n
             result = bb.emit_output(relax.Tuple(outs + new_params + new_states))
         bb.emit_func_output(result)
     mod = bb.get()
 
-    # Inline the adjoint so that the update fuses with the backward pass; drop what is unused.
+    # Inline the adjoint so that the update can fuse with the backward pass; drop what is unused.
     mod["main_adjoint"] = mod["main_adjoint"].without_attr("global_symbol")
     mod = tvm.transform.Sequential([
         relax.transform.InlinePrivateFunctions(),
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination([FUNC_NAME]),
     ])(mod)
+    for gv in update_gvs:  # the pipeline fuses them (FuseModelUpdate) or inlines them
+        mod[gv] = mod[gv].without_attr("global_symbol")
     layout = TrainStepLayout(tuple(grad_indices), tuple(state_shapes), len(plan.groups))
     return mod, layout
 
@@ -130,7 +175,3 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
 def _indices_of(group: GroupPlan, plan: TrainingPlan, grad_indices: list[int]) -> list[int]:
     start = sum(len(g.targets) for g in plan.groups[:plan.groups.index(group)])
     return grad_indices[start:start + len(group.targets)]
-
-
-def _ident(path: str) -> str:
-    return path.replace(".", "_")

@@ -1,0 +1,1 @@
+"""Benchmarks: tvmgraph against torch eager and torch.compile, measured side by side."""

@@ -1,0 +1,75 @@
+"""The three ways of running a case: torch eager, torch.compile, tvmgraph.
+
+Each engine owns its copy of the model (same initial weights) and, for training, an
+SGD-with-momentum optimizer; `step()` runs one inference call or one training step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import tvmgraph
+
+from .suite import Case
+
+LR, MOMENTUM = 0.01, 0.9
+ENGINES = ("eager", "compile", "tvmgraph")
+
+
+class _InferGraph(tvmgraph.nn.Graph):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+class _TrainGraph(tvmgraph.nn.Graph):
+    def __init__(self, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.add_optimizer(optimizer)
+
+    def build(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], object]:
+    """A function running one inference call or training step of `model` with `engine`."""
+    model = copy.deepcopy(model)
+    loss_fn = case.loss_fn()
+    if mode == "infer":
+        model.eval()
+        if engine == "tvmgraph":
+            graph = _InferGraph(model)
+            return lambda x, y: graph(x)
+        fn = torch.compile(model) if engine == "compile" else model
+
+        def infer(x, y):
+            with torch.no_grad():
+                return fn(x)
+
+        return infer
+
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if engine == "tvmgraph":
+        return _TrainGraph(model, loss_fn, optimizer)
+    fn = torch.compile(model) if engine == "compile" else model
+
+    def train(x, y):
+        loss = loss_fn(fn(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return train

@@ -1,0 +1,110 @@
+"""Run the reference suite: torch eager, torch.compile and tvmgraph, interleaved in one run.
+
+    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer] [--modes infer,train]
+                             [--engines eager,compile,tvmgraph] [--rounds 15] [--seconds 0.2]
+                             [--no-memory] [--json results.json]
+
+For every case and mode it prints the median time per call of each engine, its ratio to eager
+(below 1.00 is faster than eager), the first-call (compile) time, and the peak memory of the
+steady-state step. Timing rounds rotate through the engines so that all three see the same
+machine conditions. Peak memory is measured in a fresh subprocess per engine (see memory.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from .engines import ENGINES, make_step
+from .memory import measure_peak_memory
+from .suite import CASES
+
+
+def machine() -> str:
+    import os
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def time_case(case_name: str, mode: str, engines: list[str], rounds: int, seconds: float) -> dict:
+    case = CASES[case_name]
+    torch.manual_seed(0)
+    model = case.make_model()
+    x, y = case.inputs()
+    steps, compile_s = {}, {}
+    for engine in engines:
+        step = make_step(engine, mode, case, model)
+        start = time.perf_counter()
+        step(x, y)  # first call: compiles for compile/tvmgraph
+        compile_s[engine] = time.perf_counter() - start
+        step(x, y)
+        steps[engine] = step
+    # calls per timing block, so that one block lasts about `seconds` on the slowest engine
+    per_call = {}
+    for engine, step in steps.items():
+        start = time.perf_counter()
+        step(x, y)
+        per_call[engine] = time.perf_counter() - start
+    calls = max(1, int(seconds / max(per_call.values())))
+    samples: dict[str, list[float]] = {e: [] for e in engines}
+    for r in range(rounds):
+        order = engines[r % len(engines):] + engines[:r % len(engines)]
+        for engine in order:
+            step = steps[engine]
+            start = time.perf_counter()
+            for _ in range(calls):
+                step(x, y)
+            samples[engine].append((time.perf_counter() - start) / calls)
+    medians = {e: statistics.median(s) for e, s in samples.items()}
+    return {"case": case_name, "mode": mode, "calls_per_block": calls, "median_s": medians,
+            "compile_s": compile_s, "samples_s": samples}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--modes", default="infer,train")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--seconds", type=float, default=0.2, help="target duration of one timing block")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--json", help="also write all results to this file")
+    args = parser.parse_args(argv)
+    engines = args.engines.split(",")
+    print(f"machine: {machine()}")
+    header = f"{'case':<12} {'mode':<6} {'engine':<9} {'median':>10} {'x eager':>8} {'first call':>11} {'peak MiB':>9}"
+    print(header)
+    print("-" * len(header))
+    results = []
+    for case_name in args.cases.split(","):
+        for mode in args.modes.split(","):
+            result = time_case(case_name, mode, engines, args.rounds, args.seconds)
+            if not args.no_memory:
+                result["peak_bytes"] = {e: measure_peak_memory(case_name, mode, e) for e in engines}
+            results.append(result)
+            eager = result["median_s"].get("eager")
+            for engine in engines:
+                median = result["median_s"][engine]
+                ratio = f"{median / eager:8.2f}" if eager else f"{'-':>8}"
+                peak = result.get("peak_bytes", {}).get(engine)
+                peak_text = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
+                print(f"{case_name:<12} {mode:<6} {engine:<9} {median * 1e3:8.3f}ms {ratio} "
+                      f"{result['compile_s'][engine]:10.2f}s {peak_text}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The reference workloads: model, inputs and loss for each benchmark case."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from examples.mobilenet import MobileNetV2Small
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload: `make_model()` gives a fresh model, `inputs()` a batch and its target."""
+
+    name: str
+    description: str
+    make_model: Callable[[], nn.Module]
+    inputs: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[], nn.Module]
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def _transformer() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, dropout=0.0,
+                                       activation="gelu", batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def _classification(batch: int, shape: tuple[int, ...]) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda: (torch.randn(batch, *shape), torch.randint(0, 10, (batch,)))
+
+
+CASES: dict[str, Case] = {
+    case.name: case
+    for case in (
+        Case("mlp_b1", "MLP 784-1024-1024-10, batch 1", _mlp, _classification(1, (784,)), nn.CrossEntropyLoss),
+        Case("mlp_b64", "MLP 784-1024-1024-10, batch 64", _mlp, _classification(64, (784,)), nn.CrossEntropyLoss),
+        Case("cnn", "MobileNetV2-style CNN, 3x32x32, batch 64", lambda: MobileNetV2Small(dropout=0.0),
+             _classification(64, (3, 32, 32)), nn.CrossEntropyLoss),
+        Case("transformer", "2-layer encoder, d_model 256, 4 heads, seq 128, batch 8", _transformer,
+             lambda: (torch.randn(8, 128, 256), torch.randn(8, 128, 256)), nn.MSELoss),
+    )
+}

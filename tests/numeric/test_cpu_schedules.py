@@ -1,0 +1,486 @@
+"""The default CPU schedules (tvmgraph.schedules) compute what torch computes, and schedule.
+
+Each rule gets small workloads in the shapes our models produce; every test compiles with
+`ApplyCPUSchedules` at the pipeline position of tvmgraph's default pipeline, runs on the llvm
+host target, compares with torch, and checks that the kernel was scheduled by the expected
+rule (a parallel or vectorized loop in the scheduled TIR, the rule's own `apply` matching).
+
+Tolerances: float32 results whose reduction order differs from torch's (matmul, conv,
+reductions) use atol = rtol = 1e-4 relative to values of order 1-10; the fast-math rewrite is
+held to the accuracy its module docstring states.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax, te, tirx
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from tvmgraph.schedules import (
+    ApplyCPUSchedules,
+    Conv2d,
+    ConvWeightGradient,
+    Elementwise,
+    Fallback,
+    Matmul,
+    Reduction,
+)
+from tvmgraph.schedules.fast_math import fast_erf, fast_exp, fast_sigmoid, fast_tanh
+
+TARGET = tvm.target.Target(
+    {"kind": "llvm", "mcpu": tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()}
+)
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def fuse(mod: tvm.IRModule, *extra: tvm.transform.Pass) -> tvm.IRModule:
+    """tvmgraph's default pipeline up to the point where ApplyCPUSchedules runs."""
+    T = relax.transform
+    passes = [*extra, relax.backend.DispatchSampling(), relax.backend.DispatchSortScan(),
+              T.LegalizeOps(), T.AnnotateTIROpPattern(), T.FoldConstant(), T.FuseOps(),
+              T.FuseTIR()]
+    with TARGET:
+        return tvm.transform.Sequential(passes)(mod)
+
+
+def finish(mod: tvm.IRModule) -> tvm.runtime.Executable:
+    """The rest of tvmgraph's default pipeline, then code generation."""
+    T = relax.transform
+    passes = [T.RewriteDataflowReshape(), T.ToNonDataflow(), T.RemovePurityChecking(),
+              T.CallTIRRewrite(), T.StaticPlanBlockMemory(), T.LowerAllocTensor(),
+              T.KillAfterLastUse(), T.LowerRuntimeBuiltin(), T.ComputePrimValue(),
+              T.VMShapeLower(), T.AttachGlobalSymbol()]
+    with TARGET:
+        mod = tvm.transform.Sequential(passes)(mod)
+    return tvm.compile(mod, target=TARGET, relax_pipeline=None)
+
+
+def run_relax(mod: tvm.IRModule, *inputs: torch.Tensor,
+              extra: tuple[tvm.transform.Pass, ...] = ()) -> tuple[torch.Tensor, tvm.IRModule]:
+    """Compile `mod` with the CPU schedules, run main; returns (output, scheduled module)."""
+    with TARGET:
+        scheduled = ApplyCPUSchedules()(fuse(mod, *extra))
+    vm = relax.VirtualMachine(finish(scheduled), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(x.numpy()) for x in inputs])
+    return torch.from_numpy(out.numpy()), scheduled
+
+
+def run_prim_func(func: tirx.PrimFunc, *inputs: torch.Tensor,
+                  out_shape: tuple[int, ...]) -> tuple[torch.Tensor, tirx.PrimFunc]:
+    """Schedule a lone PrimFunc whose last parameter is its output, build and run it."""
+    with TARGET:
+        mod = ApplyCPUSchedules()(tvm.IRModule({"main": func}))
+    lib = tvm.compile(mod, target=TARGET)
+    args = [tvm.runtime.tensor(x.numpy()) for x in inputs]
+    out = tvm.runtime.tensor(np.zeros(out_shape, "float32"))
+    lib["main"](*args, out)
+    return torch.from_numpy(out.numpy()), mod["main"]
+
+
+def prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def assert_scheduled(func: tirx.PrimFunc, *, parallel: bool = True, vector: bool = True) -> None:
+    """The function carries the scheduled mark and the loop kinds a CPU schedule gives."""
+    assert bool(func.attrs["tirx.is_scheduled"]), "function was not scheduled"
+    text = func.script()
+    if parallel:
+        assert "T.parallel(" in text, "no parallel loop"
+    if vector:
+        assert "T.vectorized(" in text, "no vectorized loop"
+
+
+def unscheduled(mod: tvm.IRModule, name_part: str) -> tirx.PrimFunc:
+    """The fused, not yet scheduled PrimFunc whose name contains `name_part`."""
+    matches = [f for name, f in prim_funcs(mod).items() if name_part in name]
+    assert len(matches) == 1, f"{name_part!r} matches {sorted(prim_funcs(mod))}"
+    return matches[0]
+
+
+def te_matmul(m: int, n: int, k: int, a_trans: bool, b_trans: bool,
+              batch: int = 0) -> tirx.PrimFunc:
+    """relu(A @ B + bias) with A/B stored transposed on request (as autodiff emits them)."""
+    lead = (batch,) if batch else ()
+    a = te.placeholder((*lead, k, m) if a_trans else (*lead, m, k), name="A")
+    b = te.placeholder((*lead, n, k) if b_trans else (*lead, k, n), name="B")
+    bias = te.placeholder((n,), name="bias")
+    r = te.reduce_axis((0, k), name="k")
+
+    def at(t: te.Tensor, i: tirx.PrimExpr, j: tirx.PrimExpr, trans: bool, s: tuple) -> tirx.PrimExpr:
+        return t[(*s, j, i)] if trans else t[(*s, i, j)]
+
+    c = te.compute(
+        (*lead, m, n),
+        lambda *idx: te.sum(at(a, idx[-2], r, a_trans, idx[:-2]) * at(b, r, idx[-1], b_trans, idx[:-2]),
+                            axis=r),
+        name="matmul",
+    )
+    out = te.compute(c.shape, lambda *idx: te.max(c[idx] + bias[idx[-1]], 0.0), name="epilogue")
+    return te.create_prim_func([a, b, bias, out])
+
+
+# ---- matmul.py -------------------------------------------------------------------------------
+
+MATMULS = {
+    # id: (m, n, k, a_trans, b_trans, batch)
+    "nn": (48, 64, 96, False, False, 0),
+    "nt-x-wT": (32, 80, 64, False, True, 0),
+    "tn-dW-from-dyT-x": (64, 48, 40, True, False, 0),
+    "batched-attention-qkT": (32, 32, 16, False, True, 4),
+    "ragged-needs-padding": (7, 10, 33, False, False, 0),
+    "matrix-vector": (1, 96, 80, False, False, 0),
+}
+
+
+@pytest.mark.parametrize("case", MATMULS.values(), ids=MATMULS.keys())
+def test_matmul_rule_matches_torch(case: tuple) -> None:
+    """Matmul with bias+ReLU epilogue, in every operand layout, is register-tiled and exact."""
+    m, n, k, a_trans, b_trans, batch = case
+    lead = (batch,) if batch else ()
+    a = torch.randn(*lead, *((k, m) if a_trans else (m, k)))
+    b = torch.randn(*lead, *((n, k) if b_trans else (k, n)))
+    bias = torch.randn(n)
+    func = te_matmul(m, n, k, a_trans, b_trans, batch)
+    assert Matmul().apply(func, TARGET, False) is not None
+    out, scheduled = run_prim_func(func, a, b, bias, out_shape=(*lead, m, n))
+    a_ = a.transpose(-1, -2) if a_trans else a
+    b_ = b.transpose(-1, -2) if b_trans else b
+    torch.testing.assert_close(out, torch.relu(a_ @ b_ + bias), **TOL)
+    assert_scheduled(scheduled, parallel=m * n * k >= 1 << 18)
+    assert "T.unroll(" in scheduled.script(), "no register tile"
+
+
+@I.ir_module
+class LinearLayer:
+    @R.function
+    def main(x: R.Tensor((64, 96), "float32"), w: R.Tensor((80, 96), "float32"),
+             b: R.Tensor((80,), "float32")) -> R.Tensor((64, 80), "float32"):
+        with R.dataflow():
+            y = R.nn.relu(R.add(R.matmul(x, R.permute_dims(w)), b))
+            R.output(y)
+        return y
+
+
+def test_linear_layer_through_the_pipeline() -> None:
+    """nn.Linear + ReLU as the frontend emits it: every fused kernel gets scheduled."""
+    x, w, b = torch.randn(64, 96), torch.randn(80, 96), torch.randn(80)
+    out, scheduled = run_relax(LinearLayer, x, w, b)
+    torch.testing.assert_close(out, torch.relu(x @ w.T + b), **TOL)
+    for func in prim_funcs(scheduled).values():
+        assert bool(func.attrs["tirx.is_scheduled"])
+
+
+def test_linear_layer_with_fused_transpose() -> None:
+    """After FuseTransposeMatmul the kernel reads W[N, K] directly and packs it."""
+    x, w, b = torch.randn(64, 96), torch.randn(80, 96), torch.randn(80)
+    mod = fuse(LinearLayer, relax.transform.FuseTransposeMatmul())
+    assert Matmul().apply(unscheduled(mod, "matmul"), TARGET, False) is not None
+    out, _ = run_relax(LinearLayer, x, w, b, extra=(relax.transform.FuseTransposeMatmul(),))
+    torch.testing.assert_close(out, torch.relu(x @ w.T + b), **TOL)
+
+
+# ---- conv.py ---------------------------------------------------------------------------------
+
+CONVS = {
+    # id: (cin, cout, kernel, stride, padding, groups, hw)
+    "3x3-s1": (3, 16, 3, 1, 1, 1, 12),
+    "3x3-s2": (8, 16, 3, 2, 1, 1, 12),
+    "depthwise-s1": (16, 16, 3, 1, 1, 16, 16),
+    "depthwise-s2": (16, 16, 3, 2, 1, 16, 16),
+    "depthwise-4x4": (32, 32, 3, 1, 1, 32, 4),
+    "pointwise-1x1": (24, 40, 1, 1, 0, 1, 8),
+}
+
+
+def conv_module(n: int, cin: int, cout: int, kernel: int, stride: int, padding: int,
+                groups: int, hw: int) -> tvm.IRModule:
+    """conv2d(NCHW) followed by ReLU6 (clip), built with the Relax block builder."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", R.Tensor((n, cin, hw, hw), "float32"))
+    w = relax.Var("w", R.Tensor((cout, cin // groups, kernel, kernel), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, w, strides=stride, padding=padding, groups=groups))
+            y = bb.emit_output(relax.op.clip(y, 0.0, 6.0))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+@pytest.mark.parametrize("case", CONVS.values(), ids=CONVS.keys())
+def test_conv2d_rules_match_torch(case: tuple) -> None:
+    """Direct conv (windows > 1x1) goes to Conv2d, 1x1 to Matmul; both match torch."""
+    cin, cout, kernel, stride, padding, groups, hw = case
+    x = torch.randn(2, cin, hw, hw)
+    w = torch.randn(cout, cin // groups, kernel, kernel) * 0.3
+    mod = conv_module(2, cin, cout, kernel, stride, padding, groups, hw)
+    conv = unscheduled(fuse(mod), "conv2d")
+    expected_rule = Conv2d() if kernel > 1 else Matmul()
+    assert expected_rule.apply(conv, TARGET, False) is not None
+    if kernel == 1:
+        assert Conv2d().apply(conv, TARGET, False) is None
+    out, scheduled = run_relax(mod, x, w)
+    expected = torch.nn.functional.conv2d(x, w, stride=stride, padding=padding, groups=groups)
+    torch.testing.assert_close(out, expected.clamp(0, 6), **TOL)
+    assert_scheduled(unscheduled(scheduled, "conv2d"), parallel=False)
+
+
+CONV_GRADS = {
+    # id: (cin, cout, stride, groups, hw) of the forward 3x3 (or 1x1) convolution
+    "pointwise-1x1": (16, 24, 1, 1, 8, 1),
+    "3x3-s1": (8, 16, 1, 1, 8, 3),
+    "3x3-s2": (8, 16, 2, 1, 16, 3),
+    "depthwise-s1": (16, 16, 1, 16, 8, 3),
+    "depthwise-s2": (16, 16, 2, 16, 16, 3),
+}
+
+
+@pytest.mark.parametrize("case", CONV_GRADS.values(), ids=CONV_GRADS.keys())
+def test_conv2d_gradients_match_torch(case: tuple) -> None:
+    """dW (a conv whose window is the image: ConvWeightGradient) and dX (conv2d_transpose)
+    as tvmgraph's autodiff writes them match torch's backward."""
+    from tvmgraph.gradients.conv import conv2d_grads
+
+    cin, cout, stride, groups, hw, k = case
+    pad = k // 2
+    out_hw = (hw + 2 * pad - k) // stride + 1
+    x = torch.randn(4, cin, hw, hw, requires_grad=True)
+    w = torch.randn(cout, cin // groups, k, k, requires_grad=True)
+    dy = torch.randn(4, cout, out_hw, out_hw)
+    torch.nn.functional.conv2d(x, w, stride=stride, padding=pad, groups=groups).backward(dy)
+
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", R.Tensor(tuple(x.shape), "float32"))
+    wv = relax.Var("w", R.Tensor(tuple(w.shape), "float32"))
+    dyv = relax.Var("dy", R.Tensor(tuple(dy.shape), "float32"))
+    with bb.function("main", [xv, wv, dyv]):
+        with bb.dataflow():
+            dx, dw = conv2d_grads(xv, wv, dyv, dy.shape, (stride, stride), (pad,) * 4, (1, 1),
+                                  groups, None)
+            out = bb.emit_output(relax.Tuple([bb.emit(dx), bb.emit(dw)]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    fused = fuse(mod)
+    if k > 1:
+        weight_grad = [f for n, f in prim_funcs(fused).items()
+                       if n.startswith(("conv2d", "fused_conv2d")) and "transpose" not in n]
+        assert any(ConvWeightGradient().apply(f, TARGET, False) is not None for f in weight_grad)
+    with TARGET:
+        scheduled = ApplyCPUSchedules()(fused)
+    vm = relax.VirtualMachine(finish(scheduled), tvm.cpu())
+    got_dx, got_dw = vm["main"](*[tvm.runtime.tensor(t.detach().numpy()) for t in (x, w, dy)])
+    torch.testing.assert_close(torch.from_numpy(got_dx.numpy()), x.grad, **TOL)
+    torch.testing.assert_close(torch.from_numpy(got_dw.numpy()), w.grad, atol=1e-3, rtol=1e-4)
+    for func in prim_funcs(scheduled).values():
+        assert bool(func.attrs["tirx.is_scheduled"])
+
+
+# ---- reduction.py ----------------------------------------------------------------------------
+
+
+def unary_module(shape: tuple[int, ...], op) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", R.Tensor(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(op(x))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+REDUCTIONS = {
+    "softmax-rows": ((8, 4, 32, 64), lambda x: relax.op.nn.softmax(x, axis=-1),
+                     lambda x: torch.softmax(x, -1)),
+    "sum-over-batch-bias-grad": ((64, 96), lambda x: relax.op.sum(x, axis=[0]),
+                                 lambda x: x.sum(0)),
+    "mean-over-NHW-batchnorm-stats": ((16, 24, 8, 8), lambda x: relax.op.mean(x, axis=[0, 2, 3]),
+                                      lambda x: x.mean((0, 2, 3))),
+    "variance-over-NHW": ((16, 24, 8, 8), lambda x: relax.op.variance(x, axis=[0, 2, 3]),
+                          lambda x: x.var((0, 2, 3), unbiased=False)),
+    "max-last-axis": ((96, 80), lambda x: relax.op.max(x, axis=[-1]),
+                      lambda x: x.amax(-1)),
+    "global-avg-pool": ((32, 48, 4, 4), lambda x: relax.op.mean(x, axis=[2, 3]),
+                        lambda x: x.mean((2, 3))),
+}
+
+
+@pytest.mark.parametrize("case", REDUCTIONS.values(), ids=REDUCTIONS.keys())
+def test_reduction_rule_matches_torch(case: tuple) -> None:
+    """Row and column reductions are vectorized, and exact to float32 summation order."""
+    shape, relax_op, torch_op = case
+    x = torch.randn(*shape)
+    mod = unary_module(shape, relax_op)
+    assert Reduction().apply(next(iter(prim_funcs(fuse(mod)).values())), TARGET, False) is not None
+    out, scheduled = run_relax(mod, x)
+    torch.testing.assert_close(out, torch_op(x), **TOL)
+    for func in prim_funcs(scheduled).values():
+        assert_scheduled(func, parallel=False)
+
+
+@I.ir_module
+class LayerNorm:
+    @R.function
+    def main(x: R.Tensor((8, 128, 256), "float32"), g: R.Tensor((256,), "float32"),
+             b: R.Tensor((256,), "float32")) -> R.Tensor((8, 128, 256), "float32"):
+        with R.dataflow():
+            y = R.nn.layer_norm(x, g, b, axes=[-1], epsilon=1e-5)
+            R.output(y)
+        return y
+
+
+def test_layer_norm_rows_are_parallel_and_vectorized() -> None:
+    """layer_norm: two reductions and the normalization fused per row, rows in parallel."""
+    x, g, b = torch.randn(8, 128, 256), torch.randn(256), torch.randn(256)
+    out, scheduled = run_relax(LayerNorm, x, g, b)
+    expected = torch.nn.functional.layer_norm(x, (256,), g, b, eps=1e-5)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert_scheduled(unscheduled(scheduled, "layer_norm"))
+
+
+# ---- elementwise.py and fast_math.py ---------------------------------------------------------
+
+ELEMENTWISE = {
+    "gelu-erf": ((64, 512), lambda x: relax.op.nn.gelu(x),
+                 lambda x: torch.nn.functional.gelu(x)),
+    "transpose-2d": ((96, 80), lambda x: relax.op.permute_dims(x),
+                     lambda x: x.T.contiguous()),
+    "sigmoid-silu": ((32, 4096), lambda x: relax.op.multiply(x, relax.op.sigmoid(x)),
+                     lambda x: torch.nn.functional.silu(x)),
+    "tanh": ((64, 4096), lambda x: relax.op.tanh(x), torch.tanh),
+    "relu6-nchw": ((4, 16, 8, 8), lambda x: relax.op.clip(x, 0.0, 6.0),
+                   lambda x: x.clamp(0, 6)),
+}
+
+
+@pytest.mark.parametrize("case", ELEMENTWISE.values(), ids=ELEMENTWISE.keys())
+def test_elementwise_rule_matches_torch(case: tuple) -> None:
+    """Injective kernels (with fast exp/erf/tanh) vectorize and stay within 1e-5 of torch."""
+    shape, relax_op, torch_op = case
+    x = torch.randn(*shape) * 3
+    mod = unary_module(shape, relax_op)
+    assert Elementwise().apply(next(iter(prim_funcs(fuse(mod)).values())), TARGET, False)
+    out, scheduled = run_relax(mod, x)
+    torch.testing.assert_close(out, torch_op(x), atol=1e-5, rtol=1e-5)
+    for func in prim_funcs(scheduled).values():
+        assert_scheduled(func, parallel=np.prod(shape) >= 1 << 18)
+        assert "T.erf" not in func.script() and "T.tanh" not in func.script()
+
+
+@I.ir_module
+class SGDMomentum:
+    @R.function
+    def main(p: R.Tensor((1024, 784), "float32"), g: R.Tensor((1024, 784), "float32"),
+             buf: R.Tensor((1024, 784), "float32"), lr: R.Tensor((), "float32"),
+             momentum: R.Tensor((), "float32")):
+        with R.dataflow():
+            new_buf = R.add(R.multiply(momentum, buf), g)
+            new_p = R.subtract(p, R.multiply(lr, new_buf))
+            out = (new_p, new_buf)
+            R.output(out)
+        return out
+
+
+def test_sgd_momentum_update_is_parallel_and_vectorized() -> None:
+    """The optimizer update of a 1024x784 weight: one fused, parallel, vectorized kernel."""
+    p, g, buf = torch.randn(1024, 784), torch.randn(1024, 784), torch.randn(1024, 784)
+    lr, mom = torch.tensor(0.1), torch.tensor(0.9)
+    with TARGET:
+        scheduled = ApplyCPUSchedules()(fuse(SGDMomentum))
+    vm = relax.VirtualMachine(finish(scheduled), tvm.cpu())
+    new_p, new_buf = vm["main"](*[tvm.runtime.tensor(t.numpy()) for t in (p, g, buf, lr, mom)])
+    expected_buf = mom * buf + g
+    torch.testing.assert_close(torch.from_numpy(new_buf.numpy()), expected_buf, **TOL)
+    torch.testing.assert_close(torch.from_numpy(new_p.numpy()), p - lr * expected_buf, **TOL)
+    for func in prim_funcs(scheduled).values():
+        assert_scheduled(func)
+
+
+FAST = {
+    # name: (rewrite, reference, input range, absolute tolerance, relative tolerance)
+    "exp": (fast_exp, np.exp, (-87.0, 88.0), 0.0, 3e-7),
+    "erf": (fast_erf, None, (-6.0, 6.0), 1e-6, 0.0),
+    "tanh": (fast_tanh, np.tanh, (-12.0, 12.0), 1e-6, 0.0),
+    "sigmoid": (fast_sigmoid, None, (-30.0, 30.0), 1e-6, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", FAST.keys())
+def test_fast_math_accuracy(name: str) -> None:
+    """The polynomial exp/erf/tanh/sigmoid meet the accuracy fast_math.py documents."""
+    rewrite, reference, (lo, hi), atol, rtol = FAST[name]
+    x = te.placeholder((8192,), name="x")
+    y = te.compute(x.shape, lambda i: rewrite(x[i]), name="y")
+    lib = tvm.compile(te.create_prim_func([x, y]), target=TARGET)
+    data = np.linspace(lo, hi, 8192, dtype="float32")
+    out = tvm.runtime.tensor(np.zeros(8192, "float32"))
+    lib["main"](tvm.runtime.tensor(data), out)
+    exact = {
+        "erf": lambda v: torch.erf(torch.from_numpy(v).double()).numpy(),
+        "sigmoid": lambda v: torch.sigmoid(torch.from_numpy(v).double()).numpy(),
+    }.get(name) or (lambda v: reference(v.astype("float64")))
+    np.testing.assert_allclose(out.numpy(), exact(data), atol=atol, rtol=rtol)
+
+
+def test_fast_exp_of_minus_infinity_is_zero() -> None:
+    """Masked softmax feeds -inf to exp: the fast exp returns exactly 0 there."""
+    x = te.placeholder((16,), name="x")
+    y = te.compute(x.shape, lambda i: fast_exp(x[i]), name="y")
+    lib = tvm.compile(te.create_prim_func([x, y]), target=TARGET)
+    out = tvm.runtime.tensor(np.ones(16, "float32"))
+    lib["main"](tvm.runtime.tensor(np.full(16, -np.inf, "float32")), out)
+    assert (out.numpy() == 0.0).all()
+
+
+# ---- apply.py: the pass itself ---------------------------------------------------------------
+
+
+class _Exploding(Matmul):
+    """A rule that fails on everything (stands for a rule bug)."""
+
+    def apply(self, func, target, tunable):  # noqa: ANN001, ANN201
+        raise tvm.TVMError("boom")
+
+
+def test_a_failing_rule_falls_through_to_the_next() -> None:
+    """A rule that raises costs only its schedule: the next rule schedules the function."""
+    func = te_matmul(16, 32, 8, False, False)
+    with TARGET:
+        mod = ApplyCPUSchedules(_Exploding(), Fallback())(tvm.IRModule({"main": func}))
+    assert bool(mod["main"].attrs["tirx.is_scheduled"])
+
+
+def test_scheduled_functions_and_foreign_targets_are_left_alone() -> None:
+    """is_scheduled functions are untouched; without an llvm target the pass does nothing."""
+    func = te_matmul(16, 32, 8, False, False)
+    marked = tvm.IRModule({"main": func.with_attr("tirx.is_scheduled", True)})
+    with TARGET:
+        tvm.ir.assert_structural_equal(ApplyCPUSchedules()(marked), marked)
+    plain = tvm.IRModule({"main": func})
+    tvm.ir.assert_structural_equal(ApplyCPUSchedules()(plain), plain)
+
+
+def test_fallback_schedules_what_no_rule_matches() -> None:
+    """A reduction under a non-injective output (argmax's index) still gets threads/vectors."""
+    mod = unary_module((512, 1024), lambda x: relax.op.argmax(x, axis=1))
+    func = next(iter(prim_funcs(fuse(mod)).values()))
+    with TARGET:
+        scheduled = ApplyCPUSchedules(Fallback())(tvm.IRModule({"main": func}))["main"]
+    assert_scheduled(scheduled, vector=False)
+    x = torch.randn(512, 1024)
+    out, _ = run_relax(mod, x)
+    torch.testing.assert_close(out, x.argmax(1))
+
+
+def test_schedule_is_deterministic() -> None:
+    """Scheduling the same module twice gives structurally equal results (cacheable)."""
+    mod = fuse(LinearLayer)
+    with TARGET:
+        first, second = ApplyCPUSchedules()(mod), ApplyCPUSchedules()(mod)
+    tvm.ir.assert_structural_equal(first, second)

@@ -1,0 +1,15 @@
+"""Default CPU schedules for TIR kernels: fast code without tuning.
+
+`ApplyCPUSchedules` is a module pass that gives each PrimFunc the first matching rule's
+schedule; it goes right after `FuseTIR` in llvm pipelines. See docs/schedules.md for what each
+rule does and the speeds it reaches.
+"""
+
+from .apply import ApplyCPUSchedules as ApplyCPUSchedules
+from .conv import Conv2d as Conv2d
+from .conv_grad import ConvWeightGradient as ConvWeightGradient
+from .elementwise import Elementwise as Elementwise
+from .fallback import Fallback as Fallback
+from .matmul import Matmul as Matmul
+from .reduction import Reduction as Reduction
+from .rules import default_rules as default_rules

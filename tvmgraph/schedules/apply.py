@@ -1,0 +1,102 @@
+"""`ApplyCPUSchedules`: give every unscheduled PrimFunc of a module a default CPU schedule.
+
+Position in the pipeline: after `LegalizeOps, AnnotateTIROpPattern, FoldConstant, FuseOps,
+FuseTIR` (so that it sees the fused kernels) and before `RewriteDataflowReshape` and the
+memory-planning passes. It runs under the llvm target it schedules for (`with target:`), or
+reads the target from a PrimFunc's "target" attribute; without an llvm target it does nothing.
+
+Like `tvm.s_tir.dlight.ApplyDefaultSchedule`, it tries the rules in order on each PrimFunc and
+keeps the first schedule a rule returns. Unlike dlight, a rule that raises is logged and
+skipped: a missing schedule makes a kernel slow, never the build fail.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import tvm
+from tvm import tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from .cpu_target import is_cpu
+from .fast_math import use_fast_math
+
+logger = logging.getLogger(__name__)
+
+# TVM 0.27 spells the attribute "tirx.is_scheduled"; older code (and the brief of this
+# package) says "tir.is_scheduled". Either one marks a function as done.
+SCHEDULED_ATTRS = ("tirx.is_scheduled", "tir.is_scheduled")
+
+
+def is_scheduled(func: tirx.PrimFunc) -> bool:
+    """True when `func` carries a truthy is_scheduled attribute."""
+    attrs = func.attrs
+    return attrs is not None and any(bool(attrs.get(key, False)) for key in SCHEDULED_ATTRS)
+
+
+def _target_of(func: tirx.PrimFunc) -> Target | None:
+    target = func.attrs.get("target") if func.attrs is not None else None
+    return target if target is not None else Target.current(allow_none=True)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmgraph.ApplyCPUSchedules")
+class ApplyCPUSchedules:
+    """Schedule each PrimFunc with the first CPU rule that matches it.
+
+    `ApplyCPUSchedules()` uses `default_rules()`: matmul, convolution, reductions,
+    element-wise, then a catch-all that parallelizes and vectorizes whatever is left.
+    Pass rules explicitly to change the order or drop one. With `fast_math` (the default),
+    float32 exp/erf/tanh/sigmoid are first expanded into vectorizable polynomials (see
+    `fast_math.py` for their accuracy); the rewrite is kept where a rule schedules the function.
+    """
+
+    def __init__(self, *rules: ScheduleRule, fast_math: bool = True) -> None:
+        if not rules:
+            from .rules import default_rules
+
+            rules = tuple(default_rules())
+        self.rules = list(rules)
+        self.fast_math = fast_math
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        """Return `mod` with every unscheduled PrimFunc replaced by its scheduled version."""
+        updates: dict[tvm.ir.GlobalVar, tirx.PrimFunc] = {}
+        used: Counter[str] = Counter()
+        for gvar, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
+                continue
+            target = _target_of(func)
+            if not is_cpu(target):
+                continue
+            if self.fast_math:
+                func = use_fast_math(func)
+            for rule in self.rules:
+                scheduled = _try_rule(rule, func, target, gvar.name_hint)
+                if scheduled is not None:
+                    updates[gvar] = scheduled.with_attr("tirx.is_scheduled", True)
+                    used[type(rule).__name__] += 1
+                    break
+        for gvar, func in updates.items():
+            mod[gvar] = func
+        if updates:
+            summary = ", ".join(f"{name} {n}" for name, n in sorted(used.items()))
+            logger.debug("ApplyCPUSchedules: scheduled %d PrimFuncs (%s)", len(updates), summary)
+        return mod
+
+
+def _try_rule(
+    rule: ScheduleRule, func: tirx.PrimFunc, target: Target, name: str
+) -> tirx.PrimFunc | None:
+    try:
+        sch = rule.apply(func, target, False)
+    # NOTE: a rule is heuristic code over arbitrary TIR; whatever it raises must only cost
+    # the schedule, so the next rule gets the function.
+    except Exception as err:  # noqa: BLE001
+        logger.debug("ApplyCPUSchedules: rule %s failed on %s: %s", type(rule).__name__, name, err)
+        return None
+    if sch is None:
+        return None
+    logger.debug("ApplyCPUSchedules: %s scheduled %s", type(rule).__name__, name)
+    return sch.mod["main"]

@@ -1,0 +1,133 @@
+"""The weight gradient of a 2-D convolution, as Relax autodiff emits it.
+
+`relax.transform.Gradient` writes dW of conv2d(x, w) as another convolution whose "window" is
+the whole output plane and whose "output" is the kernel:
+
+    dW[f, c, ky, kx] += x_pad[n, c, y*s + ky, x*s + kx] * dy[n, f, y, x]   (over n, y, x)
+
+A few hundred outputs, each summing 64 x 32 x 32 products: a direct-convolution schedule
+(`conv.py`) would vectorize the 3 kernel columns and loop 65536 times per output. This rule
+instead vectorizes the reduction along the image row x: `lanes` partial sums per output in a
+vector register (rfactor), a register tile of up to 4 x 3 outputs that share their loads,
+parallel over output tiles; the partial sums are added up (and the fused SGD/Adam update
+applied) at the end. A 1x1 convolution's gradient, whose x and y are both contiguous, sums
+over y*x as one axis so that the vector is full even on 4x4 images.
+
+Limits: stride 2 reads x_pad with a stride of 2 along the vector (gathers); on images narrower
+than 4 columns the sums run scalar.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.s_tir.schedule import SBlockRV
+from tvm.target import Target
+
+from .conv import ConvShape, conv_shape
+from .cpu_target import CPUTarget, is_cpu
+from .fallback import schedule_remaining
+from .loops import (
+    inline_copies_into,
+    inline_spatial_blocks,
+    is_spatial,
+    loop_binding,
+    parallelize,
+    root_blocks,
+    static_extent,
+)
+
+# Output tile (rows x columns of accumulators); 4 x 3 x 16 floats = 768 bytes stays on the
+# stack (see matmul.ACCUMULATOR_SCOPE) and leaves registers for the 7 operand vectors.
+TILE = (4, 3)
+
+
+class ConvWeightGradient(ScheduleRule):
+    """Vectorized, register-tiled reduction for convolution weight gradients."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        """Return the schedule, or None when the PrimFunc is not a conv weight gradient."""
+        if not is_cpu(target):
+            return None
+        sch = s_tir.Schedule(func)
+        reductions = [b for b in root_blocks(sch) if not is_spatial(sch, b)]
+        if len(reductions) != 1:
+            return None
+        main = reductions[0]
+        shape = conv_shape(sch, main)
+        if shape is None or not shape.is_weight_gradient:
+            return None
+        inline_spatial_blocks(sch, keep=(main,))
+        inline_copies_into(sch, main)
+        cpu = CPUTarget.from_target(target)
+        lanes = cpu.lanes(str(sch.get(main).writes[0].source.dtype))
+        if not _schedule(sch, main, shape, lanes):
+            return None
+        schedule_remaining(sch, cpu)
+        return sch
+
+
+def _contiguous_plane(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape) -> bool:
+    """1x1, stride 1, no padding: the data's rows follow each other like dy's rows do."""
+    stmt = sch.get(main)
+    data = stmt.reads[shape.data_read].source
+    grad = stmt.reads[1 - shape.data_read].source
+    return (shape.extents[shape.y] == 1 and shape.extents[shape.x] == 1
+            and [int(d) for d in data.shape[-2:]] == [int(d) for d in grad.shape[-2:]])
+
+
+def _schedule(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int) -> bool:
+    loops = sch.get_loops(main)
+    ry, rx = loops[shape.window[0]], loops[shape.window[1]]
+    if _contiguous_plane(sch, main, shape):
+        sch.reorder(ry, rx)
+        rx = sch.fuse(ry, rx)
+    width = lanes
+    extent = static_extent(sch, rx) or 0
+    while width >= 4 and extent % width:
+        width //= 2
+    if width < 4:
+        return False
+    _, lane = sch.split(rx, [None, width])
+    partial = sch.rfactor(lane, factor_axis=len(sch.get(main).writes[0].region))
+
+    # The partial block's iterators: first the lane (rfactor puts it first), then the outputs
+    # and the remaining reductions. The two biggest outputs form the register tile.
+    stmt = sch.get(partial)
+    bound = {}
+    for iv in stmt.iter_vars:
+        loop = loop_binding(sch, partial, iv.var)
+        if loop is None:
+            return False
+        bound[iv.var] = loop
+    lane_loop = bound[stmt.iter_vars[0].var]
+    outputs = [iv for iv in stmt.iter_vars[1:] if iv.iter_type == tirx.IterVar.DataPar]
+    reduce_loops = [bound[iv.var] for iv in stmt.iter_vars
+                    if iv.iter_type == tirx.IterVar.CommReduce]
+    biggest = sorted(outputs, key=lambda iv: -int(iv.dom.extent))[:2]
+    outer_loops, tile_loops = [], []
+    for iv in outputs:
+        loop = bound[iv.var]
+        if any(iv.same_as(b) for b in biggest) and int(iv.dom.extent) > 1:
+            size = TILE[len(tile_loops)]
+            size = next(t for t in range(size, 0, -1) if int(iv.dom.extent) % t == 0)
+            outer, inner = sch.split(loop, [None, size])
+            outer_loops.append(outer)
+            tile_loops.append(inner)
+        else:
+            outer_loops.append(loop)
+    sch.reorder(*outer_loops, *reduce_loops, *tile_loops, lane_loop)
+    outer = sch.fuse(*outer_loops) if len(outer_loops) > 1 else outer_loops[0]
+    # The tile of partial sums lives in registers: a small "global" buffer (see matmul.py).
+    store = sch.cache_write(partial, 0, "global")
+    sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
+    work = width
+    for loop in [*reduce_loops, *tile_loops]:
+        work *= static_extent(sch, loop) or 1
+    parallelize(sch, [outer], work)
+    for loop in tile_loops:
+        sch.unroll(loop)
+    sch.vectorize(lane_loop)
+    # NOTE: last: once the init is split off, parallel/vectorize refuse the block.
+    sch.decompose_reduction(partial, reduce_loops[0])
+    return True

@@ -1,0 +1,43 @@
+"""Element-wise and other injective kernels: one fused loop, vector tail, parallel head.
+
+Matches a PrimFunc whose blocks are all spatial (adds, activations, casts, transposes,
+reshapes, broadcasts, optimizer updates). Chains of blocks are first inlined into the block
+that writes each output; each remaining loop nest is fused into one loop, split so that its
+last `lanes` iterations form a vector, and the rest runs on the thread pool.
+
+Limits: a transpose vectorized along its output reads with a stride (gathers); a loop whose
+length no power of two >= 4 divides stays scalar (but parallel); loops with a symbolic extent
+are only parallelized.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from .cpu_target import CPUTarget, is_cpu
+from .loops import inline_spatial_blocks, is_spatial, root_blocks, schedule_spatial
+
+
+class Elementwise(ScheduleRule):
+    """Fuse, vectorize and parallelize PrimFuncs made only of spatial blocks."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        """Return the schedule, or None when some block reduces."""
+        if not is_cpu(target):
+            return None
+        sch = s_tir.Schedule(func)
+        blocks = root_blocks(sch)
+        if not blocks or not all(is_spatial(sch, b) for b in blocks):
+            return None
+        inline_spatial_blocks(sch)
+        for block in root_blocks(sch):
+            schedule_spatial(sch, block, _lanes(sch, block, target))
+        return sch
+
+
+def _lanes(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> int:
+    writes = sch.get(block).writes
+    dtype = writes[0].source.dtype if writes else "float32"
+    return CPUTarget.from_target(target).lanes(dtype)

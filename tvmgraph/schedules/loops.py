@@ -1,0 +1,305 @@
+"""Loop-nest helpers shared by the CPU rules: inspect a block's loops, inline, parallelize, vectorize.
+
+Every helper works on a block that sits directly under the root block with one loop per block
+iterator (a "trivial binding"), which is how `LegalizeOps` and `FuseTIR` emit them. Helpers that
+transform loops skip blocks that do not have that shape instead of failing.
+"""
+
+from __future__ import annotations
+
+import tvm.ir.expr as E
+from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad
+from tvm.s_tir.dlight.analysis import collect_vars_used_in_prim_expr, get_root_block
+from tvm.s_tir.schedule import LoopRV, SBlockRV
+
+# Below this many elements a parallel region costs more than it saves: waking the TVM thread
+# pool takes 6-10 us on the 2-core Zen 5 test machine, while one core adds 256K floats to
+# 256K floats in about 30 us (measured with benchmarks/kernels.py's harness).
+MIN_PARALLEL_ELEMENTS = 1 << 18
+
+
+def root_blocks(sch: s_tir.Schedule) -> list[SBlockRV]:
+    """The blocks directly under the root block of `sch`'s main function, in program order."""
+    return sch.get_child_blocks(get_root_block(sch))
+
+
+def is_spatial(sch: s_tir.Schedule, block: SBlockRV) -> bool:
+    """True when every iterator of `block` is data-parallel."""
+    return all(iv.iter_type == tirx.IterVar.DataPar for iv in sch.get(block).iter_vars)
+
+
+def static_extent(sch: s_tir.Schedule, loop: LoopRV) -> int | None:
+    """The loop's trip count when it is a constant, else None."""
+    extent = sch.get(loop).extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
+def iter_kinds(sch: s_tir.Schedule, block: SBlockRV) -> str | None:
+    """'S'/'R' per loop of a block bound one loop per iterator, e.g. "SSR"; None otherwise."""
+    loops = sch.get_loops(block)
+    stmt = sch.get(block)
+    if not loops or len(loops) != len(stmt.iter_vars):
+        return None
+    realize = sch.get(loops[-1]).body
+    if not isinstance(realize, s_tir.SBlockRealize) or not realize.block.same_as(stmt):
+        return None
+    kinds = []
+    for loop, value, iv in zip(loops, realize.iter_values, stmt.iter_vars):
+        if not value.same_as(sch.get(loop).loop_var):
+            return None
+        if iv.iter_type == tirx.IterVar.DataPar:
+            kinds.append("S")
+        elif iv.iter_type == tirx.IterVar.CommReduce:
+            kinds.append("R")
+        else:
+            return None
+    return "".join(kinds)
+
+
+def loop_binding(sch: s_tir.Schedule, block: SBlockRV, var: tirx.Var) -> LoopRV | None:
+    """The innermost loop around `block` whose variable the binding of iterator `var` uses."""
+    loops = sch.get_loops(block)
+    if not loops:
+        return None
+    realize = sch.get(loops[-1]).body
+    if not isinstance(realize, s_tir.SBlockRealize):
+        return None
+    stmt = sch.get(block)
+    for iv, value in zip(stmt.iter_vars, realize.iter_values):
+        if iv.var.same_as(var):
+            used = vars_in(value)
+            for loop in reversed(loops):
+                if sch.get(loop).loop_var in used:
+                    return loop
+    return None
+
+
+def is_scheduled(sch: s_tir.Schedule, block: SBlockRV) -> bool:
+    """True when some loop around `block` is already parallel, vectorized or unrolled."""
+    plain = (tirx.ForKind.SERIAL,)
+    return any(sch.get(loop).kind not in plain for loop in sch.get_loops(block))
+
+
+def inline_spatial_blocks(
+    sch: s_tir.Schedule, keep: tuple[SBlockRV, ...] = (), into_reductions: bool = False
+) -> None:
+    """Inline every spatial block that can be inlined (into consumers first, then producers).
+
+    Blocks listed in `keep` stay. With `into_reductions`, a block also goes into a reduction
+    that is its only consumer and reads it element for element (each value is still computed
+    once); otherwise reductions get nothing inlined. Repeats until nothing changes, so chains
+    of element-wise blocks collapse into the block writing the output.
+    """
+    kept = [sch.get(b) for b in keep]
+    changed = True
+    while changed:
+        changed = False
+        for block in root_blocks(sch):
+            if any(sch.get(block).same_as(k) for k in kept) or not is_spatial(sch, block):
+                continue
+            if _try_inline(sch, block, into_reductions):
+                changed = True
+                break
+
+
+def _try_inline(sch: s_tir.Schedule, block: SBlockRV, into_reductions: bool) -> bool:
+    consumers = sch.get_consumers(block)
+    spatial = all(is_spatial(sch, c) for c in consumers)
+    if spatial or (into_reductions and _read_pointwise_once(sch, block, consumers)):
+        try:
+            sch.compute_inline(block)
+            return True
+        except s_tir.ScheduleError:
+            pass
+    try:
+        sch.reverse_compute_inline(block)
+        return True
+    except s_tir.ScheduleError:
+        return False
+
+
+def _read_pointwise_once(sch: s_tir.Schedule, block: SBlockRV, consumers: list[SBlockRV]) -> bool:
+    """A single consumer that indexes `block`'s output with plain iterators only."""
+    if len(consumers) != 1:
+        return False
+    written = sch.get(block).writes
+    if len(written) != 1:
+        return False
+    for region in sch.get(consumers[0]).reads:
+        if region.source.same_as(written[0].source):
+            if not all(isinstance(r.min, (tirx.Var, tirx.IntImm)) for r in region.region):
+                return False
+    return True
+
+
+def inline_copies_into(sch: s_tir.Schedule, main: SBlockRV) -> None:
+    """Inline producers of `main` that only copy (a 1x1 convolution's zero-width padding, a
+    dilation by 1, a reshape) into it, even when `main` reduces: it then reads their source in
+    place. Repeats, so chains of copies collapse too."""
+    changed = True
+    while changed:
+        changed = False
+        for block in sch.get_producers(main):
+            stmt = sch.get(block)
+            if not (is_spatial(sch, block) and isinstance(stmt.body, tirx.BufferStore)
+                    and isinstance(stmt.body.value, TensorLoad)):
+                continue
+            try:
+                sch.compute_inline(block)
+            except s_tir.ScheduleError:
+                continue
+            changed = True
+            break
+
+
+def vectorize_innermost(sch: s_tir.Schedule, loop: LoopRV, lanes: int) -> LoopRV | None:
+    """Vectorize `loop` by `lanes` (splitting it first); the outer part is returned.
+
+    Falls back to the widest power of two that divides the extent, and leaves the loop alone
+    when that is below 4 lanes: a partial vector would need a tail loop.
+    """
+    extent = static_extent(sch, loop)
+    if extent is None:
+        return None
+    width = lanes
+    while width >= 4 and extent % width:
+        width //= 2
+    if width < 4:
+        return None
+    if extent == width:
+        sch.vectorize(loop)
+        return None
+    outer, inner = sch.split(loop, [None, width])
+    sch.vectorize(inner)
+    return outer
+
+
+def parallelize(sch: s_tir.Schedule, loops: list[LoopRV], work_per_iter: int) -> LoopRV | None:
+    """Fuse `loops` (outermost first) and mark the result parallel if there is enough work."""
+    if not loops:
+        return None
+    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    extent = static_extent(sch, fused)
+    if extent is not None and (extent < 2 or extent * work_per_iter < MIN_PARALLEL_ELEMENTS):
+        return fused
+    sch.parallel(fused)
+    return fused
+
+
+def schedule_spatial(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> bool:
+    """Fuse all loops of an all-spatial block, vectorize the tail, parallelize the head.
+
+    A block that reads some buffer transposed (a transpose, or an add of a transposed
+    operand) is tiled instead; see `_schedule_transposed`.
+    """
+    kinds = iter_kinds(sch, block)
+    if kinds is None or "R" in kinds:
+        return False
+    loops = sch.get_loops(block)
+    if _is_padding(sch, block):
+        # A zero fill, then a branch-free copy of the interior: both vectorize.
+        try:
+            fill = sch.decompose_padding(block, loops[0])
+        except s_tir.ScheduleError:
+            pass
+        else:
+            schedule_spatial(sch, fill, lanes)
+            return schedule_spatial(sch, block, lanes)
+    axis = _transposed_axis(sch, block)
+    if axis is not None:
+        _schedule_transposed(sch, block, axis, lanes)
+        return True
+    # Fuse just enough trailing loops to fill whole vectors: the index arithmetic of a short
+    # fused tail stays simple enough for the vectorizer to see contiguous accesses.
+    extents = [static_extent(sch, loop) for loop in loops]
+    split = len(loops) - 1
+    tail = extents[-1] or 0
+    while split > 0 and extents[split - 1] is not None and (tail < lanes or tail % lanes):
+        split -= 1
+        tail *= extents[split]
+    inner = sch.fuse(*loops[split:]) if len(loops) - split > 1 else loops[split]
+    outer = vectorize_innermost(sch, inner, lanes)
+    heads = sch.get_loops(block)[: split + (1 if outer is not None else 0)]
+    if outer is None and sch.get(inner).kind != tirx.ForKind.VECTORIZED:
+        heads = sch.get_loops(block)
+    work = static_extent(sch, sch.get_loops(block)[-1]) or 1
+    parallelize(sch, list(heads), work)
+    return True
+
+
+def _is_padding(sch: s_tir.Schedule, block: SBlockRV) -> bool:
+    """out[...] = if_then_else(in bounds, in[...], constant): a padding block."""
+    body = sch.get(block).body
+    if not isinstance(body, tirx.BufferStore):
+        return False
+    value = body.value
+    return (
+        isinstance(value, E.Call)
+        and getattr(value.op, "name", "") in ("tirx.if_then_else", "prim.if_then_else")
+        and isinstance(value.args[2], (tirx.FloatImm, tirx.IntImm))
+    )
+
+
+def schedule_leading_spatial(sch: s_tir.Schedule, block: SBlockRV) -> bool:
+    """Parallelize the spatial loops in front of a reduction block's first reduction loop."""
+    kinds = iter_kinds(sch, block)
+    if kinds is None:
+        return False
+    loops = sch.get_loops(block)
+    leading = len(kinds) - len(kinds.lstrip("S"))
+    if leading == 0:
+        return False
+    inner = 1
+    for loop in loops[leading:]:
+        inner *= static_extent(sch, loop) or 1
+    parallelize(sch, loops[:leading], inner)
+    return True
+
+
+def vars_in(expr: tirx.PrimExpr) -> set[tirx.Var]:
+    """The variables `expr` uses."""
+    return collect_vars_used_in_prim_expr(expr)
+
+
+def _transposed_axis(sch: s_tir.Schedule, block: SBlockRV) -> int | None:
+    """Loop position p such that some read walks the innermost loop with a stride and is
+    contiguous along loop p instead (read[..., v_last, ..., v_p]); None if no read does."""
+    stmt = sch.get(block)
+    ivars = [iv.var for iv in stmt.iter_vars]
+    if len(ivars) < 2:
+        return None
+    inner = ivars[-1]
+    for region in stmt.reads:
+        indices = [r.min for r in region.region]
+        if not indices:
+            continue
+        last_vars = vars_in(indices[-1])
+        if inner in last_vars or not any(inner in vars_in(i) for i in indices[:-1]):
+            continue
+        for pos, var in enumerate(ivars[:-1]):
+            if var in last_vars:
+                return pos
+    return None
+
+
+# A transpose moves TILE x TILE squares: TILE rows of the source stay in L1 while the
+# destination is written one vector row at a time.
+TRANSPOSE_TILE = 16
+
+
+def _schedule_transposed(sch: s_tir.Schedule, block: SBlockRV, axis: int, lanes: int) -> None:
+    """Tile loops `axis` and innermost by TRANSPOSE_TILE, vectorize the innermost tile loop."""
+    loops = sch.get_loops(block)
+    tile = TRANSPOSE_TILE
+    a_ext, z_ext = static_extent(sch, loops[axis]), static_extent(sch, loops[-1])
+    if a_ext is None or z_ext is None or a_ext % tile or z_ext % tile:
+        parallelize(sch, loops[:-1], static_extent(sch, loops[-1]) or 1)
+        return
+    ao, ai = sch.split(loops[axis], [None, tile])
+    zo, zi = sch.split(loops[-1], [None, tile])
+    others = [l for n, l in enumerate(loops[:-1]) if n != axis]
+    sch.reorder(*others, ao, zo, ai, zi)
+    if tile % lanes == 0 or lanes % tile == 0:
+        sch.vectorize(zi) if lanes >= tile else sch.vectorize(sch.split(zi, [None, lanes])[1])
+    parallelize(sch, [*others, ao, zo], tile * tile)

@@ -1,0 +1,420 @@
+"""Dense and batched matmul (with fused epilogues) as an AVX-512/AVX2 register-tiled kernel.
+
+Matches a PrimFunc with exactly one reduction block of the form
+`C[S, I, J] += A[S, I, K] * B[S, J, K]` up to permutation of the axes (so `x @ w`, `x @ w.T`,
+`x.T @ dy`, batched `bmm`, a matrix-vector product and a 1x1 convolution all match),
+optionally preceded by injective producers and followed by injective epilogues (bias add,
+ReLU, GELU, residual add, ...). The operand indexed by the output's innermost axis is B.
+
+Schedule, with `lanes` floats per vector register (16 on AVX-512):
+  1. Canonicalize the block to C[S, I, J] += A[S, I, K] * B[S, J, K] (dlight's reindexing),
+     where J is the innermost axis of the output.
+  2. Pick a register tile of `mi` rows by `nvec` vectors (e.g. 6 x 4 x 16 = 24 accumulators,
+     or 4 x 3 x 16 for short K, see `choose_tile`) that fits the register file, and zero-pad
+     I and J up to whole tiles (`pad_einsum`).
+  3. Pack B into panels B[S, J / nj, K, nj] (nj = nvec * lanes) when B is not already
+     contiguous along J, or when J needs padding: a panel row is then one contiguous read.
+  4. Loops: parallel(S, J/nj, I/mi) > K > unroll(mi) > unroll(nvec) > vector(lanes); the
+     accumulator tile lives in registers (a small cache_write buffer that LLVM promotes) and
+     the epilogue runs on it before it is stored.
+
+Limits: static shapes only; float types only; no K blocking (fine while a B panel, K * nj
+floats, fits in L2: K up to ~4096); a transposed B is packed with strided reads (about a
+third of the time of a 64 x 1024 x 1024 product goes to that); a matrix-vector product with
+a transposed B packs it too (a dot-product kernel would read it once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad, TensorRegion
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.s_tir.dlight.gpu.matmul import IterKind, IterTrait, make_iter_fusion_index_map
+from tvm.s_tir.schedule import LoopRV, SBlockRV
+from tvm.target import Target
+
+from .cpu_target import CPUTarget, is_cpu
+from .fallback import schedule_remaining
+from .loops import (
+    inline_copies_into,
+    inline_spatial_blocks,
+    is_spatial,
+    parallelize,
+    root_blocks,
+    static_extent,
+    vars_in,
+)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A register tile: `mi` rows of C by `nvec` vectors of `lanes` columns."""
+
+    mi: int
+    nvec: int
+    lanes: int
+
+    @property
+    def nj(self) -> int:
+        """Columns of C per tile."""
+        return self.nvec * self.lanes
+
+
+# Register tiles (mi rows, nvec vectors) and their throughput relative to the best, measured
+# on Zen 5 (AVX-512) at 64..1024 x 1024 x 1024. 6 x 4 = 24 accumulators + 4 B vectors + 1
+# broadcast fill the 32 zmm registers; 8 x 4 spills a few accumulators.
+_TILES_32_REGS = {
+    (6, 4): 1.0, (4, 3): 0.95, (5, 3): 0.95, (12, 2): 0.9, (8, 3): 0.9, (8, 4): 0.85,
+    (6, 2): 0.85, (4, 4): 0.85, (8, 2): 0.75, (3, 4): 0.7, (4, 2): 0.6, (16, 1): 0.5,
+    (2, 4): 0.45, (1, 4): 0.2, (1, 1): 0.05,
+}
+_TILES_16_REGS = {
+    (6, 2): 1.0, (4, 3): 1.0, (4, 2): 0.8, (3, 2): 0.7, (2, 2): 0.5, (1, 2): 0.25, (1, 1): 0.1,
+}
+
+_PADDING_PENALTY = 1.05
+
+# NOTE: "global", not "local": TVM 0.27 keeps a "global" allocation under 1 KiB on the stack
+# but sends every "local" one (and every larger one) through TVMBackendAllocWorkspace, once per
+# tile. That call costs about as much as 64 steps of K, so short-K products (weight gradients,
+# 1x1 convolutions) prefer tiles under 1 KiB: 4 x 3 x 16 floats = 768 bytes.
+ACCUMULATOR_SCOPE = "global"
+_STACK_BYTES = 1024
+_ALLOC_COST_IN_K_STEPS = 64
+# Copying one float of B into a packed panel (memory-bound) costs about as much as this many
+# vector FMA steps of one tile row.
+_PACK_COST = 16.0
+
+
+def choose_tile(
+    i_extent: int, j_extent: int, lanes: int, num_registers: int, k_extent: int = 1024,
+    dtype_bytes: int = 4, b_contiguous: bool = False,
+) -> Tile:
+    """The register tile with the least estimated time, in units of one tile-row FMA step.
+
+    Counts the padded work over the tile's relative throughput, the per-tile heap allocation
+    of tiles over 1 KiB, and, when B could be read in place but J needs padding, the copy
+    that packing B then costs (about _PACK_COST FMA steps per element of B).
+    """
+    table = _TILES_32_REGS if num_registers >= 32 else _TILES_16_REGS
+    best: tuple[float, Tile] | None = None
+    for (mi, nvec), speed in table.items():
+        if i_extent == 1 and mi != 1:
+            continue  # a matrix-vector product: there is no I axis to pad (it may not exist)
+        i_pad, j_pad = _round_up(i_extent, mi), _round_up(j_extent, nvec * lanes)
+        cost = i_pad * j_pad / speed
+        if i_pad != i_extent:
+            cost *= _PADDING_PENALTY  # the zero-padded copy of A
+        if mi * nvec * lanes * dtype_bytes >= _STACK_BYTES:
+            cost *= 1.0 + _ALLOC_COST_IN_K_STEPS / max(k_extent, 1)
+        if b_contiguous and j_pad != j_extent:
+            cost += _PACK_COST * j_pad
+        if best is None or cost < best[0]:
+            best = (cost, Tile(mi, nvec, lanes))
+    assert best is not None
+    return best[1]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class Matmul(ScheduleRule):
+    """Register-tiled, packed, parallel matmul with the epilogue fused into the store."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        """Return the schedule, or None when the PrimFunc is not a (batched) matmul."""
+        if not is_cpu(target):
+            return None
+        sch = s_tir.Schedule(func)
+        main = _matmul_block(sch)
+        if main is None:
+            return None
+        inline_spatial_blocks(sch, keep=(main,))
+        inline_copies_into(sch, main)
+        operands = _operands(sch.get(main))
+        if operands is None:
+            return None
+        a, b = operands
+        extents = _canonicalize(sch, main, a, b)
+        if extents is None:
+            return None
+        _, i_ext, j_ext, k_ext = extents
+        cpu = CPUTarget.from_target(target)
+        dtype = sch.get(main).writes[0].source.dtype
+        lanes = cpu.lanes(dtype)
+        b_contiguous = _b_contiguous(func, sch, main, lanes)
+        tile = choose_tile(i_ext, j_ext, lanes, cpu.num_vector_registers, k_ext,
+                           tvm.DataType(str(dtype)).bits // 8, b_contiguous)
+        pad_i, pad_j = i_ext % tile.mi != 0, j_ext % tile.nj != 0
+        if pad_i or pad_j:
+            sch.pad_einsum(main, [1, tile.mi if pad_i else 1, tile.nj if pad_j else 1, 1])
+        _prepare_a(sch, main, a)
+        _prepare_b(sch, main, b, tile, pack=pad_j or not b_contiguous)
+        _tile_main(sch, main, tile)
+        schedule_remaining(sch, cpu)
+        return sch
+
+
+def _matmul_block(sch: s_tir.Schedule) -> SBlockRV | None:
+    """The single multiply-accumulate reduction block, if the function has one and only one."""
+    reductions = [b for b in root_blocks(sch) if not is_spatial(sch, b)]
+    if len(reductions) != 1:
+        return None
+    stmt = sch.get(reductions[0])
+    if not _is_multiply_accumulate(stmt) or len(stmt.reads) != 2 or len(stmt.writes) != 1:
+        return None
+    if not all(isinstance(iv.dom.extent, tirx.IntImm) for iv in stmt.iter_vars):
+        return None
+    if not str(stmt.writes[0].source.dtype).startswith(("float", "bfloat")):
+        return None
+    return reductions[0]
+
+
+def _is_multiply_accumulate(stmt: s_tir.SBlock) -> bool:
+    """C[...] = C[...] + X * Y, where X and Y are (possibly cast) buffer loads."""
+    body = stmt.body
+    if not isinstance(body, tirx.BufferStore) or not isinstance(body.value, tirx.Add):
+        return False
+
+    def strip(e: tirx.PrimExpr) -> tirx.PrimExpr:
+        return e.value if isinstance(e, tirx.Cast) else e
+
+    lhs, rhs = body.value.a, body.value.b
+    if isinstance(rhs, TensorLoad) and rhs.source.same_as(body.buffer):
+        lhs, rhs = rhs, lhs
+    if not (isinstance(lhs, TensorLoad) and lhs.source.same_as(body.buffer)):
+        return False
+    rhs = strip(rhs)
+    return (
+        isinstance(rhs, tirx.Mul)
+        and isinstance(strip(rhs.a), TensorLoad)
+        and isinstance(strip(rhs.b), TensorLoad)
+    )
+
+
+def _operands(stmt: s_tir.SBlock) -> tuple[int, int] | None:
+    """(A, B) read indices: B is the operand indexed by the output's innermost axis (J)."""
+    c_last = stmt.writes[0].region[-1].min
+    if not isinstance(c_last, tirx.Var):
+        return None
+    uses = [c_last in _region_vars(r) for r in stmt.reads]
+    if uses[0] == uses[1]:
+        return None  # both (a batch axis) or neither
+    return (1, 0) if uses[0] else (0, 1)
+
+
+def _region_vars(region: TensorRegion) -> set[tirx.Var]:
+    found: set[tirx.Var] = set()
+    for r in region.region:
+        if not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1):
+            return set()  # not a point access
+        found |= vars_in(r.min)
+    return found
+
+
+def _traits(stmt: s_tir.SBlock, a: int, b: int) -> list[IterTrait] | None:
+    """Kind (S/I/J/K/trivial) of each block iterator for C[S,I,J] += A[S,I,K] * B[S,J,K]."""
+    a_vars, b_vars = _region_vars(stmt.reads[a]), _region_vars(stmt.reads[b])
+    c_vars = _region_vars(stmt.writes[0])
+    traits = []
+    for iv in stmt.iter_vars:
+        var, extent = iv.var, iv.dom.extent
+        if isinstance(extent, tirx.IntImm) and extent.value == 1:
+            kind = IterKind.kIter_T
+        elif iv.iter_type == tirx.IterVar.DataPar:
+            kind = {
+                (True, True, True): IterKind.kIter_S,
+                (True, False, True): IterKind.kIter_I,
+                (False, True, True): IterKind.kIter_J,
+            }.get((var in a_vars, var in b_vars, var in c_vars))
+        elif iv.iter_type == tirx.IterVar.CommReduce and var not in c_vars:
+            kind = IterKind.kIter_K if var in a_vars and var in b_vars else None
+        else:
+            kind = None
+        if kind is None:
+            return None
+        traits.append(IterTrait(kind, extent))
+    kinds = {t.kind for t in traits}
+    # I may be missing (a matrix-vector product): it then becomes a unit axis of the tile.
+    if not {IterKind.kIter_J, IterKind.kIter_K} <= kinds:
+        return None
+    return traits
+
+
+def _canonicalize(
+    sch: s_tir.Schedule, main: SBlockRV, a: int, b: int
+) -> tuple[int, int, int, int] | None:
+    """Rewrite `main` to C[S, I, J] += A[S, I, K] * B[S, J, K]; return (S, I, J, K)."""
+    traits = _traits(sch.get(main), a, b)
+    if traits is None:
+        return None
+    reindex_a = sch.reindex(main, ("read", a))
+    reindex_b = sch.reindex(main, ("read", b))
+    reindex_c = sch.reindex(main, ("write", 0))
+    # The reindexed buffers are indexed by plain iterators (unit ones sometimes dropped):
+    # read their index order off the block instead of assuming it.
+    stmt = sch.get(main)
+    trait_of = {iv.var: t for iv, t in zip(stmt.iter_vars, traits)}
+
+    def operand_map(region: TensorRegion, order: list[IterKind]) -> tirx.IndexMap:
+        return make_iter_fusion_index_map([trait_of[r.min] for r in region.region], order)
+
+    S, I, J, K = IterKind.kIter_S, IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K
+    if not all(isinstance(r.min, tirx.Var) for x in (*stmt.reads, *stmt.writes) for r in x.region):
+        return None
+    sch.transform_layout(reindex_a, ("write", 0), operand_map(stmt.reads[a], [S, I, K]))
+    sch.transform_layout(reindex_b, ("write", 0), operand_map(stmt.reads[b], [S, J, K]))
+    sch.transform_layout(reindex_c, ("read", 0), operand_map(stmt.writes[0], [S, I, J]))
+    sch.transform_block_layout(main, make_iter_fusion_index_map(traits, [S, I, J, K]))
+    extents = [static_extent(sch, loop) for loop in sch.get_loops(main)]
+    if len(extents) != 4 or any(e is None for e in extents):
+        return None
+    return tuple(extents)  # type: ignore[return-value]
+
+
+def _b_contiguous(
+    func: tirx.PrimFunc, sch: s_tir.Schedule, main: SBlockRV, lanes: int
+) -> bool:
+    """Whether reading B in place gives whole contiguous vectors along J.
+
+    True when B's innermost index, in the original function, is the output's innermost axis
+    and that axis is a multiple of `lanes` long (so no vector straddles two rows of B).
+    """
+    original = s_tir.Schedule(func)
+    block = _matmul_block(original)
+    if block is None:
+        return False
+    inline_copies_into(original, block)
+    stmt = original.get(block)
+    operands = _operands(stmt)
+    if operands is None:
+        return False
+    c_last = stmt.writes[0].region[-1].min
+    b_last = stmt.reads[operands[1]].region[-1].min
+    extent = next(iv.dom.extent for iv in stmt.iter_vars if iv.var.same_as(c_last))
+    unit = {iv.var for iv in stmt.iter_vars if isinstance(iv.dom.extent, tirx.IntImm)
+            and iv.dom.extent.value == 1}
+    if vars_in(b_last) - unit != {c_last} or not isinstance(extent, tirx.IntImm):
+        return False
+    return extent.value % lanes == 0 and _is_var_plus_units(b_last, c_last, unit)
+
+
+def _is_var_plus_units(expr: tirx.PrimExpr, var: tirx.Var, unit: set[tirx.Var]) -> bool:
+    """expr is `var`, or `var + u` with u a unit-extent iterator (a 1x1 kernel's offset)."""
+    if isinstance(expr, tirx.Var):
+        return expr.same_as(var)
+    if isinstance(expr, tirx.Add):
+        a, b = expr.a, expr.b
+        return (_is_var_plus_units(a, var, unit) and isinstance(b, tirx.Var) and b in unit) or (
+            _is_var_plus_units(b, var, unit) and isinstance(a, tirx.Var) and a in unit
+        )
+    return False
+
+
+def _producer_of(sch: s_tir.Schedule, main: SBlockRV, index: int) -> SBlockRV:
+    buffer = sch.get(main).reads[index].source
+    for block in sch.get_producers(main):
+        if any(w.source.same_as(buffer) for w in sch.get(block).writes):
+            return block
+    raise ValueError(f"no producer for read {index} of the matmul block")
+
+
+def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int) -> None:
+    """Read A in place: each step broadcasts mi scalars of A, any layout does for that.
+
+    The reindex copy is inlined; a zero-padding copy (when I was padded) stays, so that the
+    inner loop carries no bounds checks (`schedule_remaining` vectorizes it later).
+    """
+    producer = _producer_of(sch, main, a)
+    if sch.get(producer).name_hint.endswith("_pad"):
+        sch.compute_inline(sch.get_producers(producer)[0])
+    else:
+        sch.compute_inline(producer)
+
+
+def _prepare_b(sch: s_tir.Schedule, main: SBlockRV, b: int, tile: Tile, pack: bool) -> None:
+    """Either read B in place (contiguous along J) or pack it into [S, J/nj, K, nj] panels."""
+    producer = _producer_of(sch, main, b)
+    nj = tile.nj
+    if sch.get(producer).name_hint.endswith("_pad"):
+        # pad_einsum made a zero-padded copy in [S, J, K] order: it becomes the packing block.
+        sch.compute_inline(sch.get_producers(producer)[0])
+        sch.transform_layout(producer, ("write", 0), lambda s, j, k: (s, j // nj, k, j % nj))
+    else:
+        sch.compute_inline(producer)
+        if not pack:
+            return
+        # With S == 1 the batch iterator does not index B, and the cache block drops it.
+        batched = static_extent(sch, sch.get_loops(main)[0]) != 1
+        producer = sch.reindex_cache_read(
+            main,
+            b,
+            "global",
+            (lambda s, i, j, k: (s, j // nj, k, j % nj))
+            if batched
+            else (lambda s, i, j, k: (j // nj, k, j % nj)),
+        )
+    *s, j, k = sch.get_loops(producer)
+    # One vector's worth of B rows at a time: reading nj rows 4 KiB apart at once would
+    # overflow an L1 set when K is a multiple of 1024.
+    jo, jv, jj = sch.split(j, [None, tile.nvec, tile.lanes])
+    sch.reorder(*s, jo, jv, k, jj)
+    sch.vectorize(jj)
+    k_extent = static_extent(sch, k) or 1
+    parallelize(sch, [*s, jo, jv], k_extent * tile.lanes)
+
+
+def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile) -> None:
+    s, i, j, k = sch.get_loops(main)
+    io, ii = sch.split(i, [None, tile.mi])
+    jo, ji, jv = sch.split(j, [None, tile.nvec, tile.lanes])
+    sch.reorder(s, jo, io, k, ii, ji, jv)
+    outer = sch.fuse(s, jo, io)
+    store = sch.cache_write(main, 0, ACCUMULATOR_SCOPE)
+    sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
+    _fuse_epilogue(sch, store, outer, tile.lanes)
+    parallelize(sch, [outer], tile.mi * tile.nj * (static_extent(sch, k) or 1))
+    sch.unroll(ii)
+    sch.unroll(ji)
+    sch.vectorize(jv)
+    init = sch.decompose_reduction(main, k)
+    sch.vectorize(sch.get_loops(init)[-1])
+
+
+def _fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: int) -> None:
+    """Inline the consumers of the accumulator into its store; compute the rest per tile."""
+    changed = True
+    while changed:
+        changed = False
+        for consumer in sch.get_consumers(store):
+            try:
+                sch.reverse_compute_inline(consumer)
+            except s_tir.ScheduleError:
+                continue
+            changed = True
+            break
+    rest = _transitive_consumers(sch, store)
+    for block in rest:
+        sch.reverse_compute_at(block, outer, preserve_unit_loops=True)
+    for block in [store, *rest]:
+        inner = sch.get_loops(block)[-1]
+        extent = static_extent(sch, inner)
+        if extent is not None and extent % lanes == 0:
+            _, vec = sch.split(inner, [None, lanes])
+            sch.vectorize(vec)
+
+
+def _transitive_consumers(sch: s_tir.Schedule, block: SBlockRV) -> list[SBlockRV]:
+    result: list[SBlockRV] = []
+    frontier = list(sch.get_consumers(block))
+    while frontier:
+        b = frontier.pop(0)
+        if any(sch.get(b).same_as(sch.get(r)) for r in result):
+            continue
+        result.append(b)
+        frontier.extend(sch.get_consumers(b))
+    return result

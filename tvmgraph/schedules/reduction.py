@@ -1,0 +1,277 @@
+"""Reductions: softmax, layer_norm, mean/sum/max along any axes, batch-norm statistics.
+
+Matches any PrimFunc with a reduction block that the matmul and convolution rules left alone.
+Spatial blocks are first inlined into spatial consumers, and into a reduction when it is their
+only consumer and reads them element for element (so `(x - mean)^2` folds into the variance
+sum, but the `exp` of a softmax, read twice, stays materialized). Then one of two schedules:
+
+Row fusion (softmax, layer_norm, mean over trailing axes): when every block starts with the
+same spatial "row" loops, the rows run in parallel and every block is computed at the row
+loop, so a row is read from cache by each block in turn. Reductions along the row are
+vectorized with rfactor: `lanes` partial results, one vector register, summed at the end.
+
+Block by block (everything else, e.g. batch-norm statistics over N, H, W of an NCHW tensor,
+and bias gradients summed over the batch axis): each loop nest is scheduled on its own. A
+reduction whose input is contiguous along a reduced axis gets the rfactor vectorization; one
+whose input is contiguous along a kept axis ("column" reduction, `dy.sum(0)`) loops over the
+reduced axes outside and vectorizes the kept axis inside, parallel over chunks of it.
+
+Limits: rfactor needs the contiguous reduced extent to be a multiple of 4; reductions to a
+scalar run on one thread; static shapes only for vectorization.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.s_tir.schedule import SBlockRV
+from tvm.target import Target
+
+from .cpu_target import CPUTarget, is_cpu
+from .loops import (
+    inline_spatial_blocks,
+    is_spatial,
+    iter_kinds,
+    loop_binding,
+    parallelize,
+    root_blocks,
+    schedule_spatial,
+    static_extent,
+    vars_in,
+    vectorize_innermost,
+)
+
+
+class Reduction(ScheduleRule):
+    """Parallel, vectorized reductions, fused per row when the blocks allow it."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        """Return the schedule, or None when the PrimFunc has no reduction block."""
+        if not is_cpu(target):
+            return None
+        cpu = CPUTarget.from_target(target)
+        sch = _prepared(func)
+        if sch is None:
+            return None
+        try:
+            if _schedule_rows(sch, cpu):
+                return sch
+        except s_tir.ScheduleError:
+            pass
+        sch = _prepared(func)
+        for block in root_blocks(sch):
+            lanes = _lanes(sch, block, cpu)
+            if is_spatial(sch, block):
+                schedule_spatial(sch, block, lanes)
+            else:
+                schedule_reduction(sch, block, lanes)
+        return sch
+
+
+def _prepared(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    sch = s_tir.Schedule(func)
+    if all(is_spatial(sch, b) for b in root_blocks(sch)):
+        return None
+    inline_spatial_blocks(sch, into_reductions=True)
+    return sch
+
+
+def _lanes(sch: s_tir.Schedule, block: SBlockRV, cpu: CPUTarget) -> int:
+    writes = sch.get(block).writes
+    return cpu.lanes(writes[0].source.dtype if writes else "float32")
+
+
+def _leading_spatial(kinds: str) -> int:
+    return len(kinds) - len(kinds.lstrip("S"))
+
+
+def _schedule_rows(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
+    """Compute every block at the shared row loop of the output block; False if not shaped so."""
+    blocks = root_blocks(sch)
+    if len(blocks) < 2 or not is_spatial(sch, blocks[-1]):
+        return False
+    kinds = [iter_kinds(sch, b) for b in blocks]
+    if any(k is None for k in kinds):
+        return False
+    n_rows = min(_leading_spatial(k) for k in kinds)  # type: ignore[arg-type]
+    if n_rows == 0:
+        return False
+    row_extents = [static_extent(sch, l) for l in sch.get_loops(blocks[-1])[:n_rows]]
+    for block, k in zip(blocks, kinds):
+        extents = [static_extent(sch, l) for l in sch.get_loops(block)[:n_rows]]
+        if extents != row_extents or None in extents:
+            return False
+        if not is_spatial(sch, block):
+            if "S" in k[n_rows:]:  # type: ignore[index]
+                return False  # a reduction that keeps a non-row axis is not a row reduction
+            if not _reduces_contiguously(sch, block):
+                return False  # summing down columns: better block by block
+    partials = []
+    for block in blocks[:-1]:
+        if not is_spatial(sch, block):
+            partial = _rfactor_row(sch, block, n_rows, _lanes(sch, block, cpu))
+            if partial is not None:
+                partials.append(partial)
+    last = blocks[-1]
+    loops = sch.get_loops(last)
+    row = sch.fuse(*loops[:n_rows]) if n_rows > 1 else loops[0]
+    _vectorize_tail(sch, last, 1, _lanes(sch, last, cpu))
+    for block in reversed(root_blocks(sch)[:-1]):
+        sch.compute_at(block, row, preserve_unit_loops=True)
+    row_work = 1
+    for loop in sch.get_loops(last)[1:]:
+        row_work *= static_extent(sch, loop) or 1
+    parallelize(sch, [row], row_work)
+    # The row loop is a root-level loop: every block under it has it as its first loop.
+    for block in sch.get_child_blocks(row):
+        if is_spatial(sch, block) and _is_plain(sch, block, depth=1):
+            _vectorize_tail(sch, block, 1, _lanes(sch, block, cpu))
+    # NOTE: last, because splitting off the inits makes later primitives on the row refuse.
+    for partial in partials:
+        _vectorize_partial(sch, partial)
+    return True
+
+
+def _is_plain(sch: s_tir.Schedule, block: SBlockRV, depth: int) -> bool:
+    """True when the loops of `block` below the first `depth` ones are all still serial."""
+    return all(sch.get(l).kind == tirx.ForKind.SERIAL for l in sch.get_loops(block)[depth:])
+
+
+def _vectorize_tail(sch: s_tir.Schedule, block: SBlockRV, depth: int, lanes: int) -> None:
+    """Fuse the loops of `block` below the first `depth` ones and vectorize them."""
+    loops = sch.get_loops(block)[depth:]
+    if not loops:
+        return
+    inner = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    vectorize_innermost(sch, inner, lanes)
+
+
+def _rfactor_row(
+    sch: s_tir.Schedule, block: SBlockRV, n_rows: int, lanes: int
+) -> SBlockRV | None:
+    """Vectorize a reduction over its trailing loops: `lanes` partial sums, then one final sum.
+
+    Only when the reduced elements are contiguous (the innermost read index is reduced);
+    otherwise the block keeps its serial reduction loop. Returns the partial-sum block.
+    """
+    if not _reduces_contiguously(sch, block):
+        return None
+    loops = sch.get_loops(block)
+    reduce_loops = loops[n_rows:]
+    fused = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
+    extent = static_extent(sch, fused)
+    width = lanes
+    while width >= 4 and (extent is None or extent % width):
+        width //= 2
+    if width < 4 or extent is None or extent < width:
+        return None
+    _, lane = sch.split(fused, [None, width])
+    # The partial sums go last in their buffer, so that one vector store writes them all.
+    return sch.rfactor(lane, factor_axis=len(sch.get(block).writes[0].region))
+
+
+def _vectorize_partial(sch: s_tir.Schedule, partial: SBlockRV) -> None:
+    """Make the lane loop of a partial-sum block the vector and hoist its init.
+
+    Call it after any compute_at: once the init is split off, the update block no longer
+    passes the reduction-block checks that compute_at and vectorize make (so the loop is
+    vectorized before the split).
+    """
+    stmt = sch.get(partial)
+    lane_var = next(iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.DataPar)
+    ko_var = next(iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce)
+    lane_loop, ko = loop_binding(sch, partial, lane_var), loop_binding(sch, partial, ko_var)
+    if lane_loop is None or ko is None:
+        return
+    sch.reorder(ko, lane_loop)
+    sch.vectorize(lane_loop)
+    sch.decompose_reduction(partial, ko)
+
+
+def _reduces_contiguously(sch: s_tir.Schedule, block: SBlockRV) -> bool:
+    """Whether the largest read of `block` is contiguous along a reduction iterator."""
+    stmt = sch.get(block)
+    reduce_vars = {iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
+    reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
+    if not reads:
+        return False
+    read = max(reads, key=lambda r: len(r.region))
+    return bool(vars_in(read.region[-1].min) & reduce_vars)
+
+
+def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None:
+    """Schedule one root-level reduction nest on its own (see the module docstring)."""
+    kinds = iter_kinds(sch, block)
+    if kinds is None:
+        return
+    loops = sch.get_loops(block)
+    column = _contiguous_spatial_loop(sch, block)
+    if column is not None:
+        _schedule_column(sch, block, column, lanes)
+        return
+    # Row-like: spatial loops outside (parallel), reduction loops inside (rfactor vector).
+    spatial = [l for l, k in zip(loops, kinds) if k == "S"]
+    reduce_ = [l for l, k in zip(loops, kinds) if k == "R"]
+    sch.reorder(*spatial, *reduce_)
+    if not spatial:
+        partial = _rfactor_row(sch, block, 0, lanes)
+        if partial is not None:
+            _vectorize_partial(sch, partial)
+        return
+    work = 1
+    for l in reduce_:
+        work *= static_extent(sch, l) or 1
+    row = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+    partial = _rfactor_row(sch, block, 1, lanes)
+    if partial is not None:
+        # The partial sums of a row are computed right before they are summed.
+        sch.compute_at(partial, row, preserve_unit_loops=True)
+    parallelize(sch, [row], work)
+    if partial is not None:
+        _vectorize_partial(sch, partial)
+
+
+def _contiguous_spatial_loop(sch: s_tir.Schedule, block: SBlockRV) -> int | None:
+    """Position of the spatial loop the largest read is contiguous along, if it is spatial."""
+    stmt = sch.get(block)
+    kinds = iter_kinds(sch, block)
+    reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
+    if not reads or kinds is None:
+        return None
+    read = max(reads, key=lambda r: len(r.region))
+    last = vars_in(read.region[-1].min)
+    for pos, (iv, k) in enumerate(zip(stmt.iter_vars, kinds)):
+        if k == "S" and iv.var in last:
+            return pos
+    return None
+
+
+def _schedule_column(sch: s_tir.Schedule, block: SBlockRV, column: int, lanes: int) -> None:
+    """Reduced loops outside, the contiguous kept loop inside as the vector; parallel over
+    the other kept loops and chunks of the contiguous one."""
+    kinds = iter_kinds(sch, block)
+    assert kinds is not None
+    loops = sch.get_loops(block)
+    col = loops[column]
+    extent = static_extent(sch, col) or 0
+    width = lanes
+    while width >= 4 and extent % width:
+        width //= 2
+    others = [l for n, (l, k) in enumerate(zip(loops, kinds)) if k == "S" and n != column]
+    reduce_ = [l for l, k in zip(loops, kinds) if k == "R"]
+    if width < 4:
+        sch.reorder(*others, col, *reduce_)
+        parallelize(sch, [*others, col], 1)
+        return
+    # Chunks of 4 vectors keep 4 independent accumulators in flight per step.
+    chunk = width * 4 if extent % (width * 4) == 0 else width
+    co, ci = sch.split(col, [None, chunk])
+    sch.reorder(*others, co, *reduce_, ci)
+    _, vec = sch.split(ci, [None, width])
+    sch.vectorize(vec)
+    work = 1
+    for l in reduce_:
+        work *= static_extent(sch, l) or 1
+    parallelize(sch, [*others, co], work * chunk)
+    # NOTE: last: once the init is split off, `parallel` refuses the loop nest.
+    sch.decompose_reduction(block, reduce_[0])

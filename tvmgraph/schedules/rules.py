@@ -1,0 +1,17 @@
+"""The default rule list of `ApplyCPUSchedules`, most specific first."""
+
+from __future__ import annotations
+
+from tvm.s_tir.dlight.base import ScheduleRule
+
+from .conv import Conv2d
+from .conv_grad import ConvWeightGradient
+from .elementwise import Elementwise
+from .fallback import Fallback
+from .matmul import Matmul
+from .reduction import Reduction
+
+
+def default_rules() -> list[ScheduleRule]:
+    """Convolutions, matmul, reductions, element-wise, then the catch-all `Fallback`."""
+    return [ConvWeightGradient(), Conv2d(), Matmul(), Reduction(), Elementwise(), Fallback()]
