@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,14 +77,16 @@ class CompiledCache:
         logger.debug("compiled cache hit: %s", path)
         return Entry(lib, meta, path / meta["lib_name"])
 
-    def store(self, key: str, executable: Any, meta: dict[str, Any]) -> Path:
-        """Export `executable` and write `meta` as the entry for `key`; returns the library's path."""
+    def store(self, key: str, executable: Any, meta: dict[str, Any],
+              export: Callable[[Any, str], None] | None = None) -> Path:
+        """Export `executable` (with `export(executable, path)`, default its own
+        `export_library`) and write `meta` as the entry for `key`; returns the library's path."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / key
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
         lib_name = f"lib-{uuid.uuid4().hex[:12]}.so"
         try:
-            executable.export_library(str(tmp / lib_name))
+            (export or (lambda ex, path: ex.export_library(path)))(executable, str(tmp / lib_name))
             torch.save({**meta, "lib_name": lib_name, "lib_sha256": _sha256(tmp / lib_name)}, tmp / META)
             try:
                 os.rename(tmp, final)

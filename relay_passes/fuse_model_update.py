@@ -156,15 +156,33 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
     return func.with_attrs({"tir.is_scheduled": True, "op_pattern": 8}), inplace
 
 
+def _chunk_outer(sch, block, shape: list[int], lanes: int):
+    """Split `block`'s loops into an outer loop over chunks and return (outer, chunk size).
+
+    A chunk must be a box of the tensor (see _schedule): `lanes` elements of the last dimension
+    when it divides it, else whole trailing dimensions, at least `lanes` elements if possible."""
+    loops = sch.get_loops(block)
+    if shape[-1] % lanes == 0:
+        lo, _ = sch.split(loops[-1], [None, lanes])
+        return (sch.fuse(*loops[:-1], lo) if len(loops) > 1 else lo), lanes
+    split = len(shape) - 1
+    while split > 0 and math.prod(shape[split:]) < lanes:
+        split -= 1
+    if split == 0:
+        return sch.add_unit_loop(loops[0]), math.prod(shape)
+    return (sch.fuse(*loops[:split]) if split > 1 else loops[0]), math.prod(shape[split:])
+
+
 def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.PrimFunc:
     """Per parameter: one loop over chunks of its elements that computes and stores every
     result in formula order, each in its own inner loop. Within a chunk a result's store
     follows every read of its buffer's old value: only its own formula reads its old state,
-    and the parameter, which every formula may read, is stored last.
+    and the parameter, which every formula may read, is stored last. On GPUs a chunk is a
+    thread block and each element stays with one thread through all results.
 
-    A chunk is a whole box of trailing dimensions (at least LANES elements when the shape
-    allows): the results after the first are placed per chunk with reverse_compute_at, which
-    computes the box covering the chunk, and only an exact box keeps every element written once.
+    The results after the first are placed per chunk with reverse_compute_at, which computes
+    the box covering the chunk; a chunk is therefore always a box, so every element is
+    written exactly once.
     """
     from tvm import s_tir
 
@@ -174,20 +192,11 @@ def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.Pr
         if not outputs:
             continue
         shape = [int(d) for d in outputs[0].shape]
-        split = len(shape) - 1  # trailing dims [split:] form a chunk
-        while split > 0 and math.prod(shape[split:]) < (GPU_THREADS if gpu else LANES):
-            split -= 1
-        first = sch.get_sblock(outputs[0].op.name)
-        loops = sch.get_loops(first)
-        if split == 0:
-            outer = sch.add_unit_loop(loops[0])
-        else:
-            outer = sch.fuse(*loops[:split]) if split > 1 else loops[0]
+        outer, chunk = _chunk_outer(sch, sch.get_sblock(outputs[0].op.name), shape, GPU_THREADS if gpu else LANES)
         for tensor in outputs[1:]:
             sch.reverse_compute_at(sch.get_sblock(tensor.op.name), outer)
-        chunk = math.prod(shape[split:])
-        inner_loops = []
         outer_sref = sch.get_sref(outer)
+        inner_loops = []
         for tensor in outputs:
             block_loops = sch.get_loops(sch.get_sblock(tensor.op.name))
             depth = next(i for i, loop in enumerate(block_loops) if sch.get_sref(loop).same_as(outer_sref)) + 1
@@ -196,9 +205,9 @@ def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.Pr
         if gpu:
             sch.bind(outer, "blockIdx.x")
             for loop in inner_loops:
-                sch.bind(loop, "threadIdx.x")
+                sch.bind(sch.split(loop, [None, min(chunk, GPU_THREADS)])[1], "threadIdx.x")
             continue
-        if math.prod(shape) >= PARALLEL_MIN and split > 0:
+        if math.prod(shape) >= PARALLEL_MIN and chunk < math.prod(shape):
             sch.parallel(outer)
         if chunk % LANES == 0:
             for loop in inner_loops:

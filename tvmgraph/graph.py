@@ -40,7 +40,7 @@ from .errors import (
 from .graph_repr import graph_repr
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
 from .target import target_for
-from . import artifact
+from . import artifact, codegen
 from . import lower as lowering
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
@@ -431,7 +431,7 @@ class Graph:
         if cache is not None:
             meta = {"signature": lowered.signature, "train_layout": lowered.train_layout,
                     "target": str(target_for(device))}
-            store = functools.partial(cache.store, key, meta=meta)
+            store = functools.partial(cache.store, key, meta=meta, export=codegen.export_library)
         with st.log.stage(f"compiling for {device}"):
             return lowered.compile(device, self.config, st.modules, PIPELINE, store=store,
                                    report=lambda msg: st.log.info(1, msg))

@@ -21,6 +21,7 @@ import torch
 import tvm
 from tvm import relax
 
+from . import codegen
 from . import lower as lowering
 from .debug import logger
 from .binding import TensorBinder
@@ -102,7 +103,7 @@ class LoweredGraph:
               report: Callable[[str], None] | None = None) -> tuple[tvm.IRModule, relax.VMExecutable]:
         """Run the pass pipeline for `target` and generate code; needs no device (cross-compiles)."""
         optimized = get_pipeline(target, config, pipeline, report)(self.mod)
-        return optimized, tvm.compile(optimized, target=target, relax_pipeline=None)
+        return optimized, codegen.build_executable(optimized, target)
 
     def compile(self, device: torch.device, config: GraphConfig, modules: Mapping[str, torch.nn.Module],
                 pipeline: str = "default", store: Callable[[relax.VMExecutable], Path] | None = None,

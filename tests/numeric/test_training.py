@@ -220,3 +220,21 @@ def test_eager_module_sees_trained_values() -> None:
     with torch.no_grad():
         eager_loss = nn.functional.cross_entropy(model(x), y)
     torch.testing.assert_close(graph(x, y), eager_loss, **STEP_TOL)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused_in_place", "relax_ops"])
+def test_sgd_update_in_place_only_when_fused(fuse: bool) -> None:
+    """allow_fuse_model_update_ops (default on): parameters and momentum buffers keep their
+    memory; off: the graph returns new tensors and swaps them in. Both train the same."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), optimizer)
+    graph.config.allow_fuse_model_update_ops(fuse)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    graph(x, y)  # creates the momentum buffers
+    before = [p.data_ptr() for p in model.parameters()] + [optimizer.state[p]["momentum_buffer"].data_ptr()
+                                                            for p in model.parameters()]
+    graph(x, y)
+    after = [p.data_ptr() for p in model.parameters()] + [optimizer.state[p]["momentum_buffer"].data_ptr()
+                                                           for p in model.parameters()]
+    assert (before == after) == fuse

@@ -1,0 +1,131 @@
+"""FuseModelUpdate: a param group's update function becomes one in-place update kernel."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from relay_passes.fuse_model_update import FuseModelUpdate, build_update_kernel
+from tvmgraph.training.optimizers import RULES
+from tvmgraph.training.train_step import update_function
+
+CPU = tvm.target.Target({"kind": "llvm"})
+
+
+def sgd_flags(**overrides: bool) -> dict[str, bool]:
+    return {"nesterov": False, "maximize": False, "momentum": True, "weight_decay": False,
+            "dampening": False, **overrides}
+
+
+def module_with_update(rule: str, flags: dict[str, bool], shapes: list[tuple[int, ...]]) -> tvm.IRModule:
+    """`main(args...)` calls the group's update function, as train_step does."""
+    types = [relax.TensorType(s, "float32") for s in shapes]
+    update = update_function(RULES[rule], flags, types, "update_0").without_attr("global_symbol")
+    bb = relax.BlockBuilder()
+    gv = bb.add_func(update, "update_0")
+    params = [relax.Var(p.name, p.ty) for p in update.params]
+    with bb.function("main", params):
+        out = bb.emit(relax.Call(gv, params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_update_call_becomes_one_call_tir_inplace() -> None:
+    """Before: main calls update_0 (Relax ops). After: one in-place kernel call over the same
+    arguments, overwriting momentum_buffer0 (arg 3) and p0 (arg 1); update_0 is gone."""
+    before = module_with_update("sgd", sgd_flags(), [(4, 8)])
+    with CPU:
+        after = FuseModelUpdate()(before)
+
+    @I.ir_module
+    class Expected:
+        @T.prim_func(private=True)
+        def update_0_kernel(hyper: T.Buffer((5,), "float32"), p0: T.Buffer((4, 8), "float32"),
+                            g0: T.Buffer((4, 8), "float32"), momentum_buffer0: T.Buffer((4, 8), "float32")):
+            T.evaluate(0)  # stub: only the Relax side is compared here
+
+        @R.function
+        def main(hyper: R.Tensor((5,), "float32"), p0: R.Tensor((4, 8), "float32"),
+                 g0: R.Tensor((4, 8), "float32"), momentum_buffer0: R.Tensor((4, 8), "float32")):
+            cls = Expected
+            gv = R.call_tir_inplace(cls.update_0_kernel, (hyper, p0, g0, momentum_buffer0), [3, 1],
+                                    out_ty=[R.Tensor((4, 8), "float32"), R.Tensor((4, 8), "float32")])
+            return gv
+
+    assert sorted(gv.name_hint for gv in after.get_global_vars()) == ["main", "update_0_kernel"]
+    tvm.ir.assert_structural_equal(after["main"], Expected["main"], map_free_vars=True)
+    kernel = after["update_0_kernel"]
+    assert [p.name for p in kernel.params] == ["hyper", "p0", "g0", "momentum_buffer0"]  # no output buffers
+    assert bool(kernel.attrs["tir.is_scheduled"])
+
+
+def torch_sgd_step(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """One torch.optim.SGD step from state `buf` (a parameter that has stepped before)."""
+    param = torch.nn.Parameter(p.clone())
+    opt = torch.optim.SGD([param], **options)
+    opt.state[param]["momentum_buffer"] = buf.clone()
+    param.grad = g.clone()
+    opt.step()
+    return param.detach(), opt.state[param]["momentum_buffer"]
+
+
+@pytest.mark.parametrize("options", [
+    dict(lr=0.1, momentum=0.9),
+    dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    dict(lr=0.05, momentum=0.5, maximize=True),
+], ids=["momentum", "nesterov_wd", "maximize"])
+@pytest.mark.parametrize("shape", [(1024, 784), (8, 3, 3, 3), (10,), (37,)], ids=["big", "conv3x3", "bias", "odd"])
+def test_kernel_matches_torch_sgd_and_writes_in_place(options: dict, shape: tuple[int, ...]) -> None:
+    rule = RULES["sgd"]
+    group = {"nesterov": False, "maximize": False, "dampening": 0, "weight_decay": 0, **options}
+    flags = rule.flags(group)
+    kernel, inplace = build_update_kernel(rule, flags, [relax.TensorType(shape, "float32")], CPU)
+    run = tvm.compile(tvm.IRModule({"k": kernel.with_attr("global_symbol", "k")}), target=CPU)["k"]
+    p, g, buf = torch.randn(shape), torch.randn(shape), torch.randn(shape)
+    expected_p, expected_buf = torch_sgd_step(p, g, buf, **options)
+    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float32)
+    run(hyper, p, g, buf)  # p and buf are updated in their own memory
+    torch.testing.assert_close(buf, expected_buf, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(p, expected_p, atol=1e-6, rtol=1e-5)
+    assert inplace == [3, 1]
+
+
+def test_several_parameters_in_one_kernel_and_the_report() -> None:
+    shapes = [(16, 8), (16,), (4, 16)]
+    messages: list[str] = []
+    with CPU:
+        after = FuseModelUpdate(report=messages.append)(module_with_update("sgd", sgd_flags(), shapes))
+    kernels = [gv for gv, f in after.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(kernels) == 1
+    assert messages == ["FuseModelUpdate: 1 in-place update kernel(s): update_0 (3 parameters)"]
+
+
+def test_adam_is_left_as_relax_ops_and_reported() -> None:
+    flags = RULES["adam"].flags({"amsgrad": False, "maximize": False, "weight_decay": 0})
+    before = module_with_update("adam", flags, [(4, 4)])
+    messages: list[str] = []
+    with CPU:
+        after = FuseModelUpdate(report=messages.append)(before)
+    tvm.ir.assert_structural_equal(after, relax.transform.DeadCodeElimination()(before))
+    assert messages == ["FuseModelUpdate: left as Relax ops: update_0 (adam: scalar state)"]
+
+
+def test_disabled_pass_changes_nothing() -> None:
+    before = module_with_update("sgd", sgd_flags(), [(4, 4)])
+    tvm.ir.assert_structural_equal(FuseModelUpdate(enabled=False)(before), before)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
+def test_kernel_compiles_for_cuda() -> None:
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    kernel, _ = build_update_kernel(RULES["sgd"], sgd_flags(nesterov=True), [relax.TensorType((1000, 3), "float32")], cuda)
+    lib = tvm.compile(tvm.IRModule({"k": kernel.with_attr("global_symbol", "k")}), target=cuda)
+    source = lib.mod.imports[0].inspect_source() if lib.mod.imports else lib.imports[0].inspect_source()
+    assert "__global__" in source and "threadIdx.x" in source
