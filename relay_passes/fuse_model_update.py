@@ -18,9 +18,11 @@ earlier one only through the value `output` returned (the new value, already sto
 result reads only the old value of its own state and of the parameter (stored last), and
 train_step calls all updates after all gradients are computed.
 
-Limits: static shapes; float dtypes; LLVM and CUDA targets; rules with scalar state (Adam's
-`step`) are left as Relax ops for now (reported), since the scalar store would have to be
-ordered after every element loop.
+Scalar state (Adam's `step`) is not written by the kernel, which would have to order that
+store after every element loop: the kernel recomputes the new step where it reads it, and the
+new step itself is computed by Relax ops beside the kernel (a fresh 4-byte tensor).
+
+Limits: static shapes; float dtypes; LLVM and CUDA targets.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvmgraph.debug import logger
 from tvmgraph.training.optimizers import PARAM, RULES, UpdateRule
 from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR
+from tvmgraph.training.update_ops import RelaxUpdateOps
 
 LANES = 16  # elements per vector on AVX-512 float32; 8 on AVX2 is handled by LLVM splitting
 PARALLEL_MIN = 1 << 15  # elements below which one thread updates a parameter alone
@@ -73,8 +76,7 @@ class TEUpdateOps:
 
     def __init__(self, shape: tuple[int, ...], dtype: str, out_dtypes: dict[str, str], tag: str):
         self.shape, self.dtype, self.out_dtypes, self.tag = shape, dtype, out_dtypes, tag
-        self.outputs: dict[str, te.Tensor] = {}
-        self.scalars: list[te.Tensor] = []
+        self.outputs: dict[str, te.Tensor] = {}  # element-wise results, in formula order
 
     def value(self, fn, scalar: bool) -> TEValue:
         return TEValue(fn, scalar, self)
@@ -87,22 +89,16 @@ class TEUpdateOps:
     def cast(self, x: tirx.PrimExpr) -> tirx.PrimExpr:
         return x if _dtype(x) == self.dtype else tirx.Cast(self.dtype, x)
 
-    def _scalar_temp(self, fn) -> TEValue:
-        # Scalar work (bias corrections) is computed once, not once per element.
-        tensor = te.compute((), lambda: fn(()), name=f"{self.tag}_s{len(self.scalars)}")
-        self.scalars.append(tensor)
-        return self.read(tensor)
-
     def const(self, value: float) -> TEValue:
         return self.value(lambda i: tirx.const(value, self.dtype), True)
 
+    # Scalar sub-expressions (Adam's bias corrections) stay inline: they are loop-invariant,
+    # and LLVM hoists them out of the element loop.
     def sqrt(self, x: TEValue) -> TEValue:
-        fn = lambda i: tirx.sqrt(self.cast(x(i)))  # noqa: E731
-        return self._scalar_temp(fn) if x.scalar else self.value(fn, False)
+        return self.value(lambda i: tirx.sqrt(self.cast(x(i))), x.scalar)
 
     def pow(self, base: TEValue, exponent: TEValue) -> TEValue:
-        fn = lambda i: tirx.power(self.cast(base(i)), self.cast(exponent(i)))  # noqa: E731
-        return self._scalar_temp(fn) if base.scalar and exponent.scalar else self.value(fn, False)
+        return self.value(lambda i: tirx.power(self.cast(base(i)), self.cast(exponent(i))), base.scalar and exponent.scalar)
 
     def maximum(self, a: TEValue, b: TEValue) -> TEValue:
         return self.value(lambda i: tirx.max(self.cast(a(i)), self.cast(b(i))), a.scalar and b.scalar)
@@ -119,16 +115,21 @@ class TEUpdateOps:
             v = value(i)
             return v if _dtype(v) == dtype else tirx.Cast(dtype, v)
 
-        shape = () if value.scalar else self.shape
-        out = te.compute(shape, lambda *i: stored(i if i else ()), name=f"{self.tag}_{key}")
+        if value.scalar:
+            # Scalar state (Adam's step) is not stored by the kernel (its store would have to
+            # follow every element loop); the kernel recomputes the new value where it is read,
+            # and FuseModelUpdate stores it with Relax ops beside the kernel.
+            return self.value(stored, True)
+        out = te.compute(self.shape, lambda *i: stored(i), name=f"{self.tag}_{key}")
         self.outputs[key] = out
         return self.read(out)
 
 
 def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
                         target: tvm.target.Target) -> tuple[tirx.PrimFunc, list[int]]:
-    """The in-place TIR kernel for one group, and for each of its results the index of the
-    argument it overwrites."""
+    """The in-place TIR kernel for one group, and for each of its results (the element-wise
+    state in key order, then the parameter, per parameter) the index of the argument it
+    overwrites. Scalar state is read, not written (see TEUpdateOps.output)."""
     keys = rule.state_keys(flags)
     hyper = te.placeholder((len(rule.hyper_keys),), "float32", name="hyper")
     inputs, outputs, inplace, chains = [hyper], [], [], []
@@ -144,16 +145,16 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
         ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}")
         h = {k: ops.value(lambda i, n=n: hyper(n), True) for n, k in enumerate(rule.hyper_keys)}
         rule.update(ops, ops.read(p), ops.read(g), {k: ops.read(s) for k, s in states.items()}, h, flags)
-        order = [*keys, PARAM]  # the results' order in the Relax tuple
+        order = [k for k in (*keys, PARAM) if k in ops.outputs]
         outputs += [ops.outputs[k] for k in order]
         inplace += [arg_index[k] for k in order]
-        chains.append([ops.outputs[k] for k in order if len(ops.outputs[k].shape)])
+        chains.append([ops.outputs[k] for k in order])
     func = te.create_prim_func([*inputs, *outputs])
     func = _schedule(func, chains, target)
     num_in = len(inputs)
     func = func.specialize({func.params[num_in + n]: func.params[arg] for n, arg in enumerate(inplace)})
     # Opaque to FuseOps: the kernel is complete and writes its arguments in place.
-    return func.with_attrs({"tir.is_scheduled": True, "op_pattern": 8}), inplace
+    return func.without_attr("global_symbol").with_attrs({"tir.is_scheduled": True, "op_pattern": 8}), inplace
 
 
 def _chunk_outer(sch, block, shape: list[int], lanes: int):
@@ -180,9 +181,8 @@ def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.Pr
     and the parameter, which every formula may read, is stored last. On GPUs a chunk is a
     thread block and each element stays with one thread through all results.
 
-    The results after the first are placed per chunk with reverse_compute_at, which computes
-    the box covering the chunk; a chunk is therefore always a box, so every element is
-    written exactly once.
+    Every result's loops are split into the same chunks and the chunk loops are merged, so a
+    chunk is always a box of the tensor and every element is written exactly once.
     """
     from tvm import s_tir
 
@@ -192,16 +192,14 @@ def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.Pr
         if not outputs:
             continue
         shape = [int(d) for d in outputs[0].shape]
-        outer, chunk = _chunk_outer(sch, sch.get_sblock(outputs[0].op.name), shape, GPU_THREADS if gpu else LANES)
-        for tensor in outputs[1:]:
-            sch.reverse_compute_at(sch.get_sblock(tensor.op.name), outer)
-        outer_sref = sch.get_sref(outer)
-        inner_loops = []
+        lanes = GPU_THREADS if gpu else LANES
+        outers, inner_loops = [], []
         for tensor in outputs:
-            block_loops = sch.get_loops(sch.get_sblock(tensor.op.name))
-            depth = next(i for i, loop in enumerate(block_loops) if sch.get_sref(loop).same_as(outer_sref)) + 1
-            inner = block_loops[depth:]
+            outer, chunk = _chunk_outer(sch, sch.get_sblock(tensor.op.name), shape, lanes)
+            inner = sch.get_loops(sch.get_sblock(tensor.op.name))[1:]  # the chunk loop is outermost
+            outers.append(outer)
             inner_loops.append(sch.fuse(*inner) if len(inner) > 1 else inner[0])
+        outer = sch.merge(*outers) if len(outers) > 1 else outers[0]
         if gpu:
             sch.bind(outer, "blockIdx.x")
             for loop in inner_loops:
@@ -233,18 +231,46 @@ class _Rewriter(PyExprMutator):
             return call
         rule = RULES[str(func.attrs[MODEL_UPDATE_ATTR])]
         flags = {str(k): bool(v) for k, v in func.attrs[FLAGS_ATTR].items()}
-        if any(rule.scalar_state(k) for k in rule.state_keys(flags)):
-            # Scalar state (Adam's step) would need its own block ordered after every element
-            # loop; not built yet: the update stays Relax ops (FuseOps fuses them).
-            self.skipped.append(f"{call.op.name_hint} ({rule.name}: scalar state)")
-            return call
-        per_param = 2 + len(rule.state_keys(flags))
+        keys = rule.state_keys(flags)
+        per_param = 2 + len(keys)
         param_types = [p.ty for p in func.params[1::per_param]]
         kernel, inplace = build_update_kernel(rule, flags, param_types, self.target)
         gv = self.builder_.add_func(kernel, f"{call.op.name_hint}_kernel")
         out_types = [p.ty for p in (func.params[i] for i in inplace)]
         self.fused.append(f"{call.op.name_hint} ({len(param_types)} parameters)")
-        return relax.op.call_tir_inplace(gv, relax.Tuple(list(call.args)), inplace, out_types)
+        updated = relax.op.call_tir_inplace(gv, relax.Tuple(list(call.args)), inplace, out_types)
+        if not any(rule.scalar_state(k) for k in keys):
+            return updated
+        # Interleave the kernel's results with the scalar state computed by Relax ops, back
+        # into the update function's result layout.
+        updated = self.builder_.emit(updated)
+        scalars = self._scalar_state(rule, flags, list(call.args), per_param)
+        results, cursor = [], 0
+        for j in range(len(param_types)):
+            for key in (*keys, PARAM):
+                if rule.scalar_state(key):
+                    results.append(scalars[j][key])
+                else:
+                    results.append(relax.TupleGetItem(updated, cursor))
+                    cursor += 1
+        return relax.Tuple(results)
+
+    def _scalar_state(self, rule: UpdateRule, flags: dict[str, bool], args: list[relax.Expr],
+                      per_param: int) -> list[dict[str, relax.Expr]]:
+        """New scalar state per parameter, evaluated as Relax ops (element-wise parts die)."""
+        keys = rule.state_keys(flags)
+        bb = self.builder_
+        hyper = args[0]
+        h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0)) for i, k in enumerate(rule.hyper_keys)}
+        out = []
+        for j in range(len(args[1:]) // per_param):
+            p, g, *states = args[1 + j * per_param: 1 + (j + 1) * per_param]
+            dtype = p.ty.dtype.dtype
+            ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: s.ty.dtype.dtype for k, s in zip(keys, states)}})
+            rule.update(ops, ops.wrap(p), ops.wrap(g), {k: ops.wrap(s) for k, s in zip(keys, states)},
+                        {k: ops.wrap(v) for k, v in h.items()}, flags)
+            out.append({k: ops.outputs[k] for k in keys if rule.scalar_state(k)})
+        return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseModelUpdate")

@@ -107,14 +107,45 @@ def test_several_parameters_in_one_kernel_and_the_report() -> None:
     assert messages == ["FuseModelUpdate: 1 in-place update kernel(s): update_0 (3 parameters)"]
 
 
-def test_adam_is_left_as_relax_ops_and_reported() -> None:
-    flags = RULES["adam"].flags({"amsgrad": False, "maximize": False, "weight_decay": 0})
-    before = module_with_update("adam", flags, [(4, 4)])
-    messages: list[str] = []
+def torch_adam_step(p, g, state, **options):
+    param = torch.nn.Parameter(p.clone())
+    opt = torch.optim.AdamW([param], **options) if options.pop("adamw", False) else torch.optim.Adam([param], **options)
+    opt.state[param].update({k: v.clone() for k, v in state.items()})
+    param.grad = g.clone()
+    opt.step()
+    return param.detach(), opt.state[param]
+
+
+@pytest.mark.parametrize("options", [dict(lr=1e-2), dict(lr=1e-2, amsgrad=True, weight_decay=1e-2),
+                                     dict(lr=1e-2, weight_decay=0.1, adamw=True)], ids=["adam", "amsgrad_l2", "adamw"])
+def test_adam_kernel_and_relax_step_match_torch(options: dict) -> None:
+    """Adam's tensors are updated in place by the kernel; its scalar `step` by Relax ops."""
+    adamw = options.get("adamw", False)
+    rule = RULES["adamw" if adamw else "adam"]
+    torch_options = {k: v for k, v in options.items() if k != "adamw"}
+    group = {"amsgrad": False, "maximize": False, "weight_decay": 0, "betas": (0.9, 0.999), "eps": 1e-8,
+             "decoupled_weight_decay": adamw, **torch_options}
+    flags = rule.flags(group)
+    shape = (7, 16)
+    before = module_with_update(rule.name, flags, [shape])
     with CPU:
-        after = FuseModelUpdate(report=messages.append)(before)
-    tvm.ir.assert_structural_equal(after, relax.transform.DeadCodeElimination()(before))
-    assert messages == ["FuseModelUpdate: left as Relax ops: update_0 (adam: scalar state)"]
+        after = FuseModelUpdate()(before)
+    run = relax.VirtualMachine(tvm.compile(after, target=CPU), tvm.cpu())["main"]
+    p, g = torch.randn(shape), torch.randn(shape)
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.randn(shape) * 0.1, "exp_avg_sq": torch.rand(shape) * 0.1}
+    if flags["amsgrad"]:
+        state["max_exp_avg_sq"] = state["exp_avg_sq"] + 0.05
+    expected_p, expected_state = torch_adam_step(p, g, state, adamw=adamw, **torch_options)
+    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float32)
+    args = [p.clone(), g] + [state[k].clone() for k in rule.state_keys(flags)]
+    results = run(hyper, *args)
+    keys = [*rule.state_keys(flags), "param"]
+    got = dict(zip(keys, results))
+    torch.testing.assert_close(got["param"], expected_p, atol=1e-6, rtol=1e-5)
+    for key in rule.state_keys(flags):
+        torch.testing.assert_close(got[key], expected_state[key], atol=1e-6, rtol=1e-5)
+    assert got["param"].data_ptr() == args[0].data_ptr()  # in place
+    assert got["step"].data_ptr() != args[2].data_ptr()  # the scalar is a new tensor
 
 
 def test_disabled_pass_changes_nothing() -> None:
