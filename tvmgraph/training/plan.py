@@ -33,18 +33,18 @@ class GroupPlan:
     targets: list[str]
     params: list[torch.nn.Parameter]
     clip: tuple[float, float] | None  # (max_norm, norm_type)
+    # The program-shaping options, fixed when the plan (and so the compiled entry) is made: a
+    # change to them changes the call signature and selects another entry.
+    flags: dict[str, bool] = field(default_factory=dict)
+    state_keys: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.flags = self.rule.flags(self.group)
+        self.state_keys = self.rule.state_keys(self.flags)
 
     @property
     def group(self) -> dict:
         return self.optimizer.param_groups[self.group_index]
-
-    @property
-    def flags(self) -> dict[str, bool]:
-        return self.rule.flags(self.group)
-
-    @property
-    def state_keys(self) -> tuple[str, ...]:
-        return self.rule.state_keys(self.flags)
 
     def structure(self) -> tuple:
         return (self.rule.name, self.rule.structure(self.group), tuple(self.targets), self.clip)

@@ -53,10 +53,9 @@ class TrainingBinding:
         """Store `new_params..., new_states...` (the tail of train_step's results)."""
         params = [p for g in self.plan.groups for p in g.params]
         new_params, new_states = results[:len(params)], results[len(params):]
-        with torch.no_grad():
-            for param, value in zip(params, new_params):
-                if value.data_ptr() != param.data_ptr():  # not updated in place
-                    param.data = value
+        for param, value in zip(params, new_params):
+            if value.data_ptr() != param.data_ptr():  # not updated in place
+                param.data = value
         cursor = 0
         for group in self.plan.groups:
             keys = group.state_keys
