@@ -17,18 +17,16 @@
 from __future__ import annotations
 
 import collections
-import functools
-import os
 import inspect
 import itertools
 from typing import Any
 
 import torch
 
+from . import entry
 from .config import GraphConfig
 from .debug import GraphLog
 from .errors import (
-    BackwardError,
     BuildNotImplementedError,
     DeviceMismatchError,
     GraphArgumentError,
@@ -39,16 +37,12 @@ from .errors import (
 )
 from .graph_repr import graph_repr
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
-from .target import target_for
-from . import artifact, codegen
-from . import lower as lowering
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
 from .training.optimizers import rule_for
-from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE, TrainingPlan
+from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE
 
 _instance_counters: dict[str, itertools.count] = collections.defaultdict(itertools.count)
-PIPELINE = "default"
 
 MSG_INIT_NOT_CALLED = """\
 {cls}: super().__init__() was not called before {what}. Call it first in __init__:
@@ -378,20 +372,6 @@ class Graph:
                 st.log.info(1, f"(MODULE:{path}) inputs ({ins}) -> outputs ({outs})")
         return traced
 
-    def _training_plan(self, st: _GraphState, traced: TracedGraph) -> TrainingPlan | None:
-        if traced.result.has_backward and not st.optimizers:
-            raise BackwardError(f"{st.name}: build() called loss.backward() but the graph has no optimizer; "
-                                f"add one in __init__: self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))")
-        if st.optimizers and not traced.result.has_backward:
-            raise BackwardError(f"{st.name}: the graph has an optimizer but build() never called "
-                                f"loss.backward(); call it on the scalar loss and return the loss")
-        if not st.optimizers:
-            return None
-        plan = TrainingPlan.build(st.name, st.optimizers, self.named_parameters())
-        if not plan.targets:
-            raise OptimizerError(f"{st.name}: the optimizers have no parameter that requires grad")
-        return plan
-
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Every parameter of the registered modules, with its path in the graph."""
         return [(f"{name}.{path}", p) for name, m in self._state().modules.items()
@@ -406,35 +386,12 @@ class Graph:
             st.log.warning(f"compiling entry #{len(st.entries) + 1} for a new call signature: "
                            + "; ".join(diffs or ["(first call of this signature)"]))
         traced = self._trace(st, signature, args_tree, flat)
-        plan = self._training_plan(st, traced)
-        device = flat[0].device if flat else _module_device(st)
-        compiled = self._compile_or_load(st, traced, plan, device)
+        plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters)
+        device = flat[0].device if flat else entry.module_device(st.modules)
+        compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, self.config, st.modules,
+                                         st.log, self.build)
         st.entries[signature] = compiled
         return compiled
-
-    def _compile_or_load(self, st: _GraphState, traced: TracedGraph, plan: TrainingPlan | None,
-                         device: torch.device) -> CompiledGraph:
-        """Load the program from the persistent compiled cache, or lower and compile it (and
-        store it there)."""
-        cache = artifact.compiled_cache()
-        key = artifact.graph_key(type(self).__name__, traced, plan, self.config, target_for(device), PIPELINE)
-        if cache is not None:
-            compiled = artifact.load(cache, key, traced, plan, device, st.modules)
-            if compiled is not None:
-                st.log.info(0, f"loaded the compiled program from the cache ({key}).")
-                return compiled
-        with st.log.stage("lowering to Relax" + (" with autodiff and optimizer update" if plan else "")):
-            lowered = traced.lower(plan)
-        if st.log.on(2):
-            _log_ops(st.log, lowered, self.build)
-        store = None
-        if cache is not None:
-            meta = {"signature": lowered.signature, "train_layout": lowered.train_layout,
-                    "target": str(target_for(device))}
-            store = functools.partial(cache.store, key, meta=meta, export=codegen.export_library)
-        with st.log.stage(f"compiling for {device}"):
-            return lowered.compile(device, self.config, st.modules, PIPELINE, store=store,
-                                   report=lambda msg: st.log.info(1, msg))
 
 
 def _optimizer_structure(optimizer: torch.optim.Optimizer) -> tuple:
@@ -442,39 +399,3 @@ def _optimizer_structure(optimizer: torch.optim.Optimizer) -> tuple:
     rule = rule_for(optimizer, "")
     return tuple((rule.structure(g), tuple(map(id, g["params"])), g.get(CLIP_MAX_NORM), g.get(CLIP_NORM_TYPE))
                  for g in optimizer.param_groups)
-
-
-def _module_device(st: _GraphState) -> torch.device:
-    for module in st.modules.values():
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            return t.device
-    return torch.device("cpu")
-
-
-def _log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:
-    """v_level 2: every binding of the lowered main; v_level 3: each ATen op with its module
-    and source line."""
-    from tvm import relax
-
-    for var, value in relax.analysis.get_var2val(lowered.mod[lowered.entry]).items():
-        if isinstance(value, relax.Call):
-            args = ", ".join(getattr(a, "name", type(a).__name__) for a in value.args)
-            op = getattr(value.op, "name", None) or getattr(value.op, "global_symbol", value.op)
-            log.info(2, f"(OP:{var.name}) {op}({args}) -> {var.ty}")
-    if log.on(3):
-        for node in lowered.exported.graph.nodes:
-            if node.op == "call_function":
-                where = _source_of(node.meta.get("stack_trace") or "", build)
-                log.info(3, f"(OP:{node.name}) aten.{node.target.__name__} "
-                            f"from {lowering.module_path(node)} at {where}")
-
-
-def _source_of(stack_trace: str, build: Any) -> str:
-    """The innermost recorded frame that is not tvmgraph's own. torch records frames inside
-    module forward() methods only, so an op written directly in build() gets build's location."""
-    frames = [line.strip() for line in stack_trace.splitlines() if line.strip().startswith("File ")]
-    outside = [f for f in frames if os.sep + "tvmgraph" + os.sep not in f]
-    if outside:
-        return outside[-1]
-    code = build.__func__.__code__
-    return f'File "{code.co_filename}", line {code.co_firstlineno}, in build'

@@ -1,0 +1,107 @@
+"""How a graph call that misses the signature cache gets its compiled entry.
+
+After tracing: decide whether the graph trains (`training_plan`), then load the program from
+the persistent compiled cache or lower and compile it (storing it there), logging each stage
+at the graph's debug level (`compile_or_load`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import artifact, codegen
+from . import lower as lowering
+from .config import GraphConfig
+from .debug import GraphLog
+from .errors import BackwardError, OptimizerError
+from .stages import CompiledGraph, LoweredGraph, TracedGraph
+from .target import target_for
+from .training.plan import TrainingPlan
+
+PIPELINE = "default"
+
+
+def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
+                  named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]]) -> TrainingPlan | None:
+    """The plan of what the graph updates, None for inference; loss.backward() and optimizers
+    must come together."""
+    if traced.result.has_backward and not optimizers:
+        raise BackwardError(f"{graph_name}: build() called loss.backward() but the graph has no optimizer; "
+                            f"add one in __init__: self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))")
+    if optimizers and not traced.result.has_backward:
+        raise BackwardError(f"{graph_name}: the graph has an optimizer but build() never called "
+                            f"loss.backward(); call it on the scalar loss and return the loss")
+    if not optimizers:
+        return None
+    plan = TrainingPlan.build(graph_name, optimizers, named_parameters())
+    if not plan.targets:
+        raise OptimizerError(f"{graph_name}: the optimizers have no parameter that requires grad")
+    return plan
+
+
+def module_device(modules: Mapping[str, torch.nn.Module]) -> torch.device:
+    """Where the modules' tensors live (for a build() without tensor arguments)."""
+    for module in modules.values():
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            return t.device
+    return torch.device("cpu")
+
+
+def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | None, device: torch.device,
+                    config: GraphConfig, modules: Mapping[str, torch.nn.Module], log: GraphLog,
+                    build: Any) -> CompiledGraph:
+    """Load the program from the persistent compiled cache, or lower and compile it (and store
+    it there)."""
+    cache = artifact.compiled_cache()
+    target = target_for(device)
+    key = artifact.graph_key(graph_class, traced, plan, config, target, PIPELINE)
+    if cache is not None:
+        compiled = artifact.load(cache, key, traced, plan, device, modules)
+        if compiled is not None:
+            log.info(0, f"loaded the compiled program from the cache ({key}).")
+            return compiled
+    with log.stage("lowering to Relax" + (" with autodiff and optimizer update" if plan else "")):
+        lowered = traced.lower(plan)
+    if log.on(2):
+        log_ops(log, lowered, build)
+    store = None
+    if cache is not None:
+        meta = {"signature": lowered.signature, "train_layout": lowered.train_layout, "target": str(target)}
+        store = functools.partial(cache.store, key, meta=meta, export=codegen.export_library)
+    with log.stage(f"compiling for {device}"):
+        return lowered.compile(device, config, modules, PIPELINE, store=store, report=lambda msg: log.info(1, msg))
+
+
+def log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:
+    """v_level 2: every binding of the lowered entry; v_level 3: each ATen op with its module
+    and source line."""
+    from tvm import relax
+
+    for var, value in relax.analysis.get_var2val(lowered.mod[lowered.entry]).items():
+        if isinstance(value, relax.Call):
+            args = ", ".join(getattr(a, "name", type(a).__name__) for a in value.args)
+            op = getattr(value.op, "name", None) or getattr(value.op, "global_symbol", value.op)
+            log.info(2, f"(OP:{var.name}) {op}({args}) -> {var.ty}")
+    if log.on(3):
+        for node in lowered.exported.graph.nodes:
+            if node.op == "call_function":
+                where = source_of(node.meta.get("stack_trace") or "", build)
+                log.info(3, f"(OP:{node.name}) aten.{node.target.__name__} "
+                            f"from {lowering.module_path(node)} at {where}")
+
+
+def source_of(stack_trace: str, build: Any) -> str:
+    """The innermost recorded frame that is not tvmgraph's own. torch records frames inside
+    module forward() methods only, so an op written directly in build() gets build's location."""
+    frames = [line.strip() for line in stack_trace.splitlines() if line.strip().startswith("File ")]
+    outside = [f for f in frames if os.sep + "tvmgraph" + os.sep not in f]
+    if outside:
+        return outside[-1]
+    code = build.__func__.__code__
+    return f'File "{code.co_filename}", line {code.co_firstlineno}, in build'
