@@ -36,12 +36,12 @@ class GraphConfig:
     amp: bool = False
     zero: bool = False
     fuse_model_update_ops: bool = True
-    fuse_add_to_output: bool = False
-    fuse_cast_scale: bool = False
+    fuse_add_to_output: bool = True
+    fuse_cast_scale: bool = True
     gradient_accumulation_steps: int = 1
     cudnn_conv_heuristic_search_algo: bool = False
-    straighten_algorithm: bool = False
-    compress_memory: bool = False
+    straighten_algorithm: bool = True
+    compress_memory: bool = True
     _defaults: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -71,16 +71,23 @@ class GraphConfig:
         self.fuse_model_update_ops = bool(mode)
 
     def allow_fuse_add_to_output(self, mode: bool = True) -> None:
-        """Fuse bias add, activation and residual add into the producing matmul/conv."""
-        if mode:
-            raise _not_yet("allow_fuse_add_to_output", "the fusion passes are planned")
-        self.fuse_add_to_output = False
+        """Fuse bias add, activation and residual add into the producing matmul/conv (default: on).
+
+        relay_passes/fuse_epilogue.py: each matmul or conv2d becomes one kernel with the adds,
+        activations (relu, relu6, gelu) and reshapes after it and the transposes of its
+        operands, computed on the accumulators before the one store. Off: TVM's FuseOps alone
+        groups the ops (it stops at reshapes and never takes a transposed operand in).
+        """
+        self.fuse_add_to_output = bool(mode)
 
     def allow_fuse_cast_scale(self, mode: bool = True) -> None:
-        """Fuse a dtype cast with the scalar multiply that follows it."""
-        if mode:
-            raise _not_yet("allow_fuse_cast_scale", "the fusion passes are planned")
-        self.fuse_cast_scale = False
+        """Fuse a dtype cast with the scalar multiply that follows it (default: on).
+
+        relay_passes/fuse_cast_scale.py: `astype(x) * scale` (loss scaling, mixed precision)
+        is one kernel that reads `x` once and never stores the cast. Off: FuseOps alone
+        decides, and may leave the two as separate kernels.
+        """
+        self.fuse_cast_scale = bool(mode)
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
         """Accumulate gradients over `value` calls before one optimizer step."""
@@ -98,16 +105,24 @@ class GraphConfig:
         self.cudnn_conv_heuristic_search_algo = False
 
     def enable_straighten_algorithm(self, mode: bool = True) -> None:
-        """Order ops to lower the peak of live memory."""
-        if mode:
-            raise _not_yet("enable_straighten_algorithm", "the memory passes are planned")
-        self.straighten_algorithm = False
+        """Order ops to lower the peak of live memory (default: on).
+
+        relay_passes/straighten.py: the kernels of each dataflow block run in a greedy order
+        that first runs whatever frees at least as much memory as it allocates (e.g. a weight
+        gradient's reduction right after the gradient it reads, not after the whole backward
+        pass), else keeps the program's order. Off: the order autodiff and fusion produced.
+        """
+        self.straighten_algorithm = bool(mode)
 
     def enable_compress_memory(self, mode: bool = True) -> None:
-        """Plan memory harder than TVM's StaticPlanBlockMemory (in-place ops, packing)."""
-        if mode:
-            raise _not_yet("enable_compress_memory", "the memory passes are planned")
-        self.compress_memory = False
+        """Plan memory harder than TVM's StaticPlanBlockMemory (default: on).
+
+        relay_passes/compress_memory.py: every intermediate tensor gets an offset in one arena
+        per function, packed by lifetimes (biggest first), and an element-wise kernel writes
+        its result over an input that dies there. Kept only where it plans fewer bytes than
+        StaticPlanBlockMemory. Off: StaticPlanBlockMemory alone plans. CPU only.
+        """
+        self.compress_memory = bool(mode)
 
     # ---- reading the options ----
 
@@ -156,3 +171,15 @@ settings = Settings()
 # warm threads and lets them sleep between calls. Read by TVM when its thread pool starts, so
 # it is set here, at import; a value the user exported wins.
 os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "1000")
+# Without TVM_NUM_THREADS, TVM on x86 runs half as many threads as there are logical CPUs (it
+# assumes hyper-threading) and pins the calling thread to one core: on the 2-core Zen 5 test
+# machine every kernel ran on one thread (GEMV 48 us instead of 23 us), and the Python main
+# thread, torch's included, stayed pinned to CPU 0 afterwards. torch's intra-op thread count is
+# its own pick of cores (physical ones on hyper-threaded CPUs); kernels use as many threads.
+def _torch_threads() -> int:
+    import torch
+
+    return max(1, torch.get_num_threads())
+
+
+os.environ.setdefault("TVM_NUM_THREADS", str(_torch_threads()))

@@ -12,9 +12,6 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from relay_passes.fuse_model_update import FuseModelUpdate
-from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
-
 from .config import GraphConfig, settings
 
 Report = Callable[[str], None]  # where passes say what they did (graph.debug(1))
@@ -64,6 +61,16 @@ def default_pipeline(target: tvm.target.Target, config: GraphConfig, report: Rep
     The same steps as TVM's per-target pipelines (relax/backend/*/pipeline.py), listed here so
     that tvmgraph's own passes have visible places to go.
     """
+    # NOTE: relay_passes import tvmgraph, so they are imported here, not at module level.
+    from relay_passes.compress_memory import CompressMemory
+    from relay_passes.fuse_cast_scale import FuseCastScale
+    from relay_passes.fuse_epilogue import FuseEpilogue
+    from relay_passes.fuse_model_update import FuseModelUpdate
+    from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
+    from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
+    from relay_passes.simplify_power import SimplifyPower
+    from relay_passes.straighten import StraightenBindings
+
     T = relax.transform
     is_gpu = target.kind.name == "cuda"
     passes = [
@@ -74,7 +81,16 @@ def default_pipeline(target: tvm.target.Target, config: GraphConfig, report: Rep
         #    kernel (allow_fuse_model_update_ops), or its Relax function is inlined.
         FuseModelUpdate(config.fuse_model_update_ops, report),
         T.InlinePrivateFunctions(),
-        # 3. Every Relax op becomes a call to a TIR PrimFunc.
+        # 3. Matmuls read broadcast operands in place (MHA's expand + bmm and its gradient);
+        #    x ** 2 is x * x (MSELoss and its gradient).
+        SimplifyBroadcastMatmul(report),
+        SimplifyPower(report),
+        #    Each matmul/conv2d is grouped with its epilogue and operand transposes
+        #    (allow_fuse_add_to_output); FuseOps (step 5) fuses the rest.
+        FuseEpilogue(config.fuse_add_to_output, report),
+        #    A cast followed by a scalar multiply is one kernel (allow_fuse_cast_scale).
+        FuseCastScale(config.fuse_cast_scale, report),
+        # 4. Every Relax op becomes a call to a TIR PrimFunc.
         LowerCallTIRWithGrad(),
         T.LegalizeOps(),
         # 4. Operator fusion: group element-wise/injective ops with their producers.
@@ -85,12 +101,18 @@ def default_pipeline(target: tvm.target.Target, config: GraphConfig, report: Rep
         T.FuseTIR(),
         # 5. Schedules for the kernels: dlight on GPU, tvmgraph's CPU rules on LLVM.
         *(_gpu_schedules() if is_gpu else _cpu_schedules()),
+        #    The kernels run in an order with fewer tensors live at once
+        #    (enable_straighten_algorithm). NOTE: needs dataflow blocks, so before ToNonDataflow.
+        StraightenBindings(config.straighten_algorithm, report),
         # 6. Dataflow blocks become plain bindings; calls become destination-passing style.
         T.RewriteDataflowReshape(),
         T.ToNonDataflow(),
         T.RemovePurityChecking(),
         T.CallTIRRewrite(),
-        # 7. Memory planning, then lowering to VM builtins.
+        # 7. Memory planning, then lowering to VM builtins. CompressMemory packs each function's
+        #    intermediates into one arena (enable_compress_memory); StaticPlanBlockMemory plans
+        #    the rest.
+        CompressMemory(config.compress_memory, report),
         T.StaticPlanBlockMemory(),
         *([T.RewriteCUDAGraph()] if is_gpu else []),
         T.LowerAllocTensor(),

@@ -27,6 +27,7 @@ from tvmgraph.schedules import (
     Elementwise,
     Fallback,
     Matmul,
+    MatrixVector,
     Reduction,
 )
 from tvmgraph.schedules.fast_math import fast_erf, fast_exp, fast_sigmoid, fast_tanh
@@ -185,6 +186,38 @@ def test_linear_layer_with_fused_transpose() -> None:
     assert Matmul().apply(unscheduled(mod, "matmul"), TARGET, False) is not None
     out, _ = run_relax(LinearLayer, x, w, b, extra=(relax.transform.FuseTransposeMatmul(),))
     torch.testing.assert_close(out, torch.relu(x @ w.T + b), **TOL)
+
+
+# ---- gemv.py ----------------------------------------------------------------------------------
+
+GEMVS = {
+    # id: (m, n, k, batch); B is W[n, k], as in nn.Linear
+    "batch1-linear": (1, 96, 80, 0),
+    "batch3-linear-3x4-tile": (3, 40, 64, 0),
+    "k-not-a-multiple-of-16": (1, 24, 36, 0),
+    "batched-rows": (1, 16, 32, 3),
+}
+
+
+@pytest.mark.parametrize("case", GEMVS.values(), ids=GEMVS.keys())
+def test_matrix_vector_rule_matches_torch(case: tuple) -> None:
+    """x @ W.T + bias, ReLU with few rows of x: dot products along K, W read in place."""
+    m, n, k, batch = case
+    lead = (batch,) if batch else ()
+    a, b, bias = torch.randn(*lead, m, k), torch.randn(*lead, n, k), torch.randn(n)
+    func = te_matmul(m, n, k, False, True, batch)
+    assert MatrixVector().apply(func, TARGET, False) is not None
+    out, scheduled = run_prim_func(func, a, b, bias, out_shape=(*lead, m, n))
+    torch.testing.assert_close(out, torch.relu(a @ b.transpose(-1, -2) + bias), **TOL)
+    assert_scheduled(scheduled, parallel=False)
+    assert "_rf" in scheduled.script(), "no partial sums per vector lane"
+
+
+@pytest.mark.parametrize("case", [(1, 96, 80, False), (64, 80, 96, True)], ids=["x-w", "many-rows"])
+def test_matrix_vector_rule_leaves_other_products_to_matmul(case: tuple) -> None:
+    """x @ W with W[k, n] (contiguous along N), or more rows than K / 16: not this rule's."""
+    m, n, k, b_trans = case
+    assert MatrixVector().apply(te_matmul(m, n, k, False, b_trans), TARGET, False) is None
 
 
 # ---- conv.py ---------------------------------------------------------------------------------
@@ -356,6 +389,10 @@ ELEMENTWISE = {
     "tanh": ((64, 4096), lambda x: relax.op.tanh(x), torch.tanh),
     "relu6-nchw": ((4, 16, 8, 8), lambda x: relax.op.clip(x, 0.0, 6.0),
                    lambda x: x.clamp(0, 6)),
+    # MHA's keys: (S, N, E) -> heads -> (N, H, D, S), through two reshapes and two transposes
+    "attention-key-transpose": ((32, 2, 64), lambda x: relax.op.permute_dims(relax.op.reshape(
+        relax.op.permute_dims(relax.op.reshape(x, (32, 8, 16)), [1, 0, 2]), (2, 4, 32, 16)), [0, 1, 3, 2]),
+        lambda x: x.reshape(32, 8, 16).permute(1, 0, 2).reshape(2, 4, 32, 16).permute(0, 1, 3, 2).contiguous()),
 }
 
 
@@ -371,6 +408,17 @@ def test_elementwise_rule_matches_torch(case: tuple) -> None:
     for func in prim_funcs(scheduled).values():
         assert_scheduled(func, parallel=np.prod(shape) >= 1 << 18)
         assert "T.erf" not in func.script() and "T.tanh" not in func.script()
+
+
+def test_chain_of_reshapes_and_transposes_is_tiled_as_one_transpose() -> None:
+    """After inlining, the composed reshape indices simplify to x[s, n, h * 16 + d]: the read is
+    recognized as a transpose along d and tiled (a loop of 16 rows around a vector of 16), not
+    walked along s with div/mod index math per element."""
+    shape, relax_op, _ = ELEMENTWISE["attention-key-transpose"]
+    func = next(iter(prim_funcs(fuse(unary_module(shape, relax_op))).values()))
+    text = Elementwise().apply(func, TARGET, False).mod["main"].script()
+    assert "x[v_ax3, v_ax0, v_ax1 * T.int64(16) + v_ax2]" in text, text
+    assert "T.grid(T.int64(16), T.int64(16))" in text, "no 16 x 16 transpose tile"
 
 
 @I.ir_module

@@ -10,6 +10,7 @@ from .conv import Conv2d as Conv2d
 from .conv_grad import ConvWeightGradient as ConvWeightGradient
 from .elementwise import Elementwise as Elementwise
 from .fallback import Fallback as Fallback
+from .gemv import MatrixVector as MatrixVector
 from .matmul import Matmul as Matmul
 from .reduction import Reduction as Reduction
 from .rules import default_rules as default_rules

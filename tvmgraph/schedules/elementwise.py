@@ -17,7 +17,14 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from .cpu_target import CPUTarget, is_cpu
-from .loops import inline_spatial_blocks, is_spatial, root_blocks, schedule_spatial
+from .loops import (
+    inline_spatial_blocks,
+    is_spatial,
+    iter_kinds,
+    root_blocks,
+    schedule_spatial,
+    simplify_indices,
+)
 
 
 class Elementwise(ScheduleRule):
@@ -32,6 +39,11 @@ class Elementwise(ScheduleRule):
         if not blocks or not all(is_spatial(sch, b) for b in blocks):
             return None
         inline_spatial_blocks(sch)
+        # Inlining composes index expressions; simplified, transposed reads are recognizable.
+        # (Simplifying also binds unit loops to 0, which the loop helpers do not take.)
+        simplified = s_tir.Schedule(simplify_indices(sch.mod["main"]))
+        if all(iter_kinds(simplified, b) is not None for b in root_blocks(simplified)):
+            sch = simplified
         for block in root_blocks(sch):
             schedule_spatial(sch, block, _lanes(sch, block, target))
         return sch

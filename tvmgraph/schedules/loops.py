@@ -7,6 +7,7 @@ transform loops skip blocks that do not have that shape instead of failing.
 
 from __future__ import annotations
 
+import tvm
 import tvm.ir.expr as E
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
@@ -257,6 +258,19 @@ def schedule_leading_spatial(sch: s_tir.Schedule, block: SBlockRV) -> bool:
     return True
 
 
+def simplify_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with every block's indices simplified under its iterators' ranges.
+
+    Legalized reshapes index with `(i * 64 + j) // 2048`-style expressions that only simplify
+    once the ranges of i and j are known; inlining a chain of reshapes and transposes stacks
+    them, and the rules' layout checks (which loop a read is contiguous along) then fail.
+    """
+    return _SIMPLIFY(tvm.IRModule({"main": func}))["main"]
+
+
+_SIMPLIFY = s_tir.transform.StmtSimplify()
+
+
 def vars_in(expr: tirx.PrimExpr) -> set[tirx.Var]:
     """The variables `expr` uses."""
     return collect_vars_used_in_prim_expr(expr)
@@ -277,8 +291,10 @@ def _transposed_axis(sch: s_tir.Schedule, block: SBlockRV) -> int | None:
         last_vars = vars_in(indices[-1])
         if inner in last_vars or not any(inner in vars_in(i) for i in indices[:-1]):
             continue
-        for pos, var in enumerate(ivars[:-1]):
-            if var in last_vars:
+        # The innermost iterator in the read's last index is the one it is contiguous along
+        # (a merged-heads index such as h * 64 + d names h too).
+        for pos in range(len(ivars) - 2, -1, -1):
+            if ivars[pos] in last_vars:
                 return pos
     return None
 

@@ -130,16 +130,16 @@ class Matmul(ScheduleRule):
         if not is_cpu(target):
             return None
         sch = s_tir.Schedule(func)
-        main = _matmul_block(sch)
+        main = matmul_block(sch)
         if main is None:
             return None
         inline_spatial_blocks(sch, keep=(main,))
         inline_copies_into(sch, main)
-        operands = _operands(sch.get(main))
+        operands = matmul_operands(sch.get(main))
         if operands is None:
             return None
         a, b = operands
-        extents = _canonicalize(sch, main, a, b)
+        extents = canonicalize(sch, main, a, b)
         if extents is None:
             return None
         _, i_ext, j_ext, k_ext = extents
@@ -159,7 +159,7 @@ class Matmul(ScheduleRule):
         return sch
 
 
-def _matmul_block(sch: s_tir.Schedule) -> SBlockRV | None:
+def matmul_block(sch: s_tir.Schedule) -> SBlockRV | None:
     """The single multiply-accumulate reduction block, if the function has one and only one."""
     reductions = [b for b in root_blocks(sch) if not is_spatial(sch, b)]
     if len(reductions) != 1:
@@ -196,7 +196,7 @@ def _is_multiply_accumulate(stmt: s_tir.SBlock) -> bool:
     )
 
 
-def _operands(stmt: s_tir.SBlock) -> tuple[int, int] | None:
+def matmul_operands(stmt: s_tir.SBlock) -> tuple[int, int] | None:
     """(A, B) read indices: B is the operand indexed by the output's innermost axis (J)."""
     c_last = stmt.writes[0].region[-1].min
     if not isinstance(c_last, tirx.Var):
@@ -245,7 +245,7 @@ def _traits(stmt: s_tir.SBlock, a: int, b: int) -> list[IterTrait] | None:
     return traits
 
 
-def _canonicalize(
+def canonicalize(
     sch: s_tir.Schedule, main: SBlockRV, a: int, b: int
 ) -> tuple[int, int, int, int] | None:
     """Rewrite `main` to C[S, I, J] += A[S, I, K] * B[S, J, K]; return (S, I, J, K)."""
@@ -285,12 +285,12 @@ def _b_contiguous(
     and that axis is a multiple of `lanes` long (so no vector straddles two rows of B).
     """
     original = s_tir.Schedule(func)
-    block = _matmul_block(original)
+    block = matmul_block(original)
     if block is None:
         return False
     inline_copies_into(original, block)
     stmt = original.get(block)
-    operands = _operands(stmt)
+    operands = matmul_operands(stmt)
     if operands is None:
         return False
     c_last = stmt.writes[0].region[-1].min
@@ -315,7 +315,7 @@ def _is_var_plus_units(expr: tirx.PrimExpr, var: tirx.Var, unit: set[tirx.Var]) 
     return False
 
 
-def _producer_of(sch: s_tir.Schedule, main: SBlockRV, index: int) -> SBlockRV:
+def producer_of(sch: s_tir.Schedule, main: SBlockRV, index: int) -> SBlockRV:
     buffer = sch.get(main).reads[index].source
     for block in sch.get_producers(main):
         if any(w.source.same_as(buffer) for w in sch.get(block).writes):
@@ -329,7 +329,7 @@ def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int) -> None:
     The reindex copy is inlined; a zero-padding copy (when I was padded) stays, so that the
     inner loop carries no bounds checks (`schedule_remaining` vectorizes it later).
     """
-    producer = _producer_of(sch, main, a)
+    producer = producer_of(sch, main, a)
     if sch.get(producer).name_hint.endswith("_pad"):
         sch.compute_inline(sch.get_producers(producer)[0])
     else:
@@ -338,7 +338,7 @@ def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int) -> None:
 
 def _prepare_b(sch: s_tir.Schedule, main: SBlockRV, b: int, tile: Tile, pack: bool) -> None:
     """Either read B in place (contiguous along J) or pack it into [S, J/nj, K, nj] panels."""
-    producer = _producer_of(sch, main, b)
+    producer = producer_of(sch, main, b)
     nj = tile.nj
     if sch.get(producer).name_hint.endswith("_pad"):
         # pad_einsum made a zero-padded copy in [S, J, K] order: it becomes the packing block.
@@ -376,7 +376,7 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile) -> None:
     outer = sch.fuse(s, jo, io)
     store = sch.cache_write(main, 0, ACCUMULATOR_SCOPE)
     sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
-    _fuse_epilogue(sch, store, outer, tile.lanes)
+    fuse_epilogue(sch, store, outer, tile.lanes)
     parallelize(sch, [outer], tile.mi * tile.nj * (static_extent(sch, k) or 1))
     sch.unroll(ii)
     sch.unroll(ji)
@@ -385,7 +385,7 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile) -> None:
     sch.vectorize(sch.get_loops(init)[-1])
 
 
-def _fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: int) -> None:
+def fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: int) -> None:
     """Inline the consumers of the accumulator into its store; compute the rest per tile."""
     changed = True
     while changed:

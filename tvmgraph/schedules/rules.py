@@ -8,10 +8,12 @@ from .conv import Conv2d
 from .conv_grad import ConvWeightGradient
 from .elementwise import Elementwise
 from .fallback import Fallback
+from .gemv import MatrixVector
 from .matmul import Matmul
 from .reduction import Reduction
 
 
 def default_rules() -> list[ScheduleRule]:
-    """Convolutions, matmul, reductions, element-wise, then the catch-all `Fallback`."""
-    return [ConvWeightGradient(), Conv2d(), Matmul(), Reduction(), Elementwise(), Fallback()]
+    """Convolutions, matrix-vector, matmul, reductions, element-wise, then the catch-all `Fallback`."""
+    return [ConvWeightGradient(), Conv2d(), MatrixVector(), Matmul(), Reduction(), Elementwise(),
+            Fallback()]

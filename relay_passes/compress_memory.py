@@ -1,0 +1,422 @@
+"""CompressMemory: one arena per function, packed by lifetimes, with in-place element-wise kernels.
+
+Position: after `CallTIRRewrite` (every kernel result is an explicit `R.builtin.alloc_tensor`
+passed to the kernel), before `StaticPlanBlockMemory`, which then plans only what is left.
+
+`StaticPlanBlockMemory` reuses a freed storage only for a tensor of the same dtype and within
+16x of its size, and a storage lives from its first tensor to its last: in a training step a
+storage first used for a 256 KiB activation may be enlarged to hold a 4 MiB gradient and stay
+live in between. This pass instead
+  1. finds each tensor's lifetime: from its `alloc_tensor` to the last binding that uses it or
+     an alias of it (a variable bound to it, a tuple holding it, a reshape view);
+  2. in-place: when a kernel reads a tensor at its last use and writes a result of the same
+     shape and dtype, and the kernel is element-wise between the two (one block reads the input
+     and writes the result at the same index, each index once; `inplace_safe`), the result takes
+     the input's memory;
+  3. packs all tensors into one arena (TFLite's greedy-by-size: biggest first, each at the
+     lowest offset free for its whole lifetime; 64-byte aligned);
+  4. keeps the arena only where it plans fewer bytes than `StaticPlanBlockMemory` does.
+Tensors are left to `StaticPlanBlockMemory` when they escape (returned, passed to anything but a
+TIR kernel or a view, used inside `if`), have a symbolic shape or a non-global scope.
+
+Why in-place here, on fused and scheduled kernels, and not TVM's `DataflowUseInplaceCalls` on
+Relax ops before LegalizeOps (measured on the benchmark training steps): that pass fails on the
+CNN and the transformer ("In-place index 0 is out of range"), and on the MLP the in-place calls
+it makes are opaque to fusion and to the CPU schedules: 33x slower steps. Here it costs
+nothing, but on the benchmarks it lowers no peak either: 39 of the CNN step's kernels write in
+place, none of them where the step peaks (the end of the forward pass, where no element-wise
+input dies); it pays where an element-wise kernel runs at a function's peak.
+
+Kill switch: `GraphConfig.enable_compress_memory(False)`. Report: planned bytes per function,
+before (StaticPlanBlockMemory) and after. Cost: linear in bindings plus the pairs of tensors
+live at the same time.
+
+Limits: CPU (LLVM) targets; on GPU targets the pass does nothing, since RewriteCUDAGraph, which
+runs next there, is untested with an arena of offset views.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import tvm
+import tvm_ffi
+from tvm import ir, relax, s_tir, tirx
+
+from tvmgraph.debug import logger
+
+from .tensor_sizes import format_bytes, static_bytes
+
+ALIGN = 64  # bytes; TVM's kAllocAlignment, which kernels assume for their buffers
+_ALLOC = tvm.ir.Op.get("relax.builtin.alloc_tensor")
+_ALIASES = (relax.Var, relax.Tuple, relax.TupleGetItem)  # bindings that name what they read
+_VIEWS = [tvm.ir.Op.get(f"relax.{name}")  # bindings that are views of their first argument
+          for name in ("reshape", "memory.view", "memory.ensure_zero_offset")]
+
+
+# ---- which kernels may write a result over an input ----
+
+def _point(region: tirx.BufferRegion) -> list[tirx.PrimExpr] | None:
+    """The indices of a single-element region, else None."""
+    if not all(isinstance(r.extent, tirx.IntImm) and int(r.extent) == 1 for r in region.region):
+        return None
+    return [r.min for r in region.region]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
+
+
+def inplace_safe(func: tirx.PrimFunc, src: int, dst: int) -> bool:
+    """Whether `func` computes the same when parameter `dst` is stored in parameter `src`'s memory.
+
+    True when the two have the same shape and dtype and exactly one block touches either: a
+    spatial block, run once per index (its iteration binding is a bijection of its loops), that
+    reads `src` and writes `dst` only at the same single index and never writes `src` or reads
+    `dst`. Each index of `dst` is then written after the only read of `src` at that index.
+    """
+    a, b = func.params[src], func.params[dst]
+    if not _same(list(a.shape), list(b.shape)) or a.dtype != b.dtype:
+        return False
+    touching: list[tuple[s_tir.SBlockRealize, list[tirx.For]]] = []
+    loops: list[tirx.For] = []
+    uses = {"a": 0, "b": 0}
+
+    def on_for(node: tirx.For, visitor) -> object:
+        loops.append(node)
+        result = visitor.default_visit(node)
+        loops.pop()
+        return result
+
+    def on_realize(node: s_tir.SBlockRealize, visitor) -> object:
+        block = node.block
+        if any(r.source.same_as(a) or r.source.same_as(b) for r in [*block.reads, *block.writes]):
+            touching.append((node, list(loops)))
+        return visitor.default_visit(node)
+
+    def on_var(node: ir.Var, visitor) -> object:
+        uses["a"] += node.same_as(a)
+        uses["b"] += node.same_as(b)
+        return visitor.default_visit(node)
+
+    tvm_ffi.structural_visit(func.body, [(tirx.For, on_for), (s_tir.SBlockRealize, on_realize),
+                                         (ir.Var, on_var)])
+    if len(touching) != 1:
+        return False
+    realize, enclosing = touching[0]
+    block = realize.block
+    if block.init is not None or any(int(iv.iter_type) != 0 for iv in block.iter_vars):
+        return False
+    reads = [r for r in block.reads if r.source.same_as(a)]
+    writes = [r for r in block.writes if r.source.same_as(b)]
+    if (len(reads) != 1 or len(writes) != 1 or any(r.source.same_as(b) for r in block.reads)
+            or any(r.source.same_as(a) for r in block.writes)):
+        return False
+    index, read_index = _point(writes[0]), _point(reads[0])
+    if index is None or read_index is None or not _same(index, read_index):
+        return False
+    # Every access in the body is at that index, and the buffers appear nowhere else.
+    loads, stores, bad = [], [], []
+
+    def on_load(node: ir.TensorLoad) -> None:
+        if node.source.same_as(a):
+            loads.append(node)
+        elif node.source.same_as(b):
+            bad.append(node)
+
+    def on_store(node: tirx.BufferStore) -> None:
+        if node.buffer.same_as(b):
+            stores.append(node)
+        elif node.buffer.same_as(a):
+            bad.append(node)
+
+    tvm_ffi.structural_walk(block.body, [(ir.TensorLoad, on_load), (tirx.BufferStore, on_store)])
+    if bad or not stores or not all(_same(list(x.indices), index) for x in [*loads, *stores]):
+        return False
+    if uses["a"] != 1 + len(loads) or uses["b"] != 1 + len(stores):
+        return False
+    # Each block instance runs once: its iteration values are a bijection of its loops.
+    domain = {loop.loop_var: tvm.ir.Range.from_min_extent(loop.min, loop.extent) for loop in enclosing}
+    if not realize.iter_values:
+        return not domain
+    mapped = tvm.sym.detect_iter_map(list(realize.iter_values), domain, realize.predicate,
+                                     check_level="bijective")
+    return len(mapped.indices) > 0
+
+
+# ---- lifetimes ----
+
+@dataclass
+class Tensor:
+    """One planned `alloc_tensor`: its binding position, last use and bytes."""
+
+    var: relax.Var
+    start: int
+    end: int
+    nbytes: int
+    key: tuple  # (device index, scope): tensors of one arena
+    group: Tensor | None = None  # the tensor whose memory it takes (in-place), if any
+    offset: int = -1
+
+    def root(self) -> Tensor:
+        t = self
+        while t.group is not None:
+            t = t.group
+        return t
+
+
+@dataclass
+class FunctionPlan:
+    """The tensors of one function and where each goes."""
+
+    tensors: dict[relax.Var, Tensor] = field(default_factory=dict)
+    inplace: int = 0
+    arena_bytes: dict[tuple, int] = field(default_factory=dict)
+
+
+def _vars_in(expr: relax.Expr) -> list[relax.Var]:
+    found: list[relax.Var] = []
+    relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)
+    return found
+
+
+def _const_int(expr: relax.Expr) -> int | None:
+    return int(expr.value) if isinstance(expr, tirx.IntImm) else None
+
+
+def analyze(mod: tvm.IRModule, func: relax.Function, inplace: bool = True) -> FunctionPlan:
+    """Lifetimes of the function's plannable tensors, and which results take an input's memory."""
+    plan = FunctionPlan()
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    alias: dict[relax.Var, set[relax.Var]] = {}  # var -> planned tensors it may refer to
+    escaped: set[relax.Var] = set()
+    first_use: dict[relax.Var, int] = {}
+    kernel_calls = []  # (position, PrimFunc, GlobalVar, tensors each argument refers to)
+
+    def refs(expr: relax.Expr) -> set[relax.Var]:
+        found: set[relax.Var] = set()
+        for var in _vars_in(expr):
+            found |= alias.get(var, set())
+        return found
+
+    for pos, binding in enumerate(bindings):
+        value = binding.value
+        if isinstance(value, relax.Call) and value.op.same_as(_ALLOC):
+            nbytes = static_bytes(binding.var.ty)
+            device, scope = _const_int(value.args[2]), getattr(value.args[3], "value", None)
+            if nbytes and scope == "global" and device is not None:
+                plan.tensors[binding.var] = Tensor(binding.var, pos, pos, nbytes, (device, scope))
+                alias[binding.var] = {binding.var}
+            continue
+        if isinstance(binding, relax.MatchCast) or isinstance(value, _ALIASES):
+            alias[binding.var] = refs(value)
+        elif isinstance(value, relax.Call) and any(value.op.same_as(op) for op in _VIEWS):
+            alias[binding.var] = refs(value.args[0])
+        elif isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar) and \
+                isinstance(mod[value.op], tirx.PrimFunc):
+            targets = [refs(arg) for arg in value.args]
+            kernel_calls.append((pos, mod[value.op], value.op, list(value.args), targets))
+        else:  # anything else may keep a reference: leave its tensors to StaticPlanBlockMemory
+            escaped |= refs(value)
+        for t in refs(value):
+            plan.tensors[t].end = pos
+            first_use.setdefault(t, pos)
+    escaped |= refs(func.body.body)
+    for var in escaped:
+        plan.tensors.pop(var, None)
+    if inplace:
+        cache: dict[tuple, bool] = {}
+        for pos, prim, gv, args, targets in kernel_calls:
+            plan.inplace += _inplace_results(prim, gv, args, targets, plan, first_use, pos, cache)
+    return plan
+
+
+def _inplace_results(prim: tirx.PrimFunc, gv: relax.GlobalVar, args: list, targets: list[set],
+                     plan: FunctionPlan, first_use: dict, pos: int, cache: dict) -> int:
+    """Let each fresh result of the kernel call at `pos` take the memory of an input read there
+    for the last time, where the kernel allows it."""
+    counts: dict[relax.Var, int] = {}
+    for t in targets:
+        for v in t:
+            counts[v] = counts.get(v, 0) + 1
+    merged = 0
+    for dst, out in enumerate(targets):
+        if len(out) != 1:
+            continue
+        (out_var,) = out
+        result = plan.tensors.get(out_var)
+        if result is None or first_use.get(out_var) != pos or counts[out_var] != 1:
+            continue  # not a planned, fresh result of this call
+        for src, ins in enumerate(targets):
+            if src == dst or len(ins) != 1:
+                continue
+            (in_var,) = ins
+            if in_var not in plan.tensors or counts[in_var] != 1:
+                continue
+            donor = plan.tensors[in_var].root()
+            if (donor.end != pos or donor is result or donor.nbytes != result.nbytes
+                    or donor.key != result.key or not _same_type(args[src], args[dst])):
+                continue
+            key = (gv, src, dst)
+            if key not in cache:
+                cache[key] = inplace_safe(prim, src, dst)
+            if cache[key]:
+                result.group = donor
+                donor.end = result.end  # the group lives on as the result
+                merged += 1
+                break
+    return merged
+
+
+def _same_type(a: relax.Expr, b: relax.Expr) -> bool:
+    ta, tb = a.ty, b.ty
+    return (isinstance(ta, relax.TensorType) and isinstance(tb, relax.TensorType)
+            and ta.dtype.dtype == tb.dtype.dtype and tvm_ffi.structural_equal(ta.shape, tb.shape))
+
+
+# ---- packing ----
+
+def pack(plan: FunctionPlan) -> None:
+    """Give every group of tensors an offset in its arena (greedy by size, TFLite style)."""
+    groups: dict[int, Tensor] = {}
+    for tensor in plan.tensors.values():
+        root = tensor.root()
+        groups[id(root)] = root
+    for root in groups.values():
+        root.nbytes = -(-root.nbytes // ALIGN) * ALIGN
+    by_start = sorted(groups.values(), key=lambda t: t.start)
+    conflicts: dict[int, list[Tensor]] = {id(t): [] for t in by_start}
+    for i, t in enumerate(by_start):  # every pair live at the same time, in O(n + pairs)
+        for u in by_start[i + 1:]:
+            if u.start > t.end:
+                break
+            if u.key == t.key:
+                conflicts[id(t)].append(u)
+                conflicts[id(u)].append(t)
+    plan.arena_bytes = {}
+    for t in sorted(by_start, key=lambda t: (-t.nbytes, t.start)):
+        taken = sorted((u.offset, u.offset + u.nbytes) for u in conflicts[id(t)] if u.offset >= 0)
+        offset = 0
+        for lo, hi in taken:
+            if lo - offset >= t.nbytes:
+                break
+            offset = max(offset, hi)
+        t.offset = offset
+        plan.arena_bytes[t.key] = max(plan.arena_bytes.get(t.key, 0), offset + t.nbytes)
+    for tensor in plan.tensors.values():
+        tensor.offset = tensor.root().offset
+
+
+def check_plan(plan: FunctionPlan) -> list[str]:
+    """Invariant: no two tensors live at the same time share a byte (in-place pairs aside)."""
+    problems = []
+    tensors = sorted(plan.tensors.values(), key=lambda t: t.start)
+    for i, t in enumerate(tensors):
+        for u in tensors[i + 1:]:
+            if u.start > t.end:
+                break
+            same_group = t.root() is u.root()
+            overlap = t.key == u.key and t.offset < u.offset + u.nbytes and u.offset < t.offset + t.nbytes
+            if overlap and not same_group:
+                problems.append(f"{t.var.name} [{t.start}, {t.end}] and {u.var.name} [{u.start}, {u.end}] "
+                                f"overlap at offsets {t.offset} and {u.offset}")
+    return problems
+
+
+# ---- rewriting ----
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.expr_functor.PyExprMutator):
+    """Each planned `alloc_tensor` becomes a tensor at its offset in its function's arena."""
+
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.plan: FunctionPlan | None = None
+        self.arenas: dict[tuple, relax.Var] = {}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        tensor = self.plan.tensors.get(binding.var) if self.plan is not None else None
+        if tensor is None:
+            return super().visit_var_binding_(binding)
+        if tensor.key not in self.arenas:
+            device, scope = tensor.key
+            storage = relax.op.memory.alloc_storage(relax.ShapeExpr([self.plan.arena_bytes[tensor.key]]),
+                                                    device, scope, "uint8")
+            self.arenas[tensor.key] = self.builder_.emit(storage, name_hint="arena")
+        shape, dtype, device = binding.value.args[0], binding.value.args[1], binding.value.args[2]
+        value = relax.op.memory.alloc_tensor(self.arenas[tensor.key], tensor.offset, shape, dtype, device)
+        if tensor.offset:
+            # Kernels require byte_offset == 0: make the offset part of the data pointer (a
+            # view on CPU and CUDA, where the host may do arithmetic on device addresses).
+            at_offset = self.builder_.emit(value, name_hint=f"{binding.var.name}_at")
+            value = relax.op.memory.ensure_zero_offset(at_offset)
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+
+    def rewrite(self, func: relax.Function, plan: FunctionPlan) -> relax.Function:
+        self.plan, self.arenas = plan, {}
+        try:
+            return self.visit_expr(func)
+        finally:
+            self.plan = None
+
+
+def _planned_bytes(func: relax.Function) -> int:
+    """Bytes of all `memory.alloc_storage`s of a function planned by StaticPlanBlockMemory."""
+    total = 0
+    alloc_storage = tvm.ir.Op.get("relax.memory.alloc_storage")
+
+    def visit(expr: relax.Expr) -> None:
+        nonlocal total
+        if isinstance(expr, relax.Call) and expr.op.same_as(alloc_storage):
+            size = expr.args[0]
+            if isinstance(size, relax.ShapeExpr) and all(isinstance(d, tirx.IntImm) for d in size.values):
+                total += math.prod(int(d) for d in size.values)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return total
+
+
+@tvm.transform.module_pass(opt_level=0, name="CompressMemory")
+class CompressMemory:
+    """Plan intermediate tensors into one arena per function (enable_compress_memory)."""
+
+    def __init__(self, enabled: bool = True, report: Callable[[str], None] | None = None,
+                 inplace: bool = True):
+        self.enabled = enabled
+        self.inplace = inplace
+        self.report = report or (lambda msg: logger.info("%s", msg))
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if not self.enabled:
+            return mod
+        target = tvm.target.Target.current()
+        if target is not None and "gpu" in target.keys:
+            # NOTE: RewriteCUDAGraph captures the storages StaticPlanBlockMemory makes; an arena
+            # of views (ensure_zero_offset) is untested there, so GPU programs keep TVM's plan.
+            self.report(f"CompressMemory: skipped on {target.kind.name} (StaticPlanBlockMemory plans)")
+            return mod
+        static = relax.transform.StaticPlanBlockMemory()(mod)  # the plan to beat
+        rewriter = _Rewriter(mod)
+        lines = []
+        for gv, func in mod.functions_items():
+            if not isinstance(func, relax.Function):
+                continue
+            plan = analyze(mod, func, self.inplace)
+            if not plan.tensors:
+                continue
+            pack(plan)
+            problems = check_plan(plan)
+            assert not problems, f"CompressMemory overlapped tensors in {gv.name_hint}: {problems[:3]}"
+            before, after = _planned_bytes(static[gv.name_hint]), sum(plan.arena_bytes.values())
+            if after >= before:
+                lines.append(f"{gv.name_hint} {format_bytes(before)} kept (arena: {format_bytes(after)})")
+                continue
+            rewriter.builder_.update_func(gv, rewriter.rewrite(func, plan))
+            lines.append(f"{gv.name_hint} {format_bytes(before)} -> {format_bytes(after)} "
+                         f"({len(plan.tensors)} tensors in {len(plan.arena_bytes)} arena(s), "
+                         f"{plan.inplace} in place)")
+        if lines:
+            self.report("CompressMemory: memory planned: " + "; ".join(lines))
+        return rewriter.builder_.get()

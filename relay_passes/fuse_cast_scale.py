@@ -1,0 +1,75 @@
+"""FuseCastScale: `R.astype(x, dtype) * scale` with a scalar scale becomes one kernel.
+
+    y = R.astype(x, "float32")                  fused_cast_scale(x, s):
+    z = R.multiply(y, s)          ->                (both ops, one group that FuseTIR
+                                                     turns into one PrimFunc)
+
+The loss-scaling / mixed-precision pattern (OneFlow's fuse_cast_scale): a tensor cast to
+another dtype and multiplied by a scalar, a 0-d tensor or a constant of one element, on either
+side. Grouped, the cast result is not stored and read back: one read of `x`, one write of the
+result. FuseOps often fuses the two on its own, but not always (a cast whose result other ops
+also read may end up in their group); here a cast with other users is also returned by the
+group, written by the same kernel.
+
+Position: after FuseEpilogue (an epilogue chain keeps a cast that follows its matmul) and
+before LegalizeOps. A group is a function with the attributes "Primitive" and "Composite"
+(= PATTERN_NAME), which LegalizeOps legalizes and FuseTIR fuses.
+Turned off (GraphConfig.allow_fuse_cast_scale(False)) it does nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.relax.dpl import is_op, wildcard
+from tvm.relax.transform import FusionPattern, PatternCheckContext
+
+from tvmgraph.debug import logger
+
+PATTERN_NAME = "tvmgraph.fuse_cast_scale"
+
+
+def _is_scalar(expr: relax.Expr) -> bool:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return False
+    dims = ty.shape.values
+    return all(isinstance(d, tvm.tirx.IntImm) for d in dims) and math.prod(int(d) for d in dims) == 1
+
+
+def _check(context: PatternCheckContext) -> bool:
+    """The scale is a scalar, and the product has the cast's shape (no broadcast to more)."""
+    cast, scale = context.annotated_expr["cast"], context.annotated_expr["scale"]
+    return _is_scalar(scale) and tvm_ffi.structural_equal(cast.ty.shape, context.matched_expr.ty.shape)
+
+
+def pattern() -> FusionPattern:
+    """`astype(x) * scale` or `scale * astype(x)`."""
+    cast = is_op("relax.astype")(wildcard())
+    scale = wildcard()
+    out = is_op("relax.multiply")(cast, scale) | is_op("relax.multiply")(scale, cast)
+    return FusionPattern(PATTERN_NAME, out, {"cast": cast, "scale": scale}, _check)
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseCastScale")
+class FuseCastScale:
+    """Group every cast followed by a scalar multiply into one kernel (allow_fuse_cast_scale)."""
+
+    def __init__(self, enabled: bool = True, report: Callable[[str], None] | None = None) -> None:
+        self.enabled = enabled
+        self.report = report or (lambda msg: logger.info("%s", msg))
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if not self.enabled:
+            return mod
+        before = {gv.name_hint for gv, _ in mod.functions_items()}
+        mod = relax.transform.FuseOpsByPattern([pattern()], bind_constants=False)(mod)
+        fused = sum(1 for gv, f in mod.functions_items()
+                    if gv.name_hint not in before and isinstance(f, relax.Function))
+        if fused:
+            self.report(f"FuseCastScale: {fused} cast + scale kernel(s)")
+        return mod

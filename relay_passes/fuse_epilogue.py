@@ -1,0 +1,168 @@
+"""FuseEpilogue: a matmul or conv2d and the element-wise ops after it become one kernel.
+
+    wt = R.permute_dims(w)                    o = fused_relax_permute_dims_relax_matmul_..._add(
+    y = R.matmul(x, wt)                              w, x, b, r)
+    z = R.add(b, y)                      ->     (a function holding the same six ops, which
+    h = R.reshape(z, s)                          LegalizeOps and FuseTIR turn into one PrimFunc)
+    a = R.nn.gelu(h)
+    o = R.add(a, r)
+
+Each matmul (`relax.matmul`) or convolution (`relax.nn.conv2d`) is grouped with a chain of up to
+`MAX_EPILOGUE` ops, each applied to the previous result: a bias or residual `add`, an activation
+(`relu`, `clip` as in relu6, `gelu`, `gelu_tanh`), or a `reshape` between them (nn.Linear on a
+3-D input, or a residual added in another shape). A matmul operand that is a transpose
+(`permute_dims` of the last two axes, as in nn.Linear's `x @ w.T` and every weight gradient) is
+grouped too, so that the kernel reads the untransposed tensor. The schedule rules
+(tvmgraph/schedules/matmul.py, conv.py) see one PrimFunc: they compute the epilogue on the
+accumulator registers before the one store, and inline the transpose into the operand reads.
+
+TVM's FuseOps already fuses element-wise ops after a matmul; this pass fuses past a reshape
+(FuseOps stops at injective ops), takes operand transposes in (FuseOps never fuses producers
+into a matmul), and groups exactly what the schedule rules handle.
+
+Position: after SimplifyBroadcastMatmul (which removes broadcast weights) and before
+LegalizeOps; FuseOps then fuses what is left. A group is a function with the attributes
+"Primitive" and "Composite" (= PATTERN_NAME), which LegalizeOps legalizes and FuseTIR fuses.
+Turned off (GraphConfig.allow_fuse_add_to_output(False)) it does nothing: FuseOps alone fuses.
+
+A value inside the chain that is also used outside it (the pre-activation a training graph
+keeps for the backward pass) becomes a second output of the group.
+
+Limits: a chain ends at the first op that is not listed (batch_norm, softmax, ...) or that
+broadcasts the result to a larger shape; a transpose whose result is also used elsewhere is left
+out of the group (it is materialized anyway); only float tensors; transposes up to rank 5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import DFPattern, is_op, wildcard
+from tvm.relax.transform import FusionPattern, PatternCheckContext
+
+PATTERN_NAME = "tvmgraph.fuse_epilogue"
+MAX_EPILOGUE = 4
+MAX_RANK = 5  # operand transposes are matched up to this rank
+UNARY = ("relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh")
+
+
+def _epilogue_op(x: DFPattern) -> DFPattern:
+    """One epilogue step applied to `x`."""
+    step = is_op("relax.add")(x, wildcard()) | is_op("relax.add")(wildcard(), x)
+    for name in UNARY:
+        step = step | is_op(name)(x)
+    step = step | is_op("relax.clip")(x, wildcard(), wildcard())
+    return step | is_op("relax.reshape")(x, wildcard())
+
+
+def _transposed(x: DFPattern) -> DFPattern:
+    """permute_dims(x) swapping the last two axes, for x of rank 2 to MAX_RANK."""
+    swaps = [is_op("relax.permute_dims")(x).has_attr({"axes": [*range(n - 2), n - 1, n - 2]})
+             for n in range(2, MAX_RANK + 1)]
+    out = swaps[0]
+    for swap in swaps[1:]:
+        out = out | swap
+    return out
+
+
+def _producer(transposed: bool) -> DFPattern:
+    a, b = wildcard(), wildcard()
+    if transposed:
+        a, b = _transposed(a) | a, _transposed(b) | b
+    return is_op("relax.matmul")(a, b) | is_op("relax.nn.conv2d")(wildcard(), wildcard())
+
+
+def _pattern(depth: int, transposed: bool) -> tuple[DFPattern, dict[str, DFPattern], Callable]:
+    """(pattern, annotations, check) for a producer followed by `depth` epilogue ops."""
+    producer = _producer(transposed)
+    out = producer
+    for _ in range(depth):
+        out = _epilogue_op(out)
+    return out, {"producer": producer}, _check
+
+
+def _check(context: PatternCheckContext) -> bool:
+    """Float tensors; no step broadcasts past the producer's size; a grouped transpose is
+    used by the matmul alone."""
+    producer = context.annotated_expr["producer"]
+    size = _numel(producer)
+    if size is None or not str(producer.ty.dtype).startswith(("float", "bfloat")):
+        return False
+    inside = set(context.matched_bindings.keys())
+    for var, value in context.matched_bindings.items():
+        if not isinstance(value, relax.Call) or value.same_as(producer):
+            continue
+        if value.op.same_as(_PERMUTE_DIMS):
+            if any(u not in inside for u in context.var_usages.get(var, [])):
+                return False
+        elif _numel(value) != size:
+            return False
+    return True
+
+
+_PERMUTE_DIMS = tvm.ir.Op.get("relax.permute_dims")
+
+
+def _numel(expr: relax.Expr) -> int | None:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    n = 1
+    for d in ty.shape.values:
+        if not isinstance(d, tvm.tirx.IntImm):
+            return None
+        n *= int(d)
+    return n
+
+
+def patterns() -> list[FusionPattern]:
+    """Longest chains first; for each length, with operand transposes first; last a transposed
+    matmul with no epilogue. (FuseOpsByPattern gives an op to the first pattern that takes it.)"""
+    result = []
+    for depth in range(MAX_EPILOGUE, 0, -1):
+        for transposed in (True, False):
+            result.append(FusionPattern(PATTERN_NAME, *_pattern(depth, transposed)))
+    pattern, annotations, check = _pattern(0, True)
+
+    def has_transpose(context: PatternCheckContext) -> bool:
+        return check(context) and any(isinstance(v, relax.Call) and v.op.same_as(_PERMUTE_DIMS)
+                                      for v in context.matched_bindings.values())
+
+    result.append(FusionPattern(PATTERN_NAME, pattern, annotations, has_transpose))
+    return result
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseEpilogue")
+class FuseEpilogue:
+    """Group each matmul/conv2d with its operand transposes and element-wise epilogue."""
+
+    def __init__(self, enabled: bool = True, report: Callable[[str], None] | None = None) -> None:
+        self.enabled = enabled
+        self.report = report or (lambda msg: None)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if not self.enabled:
+            return mod
+        before = {gv.name_hint for gv, _ in mod.functions_items()}
+        mod = relax.transform.FuseOpsByPattern(patterns(), bind_constants=False)(mod)
+        groups = [f for gv, f in mod.functions_items()
+                  if gv.name_hint not in before and isinstance(f, relax.Function)]
+        if groups:
+            ops = sum(_count_ops(f) for f in groups)
+            self.report(f"FuseEpilogue: {len(groups)} matmul/conv kernel(s) with their epilogues "
+                        f"({ops} ops in all)")
+        return mod
+
+
+def _count_ops(func: relax.Function) -> int:
+    count = 0
+
+    def visit(expr: relax.Expr) -> None:
+        nonlocal count
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            count += 1
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return count

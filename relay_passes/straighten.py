@@ -1,0 +1,228 @@
+"""StraightenBindings: reorder each dataflow block so that fewer tensors are live at once.
+
+Position: after fusion and schedules (the bindings are whole kernels, `call_tir` and
+`call_tir_inplace`), before `ToNonDataflow`, so that `StaticPlanBlockMemory` (or
+CompressMemory) plans the new order.
+
+Why: autodiff emits the backward pass in a valid but memory-blind order. In a CNN it emits each
+layer's weight and bias gradients (small reductions) after the whole backward pass, so every
+upstream gradient they read stays live until the end: the benchmark CNN's training step peaks at
+469 MiB of live tensors in that order and at 268 MiB straightened.
+
+The order is a greedy topological sort over a model of the block where every binding allocates
+its result's bytes (`call_tir_inplace`, tuple and alias bindings allocate nothing) and a tensor
+dies at its last reader:
+  1. a ready binding that frees at least as much as it allocates (it is the last reader of
+     big tensors, e.g. a reduction) runs first, the one freeing most first;
+  2. otherwise the ready binding that comes first in the original order runs, so the forward
+     pass and anything the model does not see keep the order the program was written in.
+Every tensor is charged to a "root", the binding that allocated it; aliases share it. Results of
+the block (non-dataflow vars) and values from outside it never die in it.
+
+Constraints besides data dependencies: every in-place call (`call_tir_inplace`, e.g. the fused
+optimizer update) runs after all other readers of the tensors it overwrites, and every binding
+stays after the `match_cast`s before it (they may define shape variables it uses).
+
+Cost: O((bindings + uses) log bindings) per block.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from tvmgraph.debug import logger
+
+from .tensor_sizes import format_bytes, static_bytes
+
+_INPLACE = tvm.ir.Op.get("relax.call_tir_inplace")
+
+
+def _used_vars(expr: relax.Expr) -> list[relax.Var]:
+    used: list[relax.Var] = []
+    relax.analysis.post_order_visit(expr, lambda e: used.append(e) if isinstance(e, relax.Var) else None)
+    return used
+
+
+class BlockModel:
+    """What the scheduler knows about a block: for each binding the bindings it depends on,
+    the bytes it allocates and the roots (allocating bindings) it reads."""
+
+    def __init__(self, bindings: list[relax.Binding]):
+        n = len(bindings)
+        self.n = n
+        index = {b.var: i for i, b in enumerate(bindings)}
+        outer: dict[relax.Var, int] = {}  # a value from outside the block: root n, n + 1, ...
+        roots: list[set[int]] = []  # for each binding, the roots of the tensors it refers to
+
+        def roots_of(expr: relax.Expr) -> set[int]:
+            found: set[int] = set()
+            for var in _used_vars(expr):
+                found |= roots[index[var]] if var in index else {outer.setdefault(var, n + len(outer))}
+            return found
+
+        self.size = [0] * n
+        self.deps = [{index[v] for v in _used_vars(b.value) if v in index} for b in bindings]
+        self.reads: list[set[int]] = []
+        self.protected: set[int] = set()  # roots that never die in this block
+        last_match_cast = -1
+        for i, binding in enumerate(bindings):
+            value = binding.value
+            self.reads.append(roots_of(value))
+            if last_match_cast >= 0:
+                self.deps[i].add(last_match_cast)
+            if isinstance(binding, relax.MatchCast):
+                last_match_cast = i
+            if isinstance(value, relax.Call) and value.op.same_as(_INPLACE):
+                # The result is the overwritten arguments: it aliases their roots.
+                args = value.args[1].fields if isinstance(value.args[1], relax.Tuple) else [value.args[1]]
+                roots.append(set().union(*(roots_of(args[int(k)]) for k in value.attrs.inplace_indices
+                                           if int(k) >= 0)))
+            elif isinstance(value, relax.Call):
+                self.size[i] = static_bytes(binding.var.ty) or 0
+                roots.append({i})
+            else:  # Var, Tuple, TupleGetItem, constant: an alias of what it reads
+                roots.append(self.reads[i])
+            if not isinstance(binding.var, relax.DataflowVar):
+                self.protected |= roots[i]
+        self.protected |= set(outer.values())
+        # An in-place call stays after every reader of what it overwrites that came before it,
+        # and before every reader that came after it (which sees the new values).
+        self.readers: dict[int, list[int]] = {}
+        for i in range(n):
+            for r in self.reads[i]:
+                self.readers.setdefault(r, []).append(i)
+        for i, binding in enumerate(bindings):
+            if isinstance(binding.value, relax.Call) and binding.value.op.same_as(_INPLACE):
+                for r in roots[i]:
+                    for j in self.readers.get(r, ()):
+                        if j < i:
+                            self.deps[i].add(j)
+                        elif j > i:
+                            self.deps[j].add(i)
+
+    def root_size(self, r: int) -> int:
+        return self.size[r] if r < self.n else 0
+
+    def peak(self, order: list[int]) -> int:
+        """Peak bytes of live tensors when the bindings run in `order`."""
+        last: dict[int, int] = {}
+        for step, b in enumerate(order):
+            for r in self.reads[b]:
+                last[r] = step
+        dying: list[list[int]] = [[] for _ in order]
+        for step, b in enumerate(order):
+            if self.size[b] and b not in self.protected:
+                dying[last.get(b, step)].append(b)
+        live = peak = 0
+        for step, b in enumerate(order):
+            live += self.size[b]
+            peak = max(peak, live)
+            live -= sum(self.size[r] for r in dying[step])
+        return peak
+
+
+def straighten(model: BlockModel) -> list[int]:
+    """The greedy order described in the module docstring, as binding indices."""
+    n = model.n
+    remaining = {r: len(set(bs)) for r, bs in model.readers.items()}
+    unscheduled_readers = {r: set(bs) for r, bs in model.readers.items()}
+    waiting = [len(d) for d in model.deps]
+    users: list[list[int]] = [[] for _ in range(n)]
+    for i, deps in enumerate(model.deps):
+        for j in deps:
+            users[j].append(i)
+    ready = [False] * n
+    done = [False] * n
+
+    def net(b: int) -> int:
+        freed = sum(model.root_size(r) for r in model.reads[b]
+                    if remaining[r] == 1 and r not in model.protected)
+        return model.size[b] - freed
+
+    freeing: list[tuple[int, int]] = []  # (net, index) of ready bindings with net <= 0
+    in_order: list[int] = []  # ready bindings by original index
+
+    def make_ready(b: int) -> None:
+        ready[b] = True
+        heapq.heappush(in_order, b)
+        gain = net(b)
+        if gain <= 0:
+            heapq.heappush(freeing, (gain, b))
+
+    for b in range(n):
+        if waiting[b] == 0:
+            make_ready(b)
+    order: list[int] = []
+    while len(order) < n:
+        b = -1
+        while freeing:
+            gain, candidate = heapq.heappop(freeing)
+            if not done[candidate] and gain == net(candidate):
+                b = candidate
+                break
+        if b < 0:
+            while done[in_order[0]]:
+                heapq.heappop(in_order)
+            b = heapq.heappop(in_order)
+        done[b] = True
+        order.append(b)
+        for r in model.reads[b]:
+            remaining[r] -= 1
+            unscheduled_readers[r].discard(b)
+            if remaining[r] == 1:
+                (last,) = unscheduled_readers[r]
+                if ready[last] and not done[last] and net(last) <= 0:
+                    heapq.heappush(freeing, (net(last), last))
+        for u in users[b]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                make_ready(u)
+    return order
+
+
+@mutator
+class _Straightener(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.before = 0  # peak live bytes of the current function, max over its blocks
+        self.after = 0
+
+    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
+        bindings = list(block.bindings)
+        model = BlockModel(bindings)
+        order = straighten(model)
+        before, after = model.peak(list(range(len(bindings)))), model.peak(order)
+        if after < before:
+            block = relax.DataflowBlock([bindings[i] for i in order], block.span)
+        self.before = max(self.before, before)
+        self.after = max(self.after, min(before, after))
+        return super().visit_dataflow_block_(block)
+
+
+@tvm.transform.module_pass(opt_level=0, name="StraightenBindings")
+class StraightenBindings:
+    """Reorder dataflow bindings to lower the peak of live tensors (enable_straighten_algorithm)."""
+
+    def __init__(self, enabled: bool = True, report: Callable[[str], None] | None = None):
+        self.enabled = enabled
+        self.report = report or (lambda msg: logger.info("%s", msg))
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if not self.enabled:
+            return mod
+        straightener = _Straightener(mod)
+        changes = []
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                straightener.before = straightener.after = 0
+                straightener.builder_.update_func(gv, straightener.visit_expr(func))
+                if straightener.after < straightener.before:
+                    changes.append(f"{gv.name_hint} {format_bytes(straightener.before)} -> "
+                                   f"{format_bytes(straightener.after)}")
+        self.report("StraightenBindings: peak live memory " + ("; ".join(changes) or "unchanged"))
+        return straightener.builder_.get()

@@ -1,0 +1,190 @@
+"""FuseEpilogue groups a matmul/conv2d with its operand transposes and element-wise epilogue."""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from relay_passes.fuse_epilogue import FuseEpilogue
+
+
+@I.ir_module
+class Linear:
+    """nn.Linear on a 3-D input, GELU, then a residual add: torch.export's shapes, shrunk."""
+
+    @R.function
+    def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((6, 8), "float32"),
+             b: R.Tensor((6,), "float32"), r: R.Tensor((2, 2, 6), "float32")):
+        with R.dataflow():
+            wt = R.permute_dims(w, axes=[1, 0])
+            y = R.matmul(x, wt, out_dtype="float32")
+            z = R.add(b, y)
+            h = R.reshape(z, R.shape([2, 2, 6]))
+            a = R.nn.gelu(h)
+            o = R.add(a, r)
+            R.output(o)
+        return o
+
+
+def test_linear_gelu_residual_is_one_group() -> None:
+    """The weight transpose, bias add, reshape, GELU and residual add all join the matmul
+    (FuseOps would stop at the reshape and leave the transpose a kernel of its own)."""
+
+    @I.ir_module
+    class Expected:
+        @R.function(private=True)
+        def fused_relax_permute_dims_relax_matmul_relax_add_relax_reshape_relax_nn_gelu_relax_add(
+            w: R.Tensor((6, 8), "float32"), x: R.Tensor((4, 8), "float32"),
+            b: R.Tensor((6,), "float32"), r: R.Tensor((2, 2, 6), "float32"),
+        ) -> R.Tensor((2, 2, 6), "float32"):
+            R.func_attr({"Composite": "tvmgraph.fuse_epilogue", "Primitive": True})
+            with R.dataflow():
+                wt = R.permute_dims(w, axes=[1, 0])
+                y = R.matmul(x, wt, out_dtype="float32")
+                z = R.add(b, y)
+                h = R.reshape(z, R.shape([2, 2, 6]))
+                a = R.nn.gelu(h)
+                gv = R.add(a, r)
+                R.output(gv)
+            return gv
+
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((6, 8), "float32"),
+                 b: R.Tensor((6,), "float32"), r: R.Tensor((2, 2, 6), "float32")):
+            cls = Expected
+            with R.dataflow():
+                gv = cls.fused_relax_permute_dims_relax_matmul_relax_add_relax_reshape_relax_nn_gelu_relax_add(
+                    w, x, b, r)
+                R.output(gv)
+            return gv
+
+    tvm.ir.assert_structural_equal(FuseEpilogue()(Linear), Expected)
+
+
+def test_shared_transpose_stays_out_and_conv_takes_bias_and_relu6() -> None:
+    """A transpose also used elsewhere is not grouped (and a matmul with nothing else to take
+    is left to FuseOps); a conv2d takes its bias add and clip (ReLU6)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((6, 8), "float32"),
+                 img: R.Tensor((1, 1, 5, 5), "float32"), k: R.Tensor((6, 1, 3, 3), "float32"),
+                 bias: R.Tensor((1, 6, 1, 1), "float32")):
+            with R.dataflow():
+                wt = R.permute_dims(w, axes=[1, 0])
+                y = R.matmul(x, wt)
+                s = R.add(y, R.sum(wt))
+                c = R.nn.conv2d(img, k)
+                cb = R.add(c, bias)
+                cr = R.clip(cb, R.prim_value(0.0), R.prim_value(6.0))
+                R.output(s, cr)
+            return (s, cr)
+
+    @I.ir_module
+    class Expected:
+        @R.function(private=True)
+        def fused_relax_matmul_relax_add(
+            x: R.Tensor((4, 8), "float32"), wt: R.Tensor((8, 6), "float32"),
+            lv: R.Tensor((), "float32"),
+        ) -> R.Tensor((4, 6), "float32"):
+            R.func_attr({"Composite": "tvmgraph.fuse_epilogue", "Primitive": True})
+            with R.dataflow():
+                y = R.matmul(x, wt)
+                gv = R.add(y, lv)
+                R.output(gv)
+            return gv
+
+        @R.function(private=True)
+        def fused_relax_nn_conv2d_relax_add_relax_clip(
+            img: R.Tensor((1, 1, 5, 5), "float32"), k: R.Tensor((6, 1, 3, 3), "float32"),
+            bias: R.Tensor((1, 6, 1, 1), "float32"),
+        ) -> R.Tensor((1, 6, 3, 3), "float32"):
+            R.func_attr({"Composite": "tvmgraph.fuse_epilogue", "Primitive": True})
+            with R.dataflow():
+                c = R.nn.conv2d(img, k)
+                cb = R.add(c, bias)
+                gv = R.clip(cb, R.prim_value(0.0), R.prim_value(6.0))
+                R.output(gv)
+            return gv
+
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((6, 8), "float32"),
+                 img: R.Tensor((1, 1, 5, 5), "float32"), k: R.Tensor((6, 1, 3, 3), "float32"),
+                 bias: R.Tensor((1, 6, 1, 1), "float32")):
+            cls = Expected
+            with R.dataflow():
+                wt = R.permute_dims(w, axes=[1, 0])
+                lv = R.sum(wt)
+                gv = cls.fused_relax_matmul_relax_add(x, wt, lv)
+                gv1 = cls.fused_relax_nn_conv2d_relax_add_relax_clip(img, k, bias)
+                R.output(gv, gv1)
+            return (gv, gv1)
+
+    tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Expected)
+
+
+def test_transposed_operands_alone_are_grouped() -> None:
+    """A weight gradient dy.T @ x has no epilogue; its transpose still joins the matmul."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(dy: R.Tensor((4, 6), "float32"), x: R.Tensor((4, 8), "float32")):
+            with R.dataflow():
+                dyt = R.permute_dims(dy, axes=[1, 0])
+                dw = R.matmul(dyt, x)
+                R.output(dw)
+            return dw
+
+    @I.ir_module
+    class Expected:
+        @R.function(private=True)
+        def fused_relax_permute_dims_relax_matmul(
+            dy: R.Tensor((4, 6), "float32"), x: R.Tensor((4, 8), "float32")
+        ) -> R.Tensor((6, 8), "float32"):
+            R.func_attr({"Composite": "tvmgraph.fuse_epilogue", "Primitive": True})
+            with R.dataflow():
+                dyt = R.permute_dims(dy, axes=[1, 0])
+                gv = R.matmul(dyt, x)
+                R.output(gv)
+            return gv
+
+        @R.function
+        def main(dy: R.Tensor((4, 6), "float32"), x: R.Tensor((4, 8), "float32")):
+            cls = Expected
+            with R.dataflow():
+                gv = cls.fused_relax_permute_dims_relax_matmul(dy, x)
+                R.output(gv)
+            return gv
+
+    tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Expected)
+
+
+def test_epilogue_that_broadcasts_past_the_product_is_not_taken() -> None:
+    """add((4, 6), (3, 4, 6)) makes a bigger tensor: not an epilogue of the (4, 6) product."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 6), "float32"),
+                 big: R.Tensor((3, 4, 6), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, w)
+                o = R.add(y, big)
+                R.output(o)
+            return o
+
+    tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Before)
+
+
+def test_turned_off_it_leaves_the_module_alone() -> None:
+    """allow_fuse_add_to_output(False): FuseOps alone will fuse."""
+    tvm.ir.assert_structural_equal(FuseEpilogue(enabled=False)(Linear), Linear)
+
+
+def test_reports_the_groups() -> None:
+    messages: list[str] = []
+    FuseEpilogue(report=messages.append)(Linear)
+    assert messages == ["FuseEpilogue: 1 matmul/conv kernel(s) with their epilogues (6 ops in all)"]

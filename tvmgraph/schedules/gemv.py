@@ -1,0 +1,131 @@
+"""`x @ w.T` for a few rows of x (batch 1 to ~64) as dot products that read W in place.
+
+Matches what `matmul.py` matches, `C[S, I, J] += A[S, I, K] * B[S, J, K]`, when both A and B
+are contiguous along K and A has few rows (I <= K / 16): nn.Linear at small batch,
+where B is the weight W[out, in]. The matmul rule would pack W into panels on every call (a
+transposing copy of W that costs more than the product itself when I is small: 700 us of
+1270 us for 64 x 1024 x 1024 on one core); this rule reads every row of W straight from
+memory, and at batch 1 reads W exactly once.
+
+Schedule, with `width` floats per vector (16 on AVX-512; the largest power of two dividing K):
+  * a register tile of `ri` rows of A by `rj` rows of B (see TILES): each step over K loads
+    one vector of each of the ri + rj rows and adds the ri * rj products into one vector of
+    partial sums per output (rfactor of the K loop by the vector lanes; under 1 KiB, so the
+    partial sums stay on the stack and in registers);
+  * loops: parallel(S, J / rj) > I / ri > K / width > unroll(ri, rj) > vector(width): a group
+    of rj rows of W stays in L1 while every row of A passes by (one thread below
+    MIN_PARALLEL_MACS);
+  * then each output's partial sums are added up and the epilogue (bias, ReLU, ...) runs on
+    the tile before it is stored.
+
+Limits: static shapes; K must be a multiple of 4; the horizontal sums cost about
+ri * rj * width scalar adds per tile (I * J * width in all), which is why large I goes to
+`matmul.py`.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.s_tir.schedule import SBlockRV
+from tvm.target import Target
+
+from .cpu_target import CPUTarget, is_cpu
+from .fallback import schedule_remaining
+from .loops import inline_copies_into, inline_spatial_blocks, vars_in
+from .matmul import (
+    ACCUMULATOR_SCOPE,
+    canonicalize,
+    fuse_epilogue,
+    matmul_block,
+    matmul_operands,
+    producer_of,
+)
+
+# (ri, rj) register tiles, best first: at most 12 partial-sum vectors (768 bytes: a tile of
+# 1 KiB or more is allocated on the heap per tile, see matmul.py), few loads per FMA.
+TILES = ((4, 3), (3, 4), (2, 6), (6, 2), (1, 12), (2, 4), (4, 2), (1, 8), (2, 3), (3, 2),
+         (1, 6), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1), (1, 2), (2, 1), (1, 1))
+# Up to I = K / MAX_ROWS_PER_K rows the horizontal sums (I * J * width adds) cost less than
+# packing W for the matmul rule (J * K strided copies). Measured on Zen 5 (N = 256..1024):
+# 0.16-0.3x of the matmul rule's time at I = 1, 0.5-0.8x at I = 16, 0.7-1.2x at I = 32.
+MAX_ROWS_PER_K = 16
+# Below this many multiply-adds the kernel runs on one thread. A batch-1 layer reads its weight
+# at ~75 GB/s on one core (a 1024 x 1024 weight in 48 us); a second thread halves that on an
+# idle machine, but when another process holds the other core, waking TVM's worker thread
+# costs more than the whole kernel (measured: the batch-1 MLP 0.10 ms on one thread, 0.06 to
+# 0.19 ms on two).
+MIN_PARALLEL_MACS = 1 << 22
+
+
+class MatrixVector(ScheduleRule):
+    """Dot products of each row of x with each row of W, `ri` x `rj` at a time."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        """Return the schedule, or None when the PrimFunc is not x @ W.T with few rows of x."""
+        if not is_cpu(target):
+            return None
+        sch = s_tir.Schedule(func)
+        main = matmul_block(sch)
+        if main is None:
+            return None
+        inline_spatial_blocks(sch, keep=(main,))
+        inline_copies_into(sch, main)
+        operands = matmul_operands(sch.get(main))
+        stmt = sch.get(main)
+        if operands is None or not all(_contiguous_along_reduction(stmt, x) for x in operands):
+            return None
+        a, b = operands
+        extents = canonicalize(sch, main, a, b)
+        if extents is None:
+            return None
+        s_ext, i_ext, j_ext, k_ext = extents
+        if i_ext * MAX_ROWS_PER_K > k_ext:
+            return None
+        cpu = CPUTarget.from_target(target)
+        width = cpu.lanes(str(sch.get(main).writes[0].source.dtype))
+        while width >= 4 and k_ext % width:
+            width //= 2
+        if width < 4:
+            return None
+        ri, rj = next((ri, rj) for ri, rj in TILES if i_ext % ri == 0 and j_ext % rj == 0)
+        for index in (a, b):  # the canonical copies of A and B: read both in place
+            sch.compute_inline(producer_of(sch, main, index))
+        parallel = s_ext * i_ext * j_ext * k_ext >= MIN_PARALLEL_MACS
+        _schedule(sch, main, ri, rj, width, parallel)
+        schedule_remaining(sch, cpu)
+        return sch
+
+
+def _contiguous_along_reduction(stmt: s_tir.SBlock, operand: int) -> bool:
+    """The operand's innermost index is a reduction iterator alone (its rows run along K)."""
+    last = stmt.reads[operand].region[-1].min
+    if not isinstance(last, tirx.Var):
+        return False
+    reduce = {iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
+    return vars_in(last) <= reduce and last in reduce
+
+
+def _schedule(sch: s_tir.Schedule, main: SBlockRV, ri: int, rj: int, width: int,
+              parallel: bool) -> None:
+    s, i, j, k = sch.get_loops(main)
+    ko, kv = sch.split(k, [None, width])
+    partial = sch.rfactor(kv, factor_axis=3)  # partial[s, i, j, lane]
+    s, i, j, ko, kv = sch.get_loops(partial)
+    io, ii = sch.split(i, [None, ri])
+    jo, jj = sch.split(j, [None, rj])
+    sch.reorder(s, jo, io, ko, ii, jj, kv)
+    outer = sch.fuse(s, jo)
+    sch.reverse_compute_at(main, io, preserve_unit_loops=True)
+    lane, *rest = sch.get_loops(main)[-4:]
+    sch.reorder(*rest, lane)  # each output's lanes added in turn
+    store = sch.cache_write(main, 0, ACCUMULATOR_SCOPE)
+    sch.reverse_compute_at(store, io, preserve_unit_loops=True)
+    fuse_epilogue(sch, store, io, width)
+    if parallel:
+        sch.parallel(outer)
+    sch.unroll(ii)
+    sch.unroll(jj)
+    sch.vectorize(kv)
+    init = sch.decompose_reduction(partial, ko)
+    sch.vectorize(sch.get_loops(init)[-1])
