@@ -162,6 +162,37 @@ def test_transposed_operands_alone_are_grouped() -> None:
     tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Expected)
 
 
+def test_regrouped_input_of_a_depthwise_weight_gradient_joins_the_conv() -> None:
+    """dW of a depthwise conv is a conv over x regrouped to (C*N, 1, H, W): the regrouping
+    joins the conv (its kernel then reads x in place) unless something else reads it."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 3, 6, 6), "float32"), dy: R.Tensor((2, 3, 6, 6), "float32")):
+            with R.dataflow():
+                a = R.reshape(x, R.shape([2, 3, 1, 6, 6]))
+                b = R.permute_dims(a, axes=[1, 0, 2, 3, 4])
+                c = R.reshape(b, R.shape([6, 1, 6, 6]))
+                dw = R.nn.conv2d(c, dy, padding=[1, 1, 1, 1], groups=3, data_layout="CNHW",
+                                 kernel_layout="IOHW", out_layout="CNHW")
+                d = R.reshape(x, R.shape([2, 3, 1, 6, 6]))
+                e = R.permute_dims(d, axes=[1, 0, 2, 3, 4])
+                f = R.reshape(e, R.shape([6, 1, 6, 6]))
+                dw2 = R.nn.conv2d(f, dy, padding=[1, 1, 1, 1], groups=3, data_layout="CNHW",
+                                  kernel_layout="IOHW", out_layout="CNHW")
+                R.output(dw, dw2, f)
+            return (dw, dw2, f)
+
+    after = FuseEpilogue()(Before)
+    groups = {gv.name_hint: func for gv, func in after.functions_items() if gv.name_hint != "main"}
+    assert list(groups) == ["fused_relax_reshape_relax_permute_dims_relax_reshape_relax_nn_conv2d"]
+    (group,) = groups.values()
+    assert [p.name for p in group.params] == ["x", "dy"]
+    main = after["main"].script()
+    assert "R.nn.conv2d(f, dy" in main  # f is also returned: it stays a tensor of its own
+
+
 def test_epilogue_that_broadcasts_past_the_product_is_not_taken() -> None:
     """add((4, 6), (3, 4, 6)) makes a bigger tensor: not an epilogue of the (4, 6) product."""
 

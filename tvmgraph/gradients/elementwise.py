@@ -53,12 +53,18 @@ def clip_grad(
     only differ where x sits exactly on a bound, which happens in real networks: a batch-norm
     channel with zero variance outputs exactly ``beta`` (0 at init) into the ``ReLU6``.
     ``lo`` and ``hi`` are not differentiable.
+
+    Written from the output: ``lo < y < hi`` exactly when ``lo < x < hi`` (outside, y sits on a
+    bound). The backward pass then keeps ``y``, which the next layer keeps anyway, and not the
+    input: in a MobileNet block that input is the batch-norm output, the size of the block's
+    biggest activation.
     """
-    x, low, high = orig_call.args
+    _, low, high = orig_call.args
+    y = orig_var
     inside = op.logical_and(
-        op.greater(x, const(scalar_of(low), x)), op.less(x, const(scalar_of(high), x))
+        op.greater(y, const(scalar_of(low), y)), op.less(y, const(scalar_of(high), y))
     )
-    zero = const(0.0, x)
+    zero = const(0.0, y)
     return [op.where(inside, output_grad, zero), grad_op.no_grad(low), grad_op.no_grad(high)]
 
 

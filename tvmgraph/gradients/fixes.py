@@ -93,10 +93,13 @@ def relu_grad(
     pass 0. Exact zeros do reach a ReLU in training: a batch-norm channel with zero variance (a
     dead channel) outputs exactly ``beta``, 0 at initialization, and the batch-norm backward
     then scales the difference by ``1 / sqrt(eps)``.
+
+    Written from the output (``y > 0`` exactly when ``x > 0``): the backward pass then keeps
+    ``y``, which the next layer keeps anyway, and ``x`` dies after the forward pass.
     """
-    x = orig_call.args[0]
-    zero = const(0.0, x)
-    return [op.where(op.greater(x, zero), output_grad, zero)]
+    y = orig_var
+    zero = const(0.0, y)
+    return [op.where(op.greater(y, zero), output_grad, zero)]
 
 
 @register("relax.abs", fixes_tvm=True)

@@ -160,12 +160,12 @@ def _schedule_depthwise(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, l
     yo, yi = sch.split(y, [None, ty])
     xo, xi = sch.split(x, [None, vx])
     sch.reorder(n, f, yo, xo, *reduce, yi, xi)
-    pad = _data_producer(sch, main, shape.data_read)
+    pad = data_producer(sch, main, shape.data_read)
     if pad is not None and _column_stride(sch, main, shape) == 2:
         _split_columns_by_parity(sch, pad)
     _finish(sch, main, n, xo, [yi], xi, vx, reduce, window_unroll=True)
     if pad is not None:
-        _pad_per_image(sch, pad, n, lanes)
+        pad_at(sch, pad, n, lanes)
 
 
 def _column_stride(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape) -> int:
@@ -194,14 +194,15 @@ def _split_columns_by_parity(sch: s_tir.Schedule, pad: SBlockRV) -> None:
     sch.transform_block_layout(pad, by_parity)
 
 
-def _pad_per_image(sch: s_tir.Schedule, pad: SBlockRV, image: LoopRV, lanes: int) -> None:
-    """Build the zero-padded planes of one image right before that image's outputs (they
-    stay in L2): a vector fill of zeros, then a branch-free copy of the interior rows.
+def pad_at(sch: s_tir.Schedule, pad: SBlockRV, loop: LoopRV, lanes: int) -> None:
+    """Build the zero-padded planes that one iteration of `loop` reads right before it (for a
+    depthwise conv, one image's: they stay in L2): a vector fill of zeros, then a branch-free
+    copy of the interior rows.
 
     NOTE: not per channel plane: there, the convolution's loads straddle the copy's
     just-written stores and every load misses store-to-load forwarding (3x slower).
     """
-    sch.compute_at(pad, image, preserve_unit_loops=True)
+    sch.compute_at(pad, loop, preserve_unit_loops=True)
     blocks = [pad]
     try:
         blocks.insert(0, sch.decompose_padding(pad, sch.get_loops(pad)[1]))
@@ -219,7 +220,7 @@ def _pad_per_image(sch: s_tir.Schedule, pad: SBlockRV, image: LoopRV, lanes: int
             sch.vectorize(sch.split(inner, [None, width])[1])
 
 
-def _data_producer(sch: s_tir.Schedule, main: SBlockRV, data_read: int) -> SBlockRV | None:
+def data_producer(sch: s_tir.Schedule, main: SBlockRV, data_read: int) -> SBlockRV | None:
     buffer = sch.get(main).reads[data_read].source
     for block in sch.get_producers(main):
         if any(w.source.same_as(buffer) for w in sch.get(block).writes) and is_spatial(sch, block):
