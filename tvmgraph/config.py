@@ -158,6 +158,9 @@ class Settings:
     cpu_schedules: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_CPU_SCHEDULES", "1") != "0")
     # float32 exp/erf/tanh/sigmoid as vectorizable polynomials (~1e-7 relative error) on CPU.
     fast_math: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_FAST_MATH", "1") != "0")
+    # LLVM's optimization level for CPU kernels (0-3). The kernels reach LLVM already tiled,
+    # unrolled and vectorized by tvmgraph's schedules; see docs/pipeline.md for the measurements.
+    llvm_opt_level: int = field(default_factory=lambda: int(os.environ.get("TVMGRAPH_LLVM_OPT_LEVEL", "1")))
     # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
     compile_cache: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_COMPILE_CACHE", "1") != "0")
 

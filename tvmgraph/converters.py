@@ -8,6 +8,10 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   `running = (1 - momentum) * running + momentum * batch_stat`, with the unbiased variance.
 - `native_dropout`: the stock converter drops dropout even in train mode; here it draws a mask
   (see dropout.py).
+- `select` (`x[i]`, `x.select(dim, i)`): the stock converter emits `take(mode="fast")`, whose
+  legalization warns on every compile that "fast mode segfaults when there are out-of-bounds
+  indices". The index is a constant checked by torch.export, so a bounds-checked mode costs
+  nothing; negative indices count from the end as in torch.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
@@ -84,6 +88,13 @@ def matmul(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
     """mm / bmm / matmul with the inputs' dtype."""
     a, b = importer.env[node.args[0]], importer.env[node.args[1]]
     return importer.block_builder.emit(relax.op.matmul(a, b, out_dtype=_dtype(a)))
+
+
+def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x.select(dim, index) with a constant index."""
+    x, dim, index = importer.env[node.args[0]], int(node.args[1]), int(node.args[2])
+    mode = "clip" if index >= 0 else "wrap"
+    return importer.block_builder.emit(relax.op.take(x, relax.const(index, "int64"), axis=dim, mode=mode))
 
 
 def addmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -163,6 +174,7 @@ CONVERTERS: dict[str, Converter] = {
     "bmm.default": matmul,
     "matmul.default": matmul,
     "addmm.default": addmm,
+    "select.int": select,
     "convolution.default": convolution,
     "native_dropout.default": dropout(None, {}),  # placeholder entry; lower.py binds the seed
 }

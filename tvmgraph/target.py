@@ -7,6 +7,8 @@ import functools
 import torch
 import tvm
 
+from .config import settings
+
 
 @functools.cache
 def host_cpu() -> str:
@@ -17,7 +19,7 @@ def host_cpu() -> str:
 def target_for(device: torch.device) -> tvm.target.Target:
     """The target that runs best on `device`: LLVM for the host CPU, or CUDA for its GPU."""
     if device.type == "cpu":
-        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()})
+        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "opt-level": settings.llvm_opt_level})
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"})

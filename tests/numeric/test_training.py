@@ -238,3 +238,20 @@ def test_sgd_update_in_place_only_when_fused(fuse: bool) -> None:
     after = [p.data_ptr() for p in model.parameters()] + [optimizer.state[p]["momentum_buffer"].data_ptr()
                                                            for p in model.parameters()]
     assert (before == after) == fuse
+
+
+class SelectRows(nn.Module):
+    """x[:, 0] and x[:, -1] (aten.select with a positive and a negative index) feed the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).unflatten(-1, (3, 4))
+        return h[:, 0] * 2.0 + h.select(1, -1)
+
+
+def test_select_with_negative_index_matches_eager() -> None:
+    batches = [(torch.randn(5, 6), torch.randn(5, 4)) for _ in range(2)]
+    run_side_by_side(SelectRows(), lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)], nn.MSELoss(), batches, 2)

@@ -28,6 +28,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.target import Target
 
+from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
 from .fallback import schedule_remaining
 from .loops import (
@@ -47,7 +48,7 @@ class Conv2d(ScheduleRule):
         """Return the schedule, or None when the PrimFunc is not such a convolution."""
         if not is_cpu(target):
             return None
-        sch = s_tir.Schedule(func)
+        sch = Schedule(func)
         reductions = [b for b in root_blocks(sch) if not is_spatial(sch, b)]
         if len(reductions) != 1:
             return None

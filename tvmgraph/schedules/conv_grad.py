@@ -24,6 +24,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.target import Target
 
+from .unchecked import Schedule
 from .conv import ConvShape, data_producer, conv_shape, pad_at
 from .cpu_target import CPUTarget, is_cpu
 from .fallback import schedule_remaining
@@ -50,7 +51,7 @@ class ConvWeightGradient(ScheduleRule):
         """Return the schedule, or None when the PrimFunc is not a conv weight gradient."""
         if not is_cpu(target):
             return None
-        sch = s_tir.Schedule(func)
+        sch = Schedule(func)
         reductions = [b for b in root_blocks(sch) if not is_spatial(sch, b)]
         if len(reductions) != 1:
             return None

@@ -16,6 +16,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
 from .loops import (
     inline_spatial_blocks,
@@ -34,14 +35,14 @@ class Elementwise(ScheduleRule):
         """Return the schedule, or None when some block reduces."""
         if not is_cpu(target):
             return None
-        sch = s_tir.Schedule(func)
+        sch = Schedule(func)
         blocks = root_blocks(sch)
         if not blocks or not all(is_spatial(sch, b) for b in blocks):
             return None
         inline_spatial_blocks(sch)
         # Inlining composes index expressions; simplified, transposed reads are recognizable.
         # (Simplifying also binds unit loops to 0, which the loop helpers do not take.)
-        simplified = s_tir.Schedule(simplify_indices(sch.mod["main"]))
+        simplified = Schedule(simplify_indices(sch.mod["main"]))
         if all(iter_kinds(simplified, b) is not None for b in root_blocks(simplified)):
             sch = simplified
         for block in root_blocks(sch):

@@ -15,6 +15,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
 from .loops import (
     inline_spatial_blocks,
@@ -33,7 +34,7 @@ class Fallback(ScheduleRule):
         """Return a schedule for any PrimFunc with blocks under its root."""
         if not is_cpu(target):
             return None
-        sch = s_tir.Schedule(func)
+        sch = Schedule(func)
         if not root_blocks(sch):
             return None
         inline_spatial_blocks(sch)

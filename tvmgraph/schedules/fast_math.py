@@ -23,6 +23,7 @@ from collections.abc import Callable
 import tvm.ir.expr as E
 from tvm import s_tir, tirx
 
+from .unchecked import Schedule
 from .loops import root_blocks
 
 _F32 = "float32"
@@ -140,7 +141,7 @@ def rewrite_expr(expr: tirx.PrimExpr) -> tirx.PrimExpr | None:
 
 def use_fast_math(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` with every root-level block's float32 exp/erf/tanh/sigmoid made vectorizable."""
-    sch = s_tir.Schedule(func)
+    sch = Schedule(func)
     changed = False
     for block in root_blocks(sch):
         stmt = sch.get(block)

@@ -30,6 +30,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import SBlockRV
 from tvm.target import Target
 
+from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
 from .fallback import schedule_remaining
 from .loops import inline_copies_into, inline_spatial_blocks, vars_in
@@ -65,7 +66,7 @@ class MatrixVector(ScheduleRule):
         """Return the schedule, or None when the PrimFunc is not x @ W.T with few rows of x."""
         if not is_cpu(target):
             return None
-        sch = s_tir.Schedule(func)
+        sch = Schedule(func)
         main = matmul_block(sch)
         if main is None:
             return None

@@ -36,6 +36,7 @@ from tvm.s_tir.dlight.gpu.matmul import IterKind, IterTrait, make_iter_fusion_in
 from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.target import Target
 
+from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
 from .fallback import schedule_remaining
 from .loops import (
@@ -129,7 +130,7 @@ class Matmul(ScheduleRule):
         """Return the schedule, or None when the PrimFunc is not a (batched) matmul."""
         if not is_cpu(target):
             return None
-        sch = s_tir.Schedule(func)
+        sch = Schedule(func)
         main = matmul_block(sch)
         if main is None:
             return None
@@ -284,7 +285,7 @@ def _b_contiguous(
     True when B's innermost index, in the original function, is the output's innermost axis
     and that axis is a multiple of `lanes` long (so no vector straddles two rows of B).
     """
-    original = s_tir.Schedule(func)
+    original = Schedule(func)
     block = matmul_block(original)
     if block is None:
         return False

@@ -27,6 +27,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import SBlockRV
 from tvm.target import Target
 
+from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
 from .loops import (
     inline_spatial_blocks,
@@ -69,7 +70,7 @@ class Reduction(ScheduleRule):
 
 
 def _prepared(func: tirx.PrimFunc) -> s_tir.Schedule | None:
-    sch = s_tir.Schedule(func)
+    sch = Schedule(func)
     if all(is_spatial(sch, b) for b in root_blocks(sch)):
         return None
     inline_spatial_blocks(sch, into_reductions=True)
