@@ -1,4 +1,4 @@
-"""FuseModelUpdate: each param group's optimizer update becomes one in-place kernel.
+"""FuseModelUpdate: each param group's optimizer update becomes in-place kernels.
 
 Position: before LegalizeOps, on a module made by tvmgraph's training pass, where each param
 group is updated by a call to a private-style Relax function tagged `tvmgraph.model_update`
@@ -12,11 +12,14 @@ vectorized within) that reads p, g and each state once and writes the new state 
 their own buffers. Compared with the Relax ops it replaces (which FuseOps splits into one
 kernel per output, each allocating a fresh result), this reads and writes every tensor once and
 allocates nothing: the parameters and optimizer state are updated where torch keeps them.
+A parameter of OWN_KERNEL_MIN elements or more gets a kernel of its own (see `_chunks`), the
+others of the group share one.
 
 In-place is safe because the formula produces its results in order, a later result reads an
 earlier one only through the value `output` returned (the new value, already stored), every
 result reads only the old value of its own state and of the parameter (stored last), and
-train_step calls all updates after all gradients are computed.
+train_step calls all updates after all gradients are computed (later passes, which may move a
+kernel earlier, keep it after every other reader of what it overwrites).
 
 Scalar state (Adam's `step`) is not written by the kernel, which would have to order that
 store after every element loop: the kernel recomputes the new step where it reads it, and the
@@ -41,6 +44,7 @@ from tvmgraph.training.update_ops import RelaxUpdateOps
 LANES = 16  # elements per vector on AVX-512 float32; 8 on AVX2 is handled by LLVM splitting
 PARALLEL_MIN = 1 << 15  # elements below which one thread updates a parameter alone
 GPU_THREADS = 256
+OWN_KERNEL_MIN = 1 << 17  # elements (512 KiB of float32) from which a parameter gets its own kernel
 
 
 def _dtype(x: tirx.PrimExpr) -> str:
@@ -123,6 +127,19 @@ class TEUpdateOps:
         out = te.compute(self.shape, lambda *i: stored(i), name=f"{self.tag}_{key}")
         self.outputs[key] = out
         return self.read(out)
+
+
+def _chunks(param_types: list[relax.TensorType]) -> list[list[int]]:
+    """Which parameters each kernel updates: every big one alone, the others together.
+
+    A big parameter's kernel can then run as soon as its gradient exists (StraightenBindings
+    moves it there: it frees the gradient), so the gradients of the big parameters are never
+    all alive at once, as they are for one kernel run after the whole backward pass (the
+    benchmark MLP's step: 7 MiB of gradients). Small ones are not worth a kernel call each.
+    """
+    big = [j for j, ty in enumerate(param_types) if math.prod(int(d) for d in ty.shape) >= OWN_KERNEL_MIN]
+    rest = [j for j in range(len(param_types)) if j not in big]
+    return [[j] for j in big] + ([rest] if rest else [])
 
 
 def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
@@ -220,6 +237,7 @@ class _Rewriter(PyExprMutator):
         self.mod_ = mod
         self.target = target
         self.fused: list[str] = []
+        self.kernels = 0
         self.skipped: list[str] = []
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -234,25 +252,30 @@ class _Rewriter(PyExprMutator):
         keys = rule.state_keys(flags)
         per_param = 2 + len(keys)
         param_types = [p.ty for p in func.params[1::per_param]]
-        kernel, inplace = build_update_kernel(rule, flags, param_types, self.target)
-        gv = self.builder_.add_func(kernel, f"{call.op.name_hint}_kernel")
-        out_types = [p.ty for p in (func.params[i] for i in inplace)]
-        self.fused.append(f"{call.op.name_hint} ({len(param_types)} parameters)")
-        updated = relax.op.call_tir_inplace(gv, relax.Tuple(list(call.args)), inplace, out_types)
-        if not any(rule.scalar_state(k) for k in keys):
-            return updated
-        # Interleave the kernel's results with the scalar state computed by Relax ops, back
-        # into the update function's result layout.
-        updated = self.builder_.emit(updated)
-        scalars = self._scalar_state(rule, flags, list(call.args), per_param)
-        results, cursor = [], 0
+        chunks = _chunks(param_types)
+        self.kernels += len(chunks)
+        self.fused.append(f"{call.op.name_hint} ({len(param_types)} parameters"
+                          + (f" in {len(chunks)} kernels)" if len(chunks) > 1 else ")"))
+        has_scalars = any(rule.scalar_state(k) for k in keys)
+        per_result = len([k for k in (*keys, PARAM) if not rule.scalar_state(k)])
+        kernel_results: dict[int, list[relax.Expr]] = {}
+        for c, chunk in enumerate(chunks):
+            kernel, inplace = build_update_kernel(rule, flags, [param_types[j] for j in chunk], self.target)
+            gv = self.builder_.add_func(kernel, f"{call.op.name_hint}_kernel" + (str(c) if len(chunks) > 1 else ""))
+            args = [call.args[0]] + [a for j in chunk for a in call.args[1 + j * per_param: 1 + (j + 1) * per_param]]
+            updated = relax.op.call_tir_inplace(gv, relax.Tuple(args), inplace, [args[i].ty for i in inplace])
+            if len(chunks) == 1 and not has_scalars:
+                return updated
+            updated = self.builder_.emit(updated)
+            for pos, j in enumerate(chunk):
+                kernel_results[j] = [relax.TupleGetItem(updated, pos * per_result + t) for t in range(per_result)]
+        # The kernels' results, with the scalar state computed by Relax ops, back into the
+        # update function's result layout.
+        scalars = self._scalar_state(rule, flags, list(call.args), per_param) if has_scalars else None
+        results = []
         for j in range(len(param_types)):
             for key in (*keys, PARAM):
-                if rule.scalar_state(key):
-                    results.append(scalars[j][key])
-                else:
-                    results.append(relax.TupleGetItem(updated, cursor))
-                    cursor += 1
+                results.append(scalars[j][key] if rule.scalar_state(key) else kernel_results[j].pop(0))
         return relax.Tuple(results)
 
     def _scalar_state(self, rule: UpdateRule, flags: dict[str, bool], args: list[relax.Expr],
@@ -261,7 +284,7 @@ class _Rewriter(PyExprMutator):
         keys = rule.state_keys(flags)
         bb = self.builder_
         hyper = args[0]
-        h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0)) for i, k in enumerate(rule.hyper_keys)}
+        h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip")) for i, k in enumerate(rule.hyper_keys)}
         out = []
         for j in range(len(args[1:]) // per_param):
             p, g, *states = args[1 + j * per_param: 1 + (j + 1) * per_param]
@@ -291,7 +314,7 @@ class FuseModelUpdate:
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
         mod = rewriter.builder_.get()
         if rewriter.fused:
-            self.report(f"FuseModelUpdate: {len(rewriter.fused)} in-place update kernel(s): "
+            self.report(f"FuseModelUpdate: {rewriter.kernels} in-place update kernel(s): "
                         + ", ".join(rewriter.fused))
         if rewriter.skipped:
             self.report("FuseModelUpdate: left as Relax ops: " + ", ".join(rewriter.skipped))

@@ -42,6 +42,7 @@ class GraphConfig:
     cudnn_conv_heuristic_search_algo: bool = False
     straighten_algorithm: bool = True
     compress_memory: bool = True
+    recompute_attention: bool = True
     _defaults: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +124,17 @@ class GraphConfig:
         StaticPlanBlockMemory. Off: StaticPlanBlockMemory alone plans. CPU only.
         """
         self.compress_memory = bool(mode)
+
+    def enable_recompute_attention(self, mode: bool = True) -> None:
+        """Recompute attention probabilities in the backward pass instead of keeping them
+        (default: on; training graphs).
+
+        relay_passes/recompute_attention.py: each attention core (q k^T, softmax, the weighted
+        sum of v) is marked for Relax's activation checkpointing, so the backward pass keeps
+        q, k and v and recomputes the batch x heads x seq x seq probabilities, as a flash-
+        attention kernel does. Off: autodiff keeps them from the forward pass.
+        """
+        self.recompute_attention = bool(mode)
 
     # ---- reading the options ----
 

@@ -10,8 +10,10 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   (see dropout.py).
 - `select` (`x[i]`, `x.select(dim, i)`): the stock converter emits `take(mode="fast")`, whose
   legalization warns on every compile that "fast mode segfaults when there are out-of-bounds
-  indices". The index is a constant checked by torch.export, so a bounds-checked mode costs
-  nothing; negative indices count from the end as in torch.
+  indices", and whose gradient (`take_backward`) reads `x` for its shape: in attention, the
+  whole packed q/k/v projection then stayed alive until the end of the backward pass. Here it
+  is a one-wide `strided_slice` (its gradient builds zeros from the static shape), squeezed;
+  negative indices count from the end as in torch.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
@@ -25,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
@@ -91,10 +94,18 @@ def matmul(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
 
 
 def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """x.select(dim, index) with a constant index."""
+    """x.select(dim, index) with a constant index: a one-wide strided_slice, squeezed."""
+    bb = importer.block_builder
     x, dim, index = importer.env[node.args[0]], int(node.args[1]), int(node.args[2])
-    mode = "clip" if index >= 0 else "wrap"
-    return importer.block_builder.emit(relax.op.take(x, relax.const(index, "int64"), axis=dim, mode=mode))
+    rank = len(x.ty.shape)
+    dim %= rank
+    size = x.ty.shape[dim]
+    if index < 0:
+        if not isinstance(size, tvm.tirx.IntImm):  # symbolic size: let take count from the end
+            return bb.emit(relax.op.take(x, relax.const(index, "int64"), axis=dim, mode="wrap"))
+        index += int(size)
+    part = bb.emit(relax.op.strided_slice(x, axes=[dim], begin=[index], end=[index + 1]))
+    return bb.emit(relax.op.squeeze(part, axis=[dim]))
 
 
 def addmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:

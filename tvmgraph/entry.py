@@ -28,7 +28,8 @@ PIPELINE = "default"
 
 
 def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
-                  named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]]) -> TrainingPlan | None:
+                  named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]],
+                  config: GraphConfig) -> TrainingPlan | None:
     """The plan of what the graph updates, None for inference; loss.backward() and optimizers
     must come together."""
     if traced.result.has_backward and not optimizers:
@@ -39,7 +40,7 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                             f"loss.backward(); call it on the scalar loss and return the loss")
     if not optimizers:
         return None
-    plan = TrainingPlan.build(graph_name, optimizers, named_parameters())
+    plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), config.recompute_attention)
     if not plan.targets:
         raise OptimizerError(f"{graph_name}: the optimizers have no parameter that requires grad")
     return plan
@@ -67,7 +68,7 @@ def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | 
             log.info(0, f"loaded the compiled program from the cache ({key}).")
             return compiled
     with log.stage("lowering to Relax" + (" with autodiff and optimizer update" if plan else "")):
-        lowered = traced.lower(plan)
+        lowered = traced.lower(plan, report=lambda msg: log.info(1, msg))
     if log.on(2):
         log_ops(log, lowered, build)
     store = None

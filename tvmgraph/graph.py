@@ -386,7 +386,7 @@ class Graph:
             st.log.warning(f"compiling entry #{len(st.entries) + 1} for a new call signature: "
                            + "; ".join(diffs or ["(first call of this signature)"]))
         traced = self._trace(st, signature, args_tree, flat)
-        plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters)
+        plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters, self.config)
         device = flat[0].device if flat else entry.module_device(st.modules)
         compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, self.config, st.modules,
                                          st.log, self.build)

@@ -60,9 +60,10 @@ class TracedGraph:
         """The torch.export FX graph of build()."""
         return str(self.result.exported.graph)
 
-    def lower(self, plan: TrainingPlan | None = None) -> LoweredGraph:
+    def lower(self, plan: TrainingPlan | None = None,
+              report: Callable[[str], None] | None = None) -> LoweredGraph:
         """Decompose to core ATen, check every op, import into Relax; with a `plan`, append
-        autodiff and the optimizer update."""
+        autodiff and the optimizer update. Passes say what they did through `report`."""
         exported = lowering.decompose(self.result.exported)
         lowering.check_supported(exported, self.graph_name)
         mod, sig = lowering.to_relax(exported, self.graph_name, self.result.has_backward)
@@ -71,7 +72,7 @@ class TracedGraph:
             index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
             grad_indices = [index_of[t] for t in plan.targets]
             loss_index = len(sig.mutations) + sig.num_user_outputs
-            mod, layout = append_train_step(mod, plan, grad_indices, loss_index)
+            mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report)
         return LoweredGraph(self, mod, sig, exported, plan, layout)
 
 

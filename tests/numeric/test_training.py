@@ -255,3 +255,15 @@ class SelectRows(nn.Module):
 def test_select_with_negative_index_matches_eager() -> None:
     batches = [(torch.randn(5, 6), torch.randn(5, 4)) for _ in range(2)]
     run_side_by_side(SelectRows(), lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)], nn.MSELoss(), batches, 2)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+], ids=["sgd_momentum", "adam"])
+def test_big_parameters_updated_by_their_own_kernels_match_eager(make_optimizer) -> None:
+    """512 x 512 weights get update kernels of their own (FuseModelUpdate), run as soon as
+    their gradients exist; the step still matches eager, with Adam's scalar step too."""
+    model = nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    batches = classification_batches(2, (32,), 10)
+    run_side_by_side(model, lambda m: [make_optimizer(m)], nn.CrossEntropyLoss(), batches, 3)

@@ -107,6 +107,22 @@ def test_several_parameters_in_one_kernel_and_the_report() -> None:
     assert messages == ["FuseModelUpdate: 1 in-place update kernel(s): update_0 (3 parameters)"]
 
 
+def test_big_parameters_get_kernels_of_their_own() -> None:
+    """A parameter of OWN_KERNEL_MIN elements or more is updated by its own kernel (which can
+    run as soon as its gradient exists); the small ones share one."""
+    shapes = [(16, 8), (512, 256), (16,), (1024, 128)]
+    messages: list[str] = []
+    with CPU:
+        after = FuseModelUpdate(report=messages.append)(module_with_update("sgd", sgd_flags(), shapes))
+    kernels = {gv.name_hint: f for gv, f in after.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert sorted(kernels) == ["update_0_kernel0", "update_0_kernel1", "update_0_kernel2"]
+    sizes = sorted(len(f.params) for f in kernels.values())
+    assert sizes == [1 + 3, 1 + 3, 1 + 2 * 3]  # hyper, then (p, g, momentum) per parameter
+    assert messages == ["FuseModelUpdate: 3 in-place update kernel(s): update_0 (4 parameters in 3 kernels)"]
+    calls = after["main"].script().count("R.call_tir_inplace(")
+    assert calls == 3
+
+
 def torch_adam_step(p, g, state, **options):
     param = torch.nn.Parameter(p.clone())
     opt = torch.optim.AdamW([param], **options) if options.pop("adamw", False) else torch.optim.Adam([param], **options)

@@ -46,8 +46,8 @@ def strided_slice_grad(
 
     Along each sliced axis ``a`` (size ``d``, start ``b`` clamped into ``[0, d]``, stride ``s``,
     ``n = y.shape[a]`` elements taken): ``dx[b + i*s] = dy[i]`` for ``i < n`` and 0 elsewhere.
-    Built one axis at a time with ``slice_scatter`` into zeros; axes, begin, end and strides are
-    not differentiable.
+    Built one axis at a time: a zero padding of dy for stride 1, a ``slice_scatter`` into zeros
+    otherwise; axes, begin, end and strides are not differentiable.
     """
     x, axes, begin = orig_call.args[:3]
     strides = orig_call.args[4] if len(orig_call.args) > 4 else None
@@ -66,6 +66,14 @@ def strided_slice_grad(
         start = int(scalar_of(begin.fields[i]))
         start = min(max(start + dim if start < 0 else start, 0), dim)
         if taken == dim:
+            continue
+        if step == 1 and taken:
+            # A contiguous slice: dy padded with zeros, one kernel. (slice_scatter into zeros
+            # is two, and its legalization warns about unchecked indices on every compile.)
+            widths = [0] * (2 * len(x_shape))
+            widths[2 * axis], widths[2 * axis + 1] = start, dim - start - taken
+            grad = op.nn.pad(grad, widths)
+            grad_shape[axis] = dim
             continue
         grad_shape[axis] = dim
         zeros = op.zeros(list(grad_shape), dtype_of(x))

@@ -56,6 +56,8 @@ class TrainingPlan:
 
     groups: list[GroupPlan] = field(default_factory=list)
     lr_schedulers: list[object] = field(default_factory=list)
+    # The backward pass recomputes attention probabilities (GraphConfig.enable_recompute_attention).
+    recompute_attention: bool = True
 
     @property
     def targets(self) -> list[str]:
@@ -68,9 +70,11 @@ class TrainingPlan:
 
     @staticmethod
     def build(graph_name: str, optimizers: list[tuple[torch.optim.Optimizer, object]],
-              named_parameters: list[tuple[str, torch.nn.Parameter]]) -> TrainingPlan:
+              named_parameters: list[tuple[str, torch.nn.Parameter]],
+              recompute_attention: bool = True) -> TrainingPlan:
         path_of = {id(p): path for path, p in named_parameters}
-        plan = TrainingPlan(lr_schedulers=[s for _, s in optimizers if s is not None])
+        plan = TrainingPlan(lr_schedulers=[s for _, s in optimizers if s is not None],
+                            recompute_attention=recompute_attention)
         seen: dict[int, str] = {}
         for opt_index, (optimizer, _) in enumerate(optimizers):
             rule = rule_for(optimizer, f"{graph_name}: add_optimizer() #{opt_index}")

@@ -33,6 +33,7 @@ never overwrites a parameter that the backward pass still reads.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import tvm
@@ -73,7 +74,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
     # Public while the adjoint is inlined (see append_train_step), private afterwards.
     with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags}):
         with bb.dataflow():
-            h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0))
+            h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
                  for i, k in enumerate(rule.hyper_keys)}
             results = []
             for p, g, states in per_param:
@@ -106,9 +107,12 @@ def _clip(bb: relax.BlockBuilder, grads: list[relax.Expr], max_norm: float, norm
     return [bb.emit(op.multiply(g, coef)) for g in grads]
 
 
-def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int],
-                      loss_index: int) -> tuple[tvm.IRModule, TrainStepLayout]:
+def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
+                      report: Callable[[str], None] | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
     """Replace `main` with `train_step` (see the module docstring for the contract)."""
+    from relay_passes.recompute_attention import RecomputeAttention  # relay_passes import tvmgraph
+
+    mod = RecomputeAttention(plan.recompute_attention, report)(mod)
     main = mod["main"]
     mod = relax.transform.Gradient("main", require_grads=[main.params[i] for i in grad_indices],
                                    target_index=loss_index)(mod)
