@@ -34,7 +34,10 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    from tvmgraph.target import host_cpu
+
+    return (f"{cpu} (LLVM: {host_cpu()}), {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
 
 
 def time_case(case_name: str, mode: str, engines: list[str], rounds: int, seconds: float) -> dict:

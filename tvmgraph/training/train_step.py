@@ -27,7 +27,8 @@ float32 vector per param group (its `UpdateRule.hyper_keys`). `main_adjoint` com
 `relax.transform.Gradient` and is inlined, so the update can fuse with the backward pass. The
 update functions are inlined by the pipeline, or replaced by one in-place kernel each by
 relay_passes/fuse_model_update.py. All updates come after all gradients, so an in-place update
-never overwrites a parameter that the backward pass still reads.
+never overwrites a parameter that the backward pass still reads (a later pass that moves an
+update earlier keeps it after every other reader of what it overwrites).
 """
 
 from __future__ import annotations
@@ -163,7 +164,10 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
         bb.emit_func_output(result)
     mod = bb.get()
 
-    # Inline the adjoint so that the update can fuse with the backward pass; drop what is unused.
+    # Inline the adjoint so that the update can fuse with the backward pass; drop what is unused,
+    # `main` included: a training graph's calls run train_step, and compiling the forward pass
+    # a second time on its own made the CNN's training graph compile 1 s longer.
+    del mod["main"]
     mod["main_adjoint"] = mod["main_adjoint"].without_attr("global_symbol")
     mod = tvm.transform.Sequential([
         relax.transform.InlinePrivateFunctions(),
