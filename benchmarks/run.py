@@ -2,32 +2,42 @@
 
     python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer] [--modes infer,train]
                              [--engines eager,compile,tvmgraph] [--rounds 15] [--seconds 0.2]
-                             [--no-memory] [--json results.json]
+                             [--no-memory] [--warm-caches] [--json results.json]
 
 For every case and mode it prints the median time per call of each engine, its ratio to eager
 (below 1.00 is faster than eager), the first-call (compile) time, and the peak memory of the
 steady-state step. Timing rounds rotate through the engines so that all three see the same
 machine conditions. Peak memory is measured in a fresh subprocess per engine (see memory.py).
+
+The first-call column is a cold compile for both compilers: unless `--warm-caches` is given,
+tvmgraph's compiled cache and TorchInductor's caches point at a fresh temporary directory (set
+before either library is imported; the memory subprocesses inherit them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 
-import torch
+if __name__ == "__main__" and "--warm-caches" not in sys.argv:
+    _fresh = tempfile.mkdtemp(prefix="tvmgraph-bench-")
+    os.environ["TVMGRAPH_CACHE_DIR"] = os.path.join(_fresh, "tvmgraph")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_fresh, "inductor")
 
-from .engines import ENGINES, make_step
-from .memory import measure_peak_memory
-from .suite import CASES
+import torch  # noqa: E402  (after the cache directories are chosen)
+
+from .engines import ENGINES, make_step  # noqa: E402
+from .memory import measure_peak_memory  # noqa: E402
+from .suite import CASES  # noqa: E402
 
 
 def machine() -> str:
-    import os
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -82,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seconds", type=float, default=0.2, help="target duration of one timing block")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--warm-caches", action="store_true",
+                        help="keep tvmgraph's and TorchInductor's usual cache directories (first calls may hit them)")
     parser.add_argument("--json", help="also write all results to this file")
     args = parser.parse_args(argv)
     engines = args.engines.split(",")

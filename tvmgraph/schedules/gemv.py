@@ -30,16 +30,14 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import SBlockRV
 from tvm.target import Target
 
-from .unchecked import Schedule
-from .cpu_target import CPUTarget, is_cpu
+from .cpu_target import CPUTarget
 from .fallback import schedule_remaining
-from .loops import inline_copies_into, inline_spatial_blocks, vars_in
+from .loops import vars_in
 from .matmul import (
     ACCUMULATOR_SCOPE,
     canonicalize,
     fuse_epilogue,
-    matmul_block,
-    matmul_operands,
+    prepare_matmul,
     producer_of,
 )
 
@@ -64,19 +62,13 @@ class MatrixVector(ScheduleRule):
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not x @ W.T with few rows of x."""
-        if not is_cpu(target):
+        prepared = prepare_matmul(func, target)
+        if prepared is None:
             return None
-        sch = Schedule(func)
-        main = matmul_block(sch)
-        if main is None:
-            return None
-        inline_spatial_blocks(sch, keep=(main,))
-        inline_copies_into(sch, main)
-        operands = matmul_operands(sch.get(main))
+        sch, main, (a, b) = prepared
         stmt = sch.get(main)
-        if operands is None or not all(_contiguous_along_reduction(stmt, x) for x in operands):
+        if not all(_contiguous_along_reduction(stmt, x) for x in (a, b)):
             return None
-        a, b = operands
         extents = canonicalize(sch, main, a, b)
         if extents is None:
             return None

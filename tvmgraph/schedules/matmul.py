@@ -123,23 +123,30 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def prepare_matmul(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBlockRV, tuple] | None:
+    """A schedule of `func` with the producers of its matmul block inlined into it, the block,
+    and its two operands; None when `func` is not a (batched) matmul or the target no CPU."""
+    if not is_cpu(target):
+        return None
+    sch = Schedule(func)
+    main = matmul_block(sch)
+    if main is None:
+        return None
+    inline_spatial_blocks(sch, keep=(main,))
+    inline_copies_into(sch, main)
+    operands = matmul_operands(sch.get(main))
+    return None if operands is None else (sch, main, operands)
+
+
 class Matmul(ScheduleRule):
     """Register-tiled, packed, parallel matmul with the epilogue fused into the store."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not a (batched) matmul."""
-        if not is_cpu(target):
+        prepared = prepare_matmul(func, target)
+        if prepared is None:
             return None
-        sch = Schedule(func)
-        main = matmul_block(sch)
-        if main is None:
-            return None
-        inline_spatial_blocks(sch, keep=(main,))
-        inline_copies_into(sch, main)
-        operands = matmul_operands(sch.get(main))
-        if operands is None:
-            return None
-        a, b = operands
+        sch, main, (a, b) = prepared
         extents = canonicalize(sch, main, a, b)
         if extents is None:
             return None
