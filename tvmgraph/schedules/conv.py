@@ -41,21 +41,28 @@ from .loops import (
 )
 
 
+def find_conv(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBlockRV, ConvShape] | None:
+    """A schedule of `func`, its one reduction block and the convolution it computes; None when
+    `func` is not a convolution with a window (see `conv_shape`) or the target no CPU."""
+    if not is_cpu(target):
+        return None
+    sch = Schedule(func)
+    reductions = [b for b in root_blocks(sch) if not is_spatial(sch, b)]
+    if len(reductions) != 1:
+        return None
+    shape = conv_shape(sch, reductions[0])
+    return None if shape is None else (sch, reductions[0], shape)
+
+
 class Conv2d(ScheduleRule):
     """Register-tiled direct convolution for windows larger than 1x1."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not such a convolution."""
-        if not is_cpu(target):
+        found = find_conv(func, target)
+        if found is None or found[2].is_weight_gradient:
             return None
-        sch = Schedule(func)
-        reductions = [b for b in root_blocks(sch) if not is_spatial(sch, b)]
-        if len(reductions) != 1:
-            return None
-        main = reductions[0]
-        shape = conv_shape(sch, main)
-        if shape is None or shape.is_weight_gradient:
-            return None
+        sch, main, shape = found
         inline_spatial_blocks(sch, keep=(main,))
         cpu = CPUTarget.from_target(target)
         lanes = cpu.lanes(str(sch.get(main).writes[0].source.dtype))

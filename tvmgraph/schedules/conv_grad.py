@@ -24,17 +24,14 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.target import Target
 
-from .unchecked import Schedule
-from .conv import ConvShape, data_producer, conv_shape, pad_at
-from .cpu_target import CPUTarget, is_cpu
+from .conv import ConvShape, data_producer, find_conv, pad_at
+from .cpu_target import CPUTarget
 from .fallback import schedule_remaining
 from .loops import (
     inline_copies_into,
     inline_spatial_blocks,
-    is_spatial,
     loop_binding,
     parallelize,
-    root_blocks,
     static_extent,
     vars_in,
 )
@@ -49,16 +46,10 @@ class ConvWeightGradient(ScheduleRule):
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not a conv weight gradient."""
-        if not is_cpu(target):
+        found = find_conv(func, target)
+        if found is None or not found[2].is_weight_gradient:
             return None
-        sch = Schedule(func)
-        reductions = [b for b in root_blocks(sch) if not is_spatial(sch, b)]
-        if len(reductions) != 1:
-            return None
-        main = reductions[0]
-        shape = conv_shape(sch, main)
-        if shape is None or not shape.is_weight_gradient:
-            return None
+        sch, main, shape = found
         inline_spatial_blocks(sch, keep=(main,))
         inline_copies_into(sch, main)
         cpu = CPUTarget.from_target(target)
