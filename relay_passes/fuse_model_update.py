@@ -227,11 +227,7 @@ def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.Pr
             continue
         if math.prod(shape) >= PARALLEL_MIN and chunk < math.prod(shape):
             sch.parallel(outer)
-        # Vectors only along a last dimension of whole vectors: a chunk fused over several
-        # dimensions ((96, 1, 3, 3) conv weights) indexes each lane by divisions, which LLVM
-        # turns into gathers (slower than scalar code, and 3.5 s of compiling for the benchmark
-        # CNN's 59 parameters).
-        if chunk % LANES == 0 and shape[-1] % LANES == 0:
+        if chunk % LANES == 0:
             for loop in inner_loops:
                 sch.vectorize(sch.split(loop, [None, LANES])[1])
     return sch.mod["main"]
