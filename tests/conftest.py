@@ -42,6 +42,22 @@ class ModuleGraph(tvmgraph.nn.Graph):
         return self.model(*args)
 
 
+class TrainGraph(tvmgraph.nn.Graph):
+    """Seed 002's LinearTrainGraph, for any model, loss and optimizers."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: torch.nn.Module, *optimizers, lr_sch=None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        for i, optimizer in enumerate(optimizers):
+            self.add_optimizer(optimizer, lr_sch=lr_sch if i == 0 else None)
+
+    def build(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

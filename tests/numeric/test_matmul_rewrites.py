@@ -15,23 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-import tvmgraph
-from tests.conftest import ModuleGraph, assert_close
+from tests.conftest import ModuleGraph, TrainGraph, assert_close
 
 STEP_TOL = dict(atol=2e-5, rtol=1e-4)
-
-
-class TrainGraph(tvmgraph.nn.Graph):
-    def __init__(self, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        self.add_optimizer(optimizer)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
 
 
 class LinearGeluResidual(nn.Module):

@@ -9,28 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-import tvmgraph
+from tests.conftest import TrainGraph
 from tests.models import EncoderBlock, SmallCNN, mlp
 
 # After several steps float32 rounding differences between TVM's and MKL/oneDNN's kernels
 # accumulate; these bounds are far below any real training difference (the loss moves by >1e-2).
 STEP_TOL = dict(atol=2e-5, rtol=1e-4)
-
-
-class TrainGraph(tvmgraph.nn.Graph):
-    """Seed 002's LinearTrainGraph, for any model, loss and optimizers."""
-
-    def __init__(self, model: nn.Module, loss_fn: nn.Module, *optimizers, lr_sch=None):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        for i, optimizer in enumerate(optimizers):
-            self.add_optimizer(optimizer, lr_sch=lr_sch if i == 0 else None)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
 
 
 def eager_step(model, loss_fn, optimizers, x, y):

@@ -17,29 +17,15 @@ import tvm
 from torch import nn
 from tvm import relax
 
-import tvmgraph
-from tests.conftest import ModuleGraph, assert_close
+from tests.conftest import ModuleGraph, TrainGraph, assert_close
 from tests.models import SmallCNN, mlp
 
 STEP_TOL = dict(atol=2e-5, rtol=1e-4)
 
 
-class TrainGraph(tvmgraph.nn.Graph):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        super().__init__()
-        self.model = model
-        self.loss_fn = nn.CrossEntropyLoss()
-        self.add_optimizer(optimizer)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
-
-
 def _train(model: nn.Module, batches, memory_passes: bool = True,
            caplog: pytest.LogCaptureFixture | None = None) -> tuple[list[torch.Tensor], TrainGraph]:
-    graph = TrainGraph(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     graph.config.enable_straighten_algorithm(memory_passes)
     graph.config.enable_compress_memory(memory_passes)
     if caplog is not None:
@@ -131,7 +117,7 @@ def training_step_module() -> tvm.IRModule:
     from relay_passes.straighten import StraightenBindings
 
     model = mlp()
-    graph = TrainGraph(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     graph(torch.randn(16, 32), torch.randint(0, 10, (16,)))
     T = relax.transform
     with tvm.target.Target({"kind": "llvm"}):
@@ -140,18 +126,6 @@ def training_step_module() -> tvm.IRModule:
             T.AnnotateTIROpPattern(), T.FuseOps(), T.FuseTIR(), StraightenBindings(report=lambda m: None),
             T.RewriteDataflowReshape(), T.ToNonDataflow(), T.RemovePurityChecking(), T.CallTIRRewrite(),
         ])(graph.lowered.mod)
-
-
-class RegressionGraph(tvmgraph.nn.Graph):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(optimizer)
-
-    def build(self, x, y):
-        loss = nn.functional.mse_loss(self.model(x), y)
-        loss.backward()
-        return loss
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "kept"])
@@ -166,7 +140,7 @@ def test_recompute_attention_matches_eager(recompute: bool, caplog: pytest.LogCa
     torch.manual_seed(0)
     model = EncoderBlock()
     reference = copy.deepcopy(model)
-    graph = RegressionGraph(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     graph.config.enable_recompute_attention(recompute)
     graph.debug(1)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
