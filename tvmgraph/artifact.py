@@ -22,7 +22,7 @@ import tvm
 from autotune.cache_key import Part, cache_key
 from autotune.compiled_cache import CompiledCache
 
-from .config import GraphConfig, settings
+from .config import CompileOptions, GraphConfig, compile_options, settings
 from .stages import CompiledGraph, TracedGraph
 from .training.plan import TrainingPlan
 
@@ -66,7 +66,7 @@ def _constants(exported: torch.export.ExportedProgram) -> bytes:
     return h.digest()
 
 
-def key_parts(traced: TracedGraph, plan: TrainingPlan | None, config: GraphConfig,
+def key_parts(traced: TracedGraph, plan: TrainingPlan | None, config: CompileOptions | GraphConfig,
               target: tvm.target.Target, pipeline: str) -> list[Part]:
     import tvm_ffi
 
@@ -77,7 +77,8 @@ def key_parts(traced: TracedGraph, plan: TrainingPlan | None, config: GraphConfi
         # sig.optimizers holds object ids (per process); the plan below names parameters by path
         ("signature", repr((sig.args, sig.leaves, sig.module_modes))),
         ("training", repr(plan.structure()) if plan is not None else "inference"),
-        ("config", repr(sorted(config.options().items()))),
+        # Every option that shapes code, the process-wide codegen settings included.
+        ("options", repr(compile_options(config))),
         ("target", str(target)),
         ("pipeline", pipeline),
         ("versions", f"torch {torch.__version__}; tvm {tvm.__version__}; tvm-ffi {tvm_ffi.__version__}"),
@@ -85,7 +86,7 @@ def key_parts(traced: TracedGraph, plan: TrainingPlan | None, config: GraphConfi
     ]
 
 
-def graph_key(graph_class: str, traced: TracedGraph, plan: TrainingPlan | None, config: GraphConfig,
+def graph_key(graph_class: str, traced: TracedGraph, plan: TrainingPlan | None, config: CompileOptions | GraphConfig,
               target: tvm.target.Target, pipeline: str) -> str:
     """The compiled-cache key of `traced` compiled with these settings."""
     return cache_key(graph_class, key_parts(traced, plan, config, target, pipeline))

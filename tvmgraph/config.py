@@ -1,64 +1,129 @@
 """Every knob of tvmgraph, in one place.
 
 `GraphConfig` holds the per-graph options listed in OneFlow's `nn.Graph` documentation
-(seeds 000 and 004), one method each. An option whose feature is not built yet raises
-`NotImplementedError` when switched on: nothing is silently ignored.
+(seeds 000 and 004), one method each, plus tvmgraph's own. Each setter takes only its documented
+values and raises `ConfigError` (a `ValueError`) listing them otherwise; an option whose feature is
+not built yet raises `UnsupportedOptionError` (a `NotImplementedError`) when switched on: nothing
+is silently ignored.
 
-Process-wide settings (where caches live) are read once from the environment here and nowhere
-else; `settings` is the single instance.
+`Settings` holds the process-wide settings, read once from the `TVMGRAPH_*` environment variables
+here and nowhere else, each validated (a bad value is a `ConfigError` naming the variable).
+
+`CompileOptions` is the one snapshot of everything that shapes compiled code: the graph's options
+and the process-wide codegen settings. A graph takes it when it traces; the pipeline reads only
+it, and the compiled-cache key hashes all of it, so no setting can change the code behind the
+key's back.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .errors import ConfigError, UnsupportedOptionError
 
-def _not_yet(option: str, issue: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"GraphConfig.{option} is not implemented in tvmgraph yet ({issue}); "
+logger = logging.getLogger("tvmgraph")
+
+# OneFlow's straighten-algorithm modes; tvmgraph implements "MemoryFirst" (the default) and
+# "Disable". The others order ops for GPU overlap or speed, which a CPU VM does not gain from.
+STRAIGHTEN_MODES = ("MemoryFirst", "Disable")
+ONEFLOW_ONLY_STRAIGHTEN_MODES = ("SpeedFirst", "OverlapCpuGpu", "DelayShortGpu")
+DEFAULT_RECOMPILE_LIMIT = 8
+
+
+def _flag(option: str, mode: object) -> bool:
+    # bool("Disable") is True: accept real booleans only.
+    if not isinstance(mode, bool):
+        raise ConfigError(f"GraphConfig.{option}(mode) takes True or False, got {mode!r}")
+    return mode
+
+
+def _not_yet(option: str, why: str) -> UnsupportedOptionError:
+    return UnsupportedOptionError(
+        f"GraphConfig.{option} is not implemented in tvmgraph yet ({why}); "
         f"leave it off (the default) for now."
     )
 
 
-@dataclass
-class GraphConfig:
-    """Optimization options of one `tvmgraph.nn.Graph`, reached as `graph.config`.
+@dataclass(frozen=True)
+class CompileOptions:
+    """Everything that shapes a graph's compiled code, fixed when the graph traces.
 
-    >>> cfg = GraphConfig()
-    >>> cfg.set_gradient_accumulation_steps(1)
-    >>> cfg
-    GraphConfig(training=False, )
+    Graph options (GraphConfig) and process-wide codegen settings (Settings) together. Two
+    compiles with equal options produce the same code; a field added here is automatically part
+    of the call signature and of the compiled-cache key.
     """
 
-    training: bool = False
     amp: bool = False
     zero: bool = False
+    gradient_accumulation_steps: int = 1
     fuse_model_update_ops: bool = True
     fuse_add_to_output: bool = True
     fuse_cast_scale: bool = True
-    gradient_accumulation_steps: int = 1
-    cudnn_conv_heuristic_search_algo: bool = False
     straighten_algorithm: bool = True
     compress_memory: bool = True
     recompute_attention: bool = True
-    _defaults: dict = field(default_factory=dict, repr=False, compare=False)
+    cpu_schedules: bool = True
+    fast_math: bool = True
+    llvm_opt_level: int = 1
 
-    def __post_init__(self) -> None:
+    def changes_from(self, old: CompileOptions) -> list[str]:
+        """`name old -> new` for each option that differs from `old`."""
+        return [f"{f.name} {getattr(old, f.name)!r} -> {getattr(self, f.name)!r}"
+                for f in fields(self) if getattr(old, f.name) != getattr(self, f.name)]
+
+
+class GraphConfig:
+    """Optimization options of one `tvmgraph.nn.Graph`, reached as `graph.config`.
+
+    Options may be changed between calls: the next call compiles (or finds) the program for the
+    new values, like any other guard (docs/footguns.md).
+
+    >>> cfg = GraphConfig()
+    >>> cfg.set_gradient_accumulation_steps(1)
+    >>> cfg.enable_straighten_algorithm("Disable")
+    >>> cfg
+    GraphConfig(training=False, straighten_algorithm='Disable', )
+    """
+
+    _OPTIONS = ("amp", "zero", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
+                "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
+                "compress_memory", "recompute_attention", "recompile_limit")
+
+    def __init__(self) -> None:
+        self.training = False
+        self.amp = False
+        self.zero = False
+        self.fuse_model_update_ops = True
+        self.fuse_add_to_output = True
+        self.fuse_cast_scale = True
+        self.gradient_accumulation_steps = 1
+        self.cudnn_conv_heuristic_search_algo = False
+        self.straighten_algorithm = "MemoryFirst"
+        self.compress_memory = True
+        self.recompute_attention = True
+        self.recompile_limit = DEFAULT_RECOMPILE_LIMIT
         self._defaults = self.options()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Any change drops the cached snapshot; reading options stays one attribute load per call.
+        object.__setattr__(self, name, value)
+        if name in self._OPTIONS:
+            object.__setattr__(self, "_snapshot", None)
 
     # ---- the options, in the order of OneFlow's documentation ----
 
     def enable_amp(self, mode: bool = True) -> None:
         """Mixed precision: compute in float16/bfloat16 where safe, keep float32 master weights."""
-        if mode:
+        if _flag("enable_amp", mode):
             raise _not_yet("enable_amp", "AMP with a grad scaler is planned")
         self.amp = False
 
     def enable_zero(self, mode: bool = True) -> None:
         """ZeRO: shard optimizer state over the ranks of `torch.distributed`."""
-        if mode:
+        if _flag("enable_zero", mode):
             raise _not_yet("enable_zero", "data-parallel training and ZeRO are planned")
         self.zero = False
 
@@ -69,7 +134,7 @@ class GraphConfig:
         written once, in its own memory. Off: the update is plain Relax ops, fused by FuseOps
         into one kernel per result, each allocating a new tensor.
         """
-        self.fuse_model_update_ops = bool(mode)
+        self.fuse_model_update_ops = _flag("allow_fuse_model_update_ops", mode)
 
     def allow_fuse_add_to_output(self, mode: bool = True) -> None:
         """Fuse bias add, activation and residual add into the producing matmul/conv (default: on).
@@ -79,7 +144,7 @@ class GraphConfig:
         operands, computed on the accumulators before the one store. Off: TVM's FuseOps alone
         groups the ops (it stops at reshapes and never takes a transposed operand in).
         """
-        self.fuse_add_to_output = bool(mode)
+        self.fuse_add_to_output = _flag("allow_fuse_add_to_output", mode)
 
     def allow_fuse_cast_scale(self, mode: bool = True) -> None:
         """Fuse a dtype cast with the scalar multiply that follows it (default: on).
@@ -88,32 +153,43 @@ class GraphConfig:
         is one kernel that reads `x` once and never stores the cast. Off: FuseOps alone
         decides, and may leave the two as separate kernels.
         """
-        self.fuse_cast_scale = bool(mode)
+        self.fuse_cast_scale = _flag("allow_fuse_cast_scale", mode)
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
-        """Accumulate gradients over `value` calls before one optimizer step."""
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"set_gradient_accumulation_steps: value must be an int >= 1, got {value!r}")
+        """Accumulate gradients over `value` micro-batches before one optimizer step."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"GraphConfig.set_gradient_accumulation_steps(value) takes an int >= 1, "
+                              f"got {value!r}")
         if value > 1:
             raise _not_yet("set_gradient_accumulation_steps(>1)", "gradient accumulation is planned")
         self.gradient_accumulation_steps = value
 
     def enable_cudnn_conv_heuristic_search_algo(self, mode: bool = True) -> None:
         """OneFlow picks cuDNN conv algorithms heuristically; tvmgraph generates its own kernels."""
-        if mode:
+        if _flag("enable_cudnn_conv_heuristic_search_algo", mode):
             raise _not_yet("enable_cudnn_conv_heuristic_search_algo",
                            "tvmgraph does not call cuDNN; its convolutions are TVM kernels")
         self.cudnn_conv_heuristic_search_algo = False
 
-    def enable_straighten_algorithm(self, mode: bool = True) -> None:
-        """Order ops to lower the peak of live memory (default: on).
+    def enable_straighten_algorithm(self, mode: str | bool = "MemoryFirst") -> None:
+        """Order ops to lower the peak of live memory: `"MemoryFirst"` (default) or `"Disable"`.
 
         relay_passes/straighten.py: the kernels of each dataflow block run in a greedy order
         that first runs whatever frees at least as much memory as it allocates (e.g. a weight
         gradient's reduction right after the gradient it reads, not after the whole backward
-        pass), else keeps the program's order. Off: the order autodiff and fusion produced.
+        pass), else keeps the program's order. `"Disable"`: the order autodiff and fusion
+        produced. `True`/`False` are read as `"MemoryFirst"`/`"Disable"`. OneFlow's GPU modes
+        (`"SpeedFirst"`, `"OverlapCpuGpu"`, `"DelayShortGpu"`) are not implemented.
         """
-        self.straighten_algorithm = bool(mode)
+        if isinstance(mode, bool):
+            mode = "MemoryFirst" if mode else "Disable"
+        if mode in ONEFLOW_ONLY_STRAIGHTEN_MODES:
+            raise _not_yet(f"enable_straighten_algorithm({mode!r})",
+                           f"only {' and '.join(map(repr, STRAIGHTEN_MODES))} are")
+        if mode not in STRAIGHTEN_MODES:
+            raise ConfigError(f"GraphConfig.enable_straighten_algorithm(mode) takes one of "
+                              f"{', '.join(map(repr, STRAIGHTEN_MODES))} (or True/False), got {mode!r}")
+        self.straighten_algorithm = mode
 
     def enable_compress_memory(self, mode: bool = True) -> None:
         """Plan memory harder than TVM's StaticPlanBlockMemory (default: on).
@@ -123,7 +199,7 @@ class GraphConfig:
         its result over an input that dies there. Kept only where it plans fewer bytes than
         StaticPlanBlockMemory. Off: StaticPlanBlockMemory alone plans. CPU only.
         """
-        self.compress_memory = bool(mode)
+        self.compress_memory = _flag("enable_compress_memory", mode)
 
     def enable_recompute_attention(self, mode: bool = True) -> None:
         """Recompute attention probabilities in the backward pass instead of keeping them
@@ -134,47 +210,128 @@ class GraphConfig:
         q, k and v and recomputes the batch x heads x seq x seq probabilities, as a flash-
         attention kernel does. Off: autodiff keeps them from the forward pass.
         """
-        self.recompute_attention = bool(mode)
+        self.recompute_attention = _flag("enable_recompute_attention", mode)
+
+    def set_recompile_limit(self, value: int) -> None:
+        """How many programs (call signatures) one graph may compile (default 8).
+
+        Each new input shape, dtype, train/eval mode, option value or model structure compiles
+        another program; past the limit the call raises `RecompileLimitError`, which usually
+        means a shape changes every call. (tvmgraph's own option, like torch.compile's.)
+        """
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"GraphConfig.set_recompile_limit(value) takes an int >= 1, got {value!r}")
+        self.recompile_limit = value
 
     # ---- reading the options ----
 
     def options(self) -> dict[str, object]:
-        """All option values by name (`training` excluded): part of the compiled-cache key."""
-        return {
-            name: getattr(self, name)
-            for name in self.__dataclass_fields__
-            if name not in ("training", "_defaults")
-        }
+        """All option values by name (`training` excluded)."""
+        return {name: getattr(self, name) for name in self._OPTIONS}
+
+    def snapshot(self) -> CompileOptions:
+        """The options that shape compiled code, with the process-wide codegen settings."""
+        snap = self.__dict__.get("_snapshot")
+        if snap is None:
+            snap = CompileOptions(
+                amp=self.amp, zero=self.zero, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                fuse_model_update_ops=self.fuse_model_update_ops, fuse_add_to_output=self.fuse_add_to_output,
+                fuse_cast_scale=self.fuse_cast_scale,
+                straighten_algorithm=self.straighten_algorithm != "Disable",
+                compress_memory=self.compress_memory, recompute_attention=self.recompute_attention,
+                cpu_schedules=settings.cpu_schedules, fast_math=settings.fast_math,
+                llvm_opt_level=settings.llvm_opt_level,
+            )
+            object.__setattr__(self, "_snapshot", snap)
+        return snap
 
     def __repr__(self) -> str:
         changed = "".join(
-            f"{k}={v}, " for k, v in self.options().items() if self._defaults.get(k) != v
+            f"{k}={v!r}, " for k, v in self.options().items() if self._defaults.get(k) != v
         )
         return f"GraphConfig(training={self.training}, {changed})"
 
 
+def compile_options(config: GraphConfig | CompileOptions | None) -> CompileOptions:
+    """`config`'s snapshot; a CompileOptions is returned as it is (None: the defaults)."""
+    if config is None:
+        return GraphConfig().snapshot()
+    return config if isinstance(config, CompileOptions) else config.snapshot()
+
+
+# ---- process-wide settings, from the environment ----
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ConfigError(f"environment variable {name}={value!r}: set it to 1 (on) or 0 (off)")
+    return value == "1"
+
+
+def _env_int(name: str, default: int, low: int, high: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < low or (high is not None and number > high):
+        bounds = f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
+        raise ConfigError(f"environment variable {name}={value!r}: set it to {bounds}, or unset it "
+                          f"(default {default})")
+    return number
+
+
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name) or default
+    if value not in choices:
+        raise ConfigError(f"environment variable {name}={value!r}: set it to one of "
+                          f"{', '.join(choices)}, or unset it (default {default})")
+    return value
+
+
+def _env_path(name: str, default: Path) -> Path:
+    value = os.environ.get(name)
+    return Path(value).expanduser() if value else default
+
+
+# Every TVMGRAPH_* variable tvmgraph reads; any other one is most likely a typo and is reported.
+KNOWN_VARIABLES = ("TVMGRAPH_CACHE_DIR", "TVMGRAPH_VM_ALLOCATOR", "TVMGRAPH_CPU_SCHEDULES", "TVMGRAPH_FAST_MATH",
+                   "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE")
+
+
 @dataclass(frozen=True)
 class Settings:
-    """Process-wide settings, read once from the environment."""
+    """Process-wide settings, read once from the environment (each validated)."""
 
-    cache_dir: Path = field(
-        default_factory=lambda: Path(
-            os.environ.get("TVMGRAPH_CACHE_DIR", Path.home() / ".cache" / "tvmgraph")
-        )
-    )
+    cache_dir: Path = field(default_factory=lambda: _env_path(
+        "TVMGRAPH_CACHE_DIR", Path.home() / ".cache" / "tvmgraph"))
     # TVM VM memory allocator: "pooled" keeps freed blocks for reuse (fast); "naive" returns
     # them at once (the memory benchmark uses it so that RSS follows live tensors).
-    vm_allocator: str = field(default_factory=lambda: os.environ.get("TVMGRAPH_VM_ALLOCATOR", "pooled"))
+    vm_allocator: str = field(default_factory=lambda: _env_choice(
+        "TVMGRAPH_VM_ALLOCATOR", "pooled", ("pooled", "naive")))
     # tvmgraph's default CPU schedules (tvmgraph/schedules); TVMGRAPH_CPU_SCHEDULES=0 leaves
     # kernels as TVM's plain loop nests (slow; for debugging a schedule).
-    cpu_schedules: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_CPU_SCHEDULES", "1") != "0")
+    cpu_schedules: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_CPU_SCHEDULES", True))
     # float32 exp/erf/tanh/sigmoid as vectorizable polynomials (~1e-7 relative error) on CPU.
-    fast_math: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_FAST_MATH", "1") != "0")
+    fast_math: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_FAST_MATH", True))
     # LLVM's optimization level for CPU kernels (0-3). The kernels reach LLVM already tiled,
     # unrolled and vectorized by tvmgraph's schedules; see docs/pipeline.md for the measurements.
-    llvm_opt_level: int = field(default_factory=lambda: int(os.environ.get("TVMGRAPH_LLVM_OPT_LEVEL", "1")))
+    llvm_opt_level: int = field(default_factory=lambda: _env_int("TVMGRAPH_LLVM_OPT_LEVEL", 1, 0, 3))
     # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
-    compile_cache: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_COMPILE_CACHE", "1") != "0")
+    compile_cache: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_COMPILE_CACHE", True))
+
+    def __post_init__(self) -> None:
+        unknown = sorted(k for k in os.environ if k.startswith("TVMGRAPH_") and k not in KNOWN_VARIABLES)
+        if unknown:
+            logger.warning("unknown environment variable(s) %s ignored; tvmgraph reads %s",
+                           ", ".join(unknown), ", ".join(KNOWN_VARIABLES))
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
 
 
 settings = Settings()

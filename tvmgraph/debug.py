@@ -51,7 +51,9 @@ class GraphLog:
 
     def configure(self, v_level: int, ranks: int | list[int] | None, mode: bool) -> None:
         if not isinstance(v_level, int) or not 0 <= v_level <= MAX_V_LEVEL:
-            raise ValueError(f"{self.tag} debug(): v_level must be an int in 0..{MAX_V_LEVEL}, got {v_level!r}")
+            from .errors import ConfigError
+
+            raise ConfigError(f"{self.tag} debug(): v_level must be an int in 0..{MAX_V_LEVEL}, got {v_level!r}")
         wanted = [0] if ranks is None else [ranks] if isinstance(ranks, int) else list(ranks)
         self.enabled = mode and (-1 in wanted or current_rank() in wanted)
         self.v_level = v_level
@@ -64,6 +66,11 @@ class GraphLog:
     def info(self, v_level: int, msg: str) -> None:
         if self.on(v_level):
             logger.info("%s %s", self.tag, msg)
+
+    def note(self, msg: str) -> None:
+        """An INFO record whatever the debug level (like torch's recompile reasons): shown
+        when the application logs "tvmgraph" at INFO, or under graph.debug()."""
+        logger.info("%s %s", self.tag, msg)
 
     def warning(self, msg: str) -> None:
         logger.warning("%s %s", self.tag, msg)

@@ -17,9 +17,9 @@ import torch
 
 from . import artifact, codegen
 from . import lower as lowering
-from .config import GraphConfig
+from .config import CompileOptions
 from .debug import GraphLog
-from .errors import BackwardError, OptimizerError
+from .errors import BackwardError, CompileError, OptimizerError, TvmGraphError
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .target import target_for
 from .training.plan import TrainingPlan
@@ -29,7 +29,7 @@ PIPELINE = "default"
 
 def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                   named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]],
-                  config: GraphConfig) -> TrainingPlan | None:
+                  options: CompileOptions) -> TrainingPlan | None:
     """The plan of what the graph updates, None for inference; loss.backward() and optimizers
     must come together."""
     if traced.result.has_backward and not optimizers:
@@ -40,7 +40,7 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                             f"loss.backward(); call it on the scalar loss and return the loss")
     if not optimizers:
         return None
-    plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), config.recompute_attention)
+    plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), options.recompute_attention)
     if not plan.targets:
         raise OptimizerError(f"{graph_name}: the optimizers have no parameter that requires grad")
     return plan
@@ -55,13 +55,36 @@ def module_device(modules: Mapping[str, torch.nn.Module]) -> torch.device:
 
 
 def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | None, device: torch.device,
-                    config: GraphConfig, modules: Mapping[str, torch.nn.Module], log: GraphLog,
+                    options: CompileOptions, modules: Mapping[str, torch.nn.Module], log: GraphLog,
                     build: Any) -> CompiledGraph:
     """Load the program from the persistent compiled cache, or lower and compile it (and store
-    it there)."""
+    it there). A failure inside TVM becomes a `CompileError` naming the graph and the stage."""
+    stage = "lowering to Relax"
+    try:
+        return _compile_or_load(graph_class, traced, plan, device, options, modules, log, build)
+    except TvmGraphError:
+        raise
+    except Exception as e:  # TVM raises its own InternalError/TVMError/ValueError types
+        raise CompileError(
+            f"{traced.graph_name}: compiling build() failed inside TVM ({type(e).__name__}: "
+            f"{_first_lines(str(e))}). This is a tvmgraph bug: please report it with the model. To work "
+            f"around it, turn off tvmgraph's passes one at a time (graph.config.allow_fuse_add_to_output"
+            f"(False), allow_fuse_model_update_ops(False), enable_compress_memory(False)), or run the "
+            f"failing module eagerly outside the graph; graph.debug(1) shows the stages."
+        ) from e
+
+
+def _first_lines(text: str, count: int = 3) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return " / ".join(lines[-count:])[:400]
+
+
+def _compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | None, device: torch.device,
+                     options: CompileOptions, modules: Mapping[str, torch.nn.Module], log: GraphLog,
+                     build: Any) -> CompiledGraph:
     cache = artifact.compiled_cache()
-    target = target_for(device)
-    key = artifact.graph_key(graph_class, traced, plan, config, target, PIPELINE)
+    target = target_for(device, options)
+    key = artifact.graph_key(graph_class, traced, plan, options, target, PIPELINE)
     if cache is not None:
         compiled = artifact.load(cache, key, traced, plan, device, modules)
         if compiled is not None:
@@ -76,7 +99,7 @@ def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | 
         meta = {"signature": lowered.signature, "train_layout": lowered.train_layout, "target": str(target)}
         store = functools.partial(cache.store, key, meta=meta, export=codegen.export_library)
     with log.stage(f"compiling for {device}"):
-        return lowered.compile(device, config, modules, PIPELINE, store=store, report=lambda msg: log.info(1, msg))
+        return lowered.compile(device, options, modules, PIPELINE, store=store, report=lambda msg: log.info(1, msg))
 
 
 def log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:

@@ -47,7 +47,8 @@ class DeviceMismatchError(TvmGraphError, RuntimeError):
 
 
 class StaleGraphError(TvmGraphError, RuntimeError):
-    """A parameter or buffer changed shape or dtype after the graph was compiled."""
+    """The compiled program no longer fits the graph: a parameter or buffer changed shape or dtype
+    without being re-registered, or a tensor it reads is gone."""
 
 
 class TraceError(TvmGraphError, RuntimeError):
@@ -64,3 +65,31 @@ class BackwardError(TvmGraphError, RuntimeError):
 
 class OptimizerError(TvmGraphError, TypeError):
     """An optimizer, its options or its lr scheduler cannot be lowered into the graph."""
+
+
+class ConfigError(TvmGraphError, ValueError):
+    """A `GraphConfig` option or a `TVMGRAPH_*` environment variable got a value it does not take."""
+
+
+class UnsupportedOptionError(TvmGraphError, NotImplementedError):
+    """A documented option (OneFlow's) that tvmgraph does not implement yet was switched on."""
+
+
+class RecompileLimitError(TvmGraphError, RuntimeError):
+    """A graph was asked to compile more entries than `GraphConfig.set_recompile_limit` allows."""
+
+
+class CompileError(TvmGraphError, RuntimeError):
+    """Lowering or compiling a traced graph failed inside TVM (a tvmgraph bug: please report it)."""
+
+
+class ExecutionError(TvmGraphError, RuntimeError):
+    """The compiled program failed while running (the message carries the runtime's reason)."""
+
+
+class StateDictError(TvmGraphError, ValueError):
+    """`Graph.load_state_dict` was given a state dict that does not fit the graph."""
+
+
+class UnsupportedDeviceError(TvmGraphError, NotImplementedError):
+    """The inputs or modules are on a device tvmgraph does not compile for (it does CPU and CUDA)."""

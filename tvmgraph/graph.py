@@ -29,12 +29,18 @@ from .debug import GraphLog
 from .errors import (
     BuildNotImplementedError,
     DeviceMismatchError,
+    ExecutionError,
     GraphArgumentError,
     GraphAttributeError,
     GraphInitError,
     NestedGraphError,
     OptimizerError,
+    RecompileLimitError,
+    StateDictError,
+    TvmGraphError,
+    UnsupportedOptionError,
 )
+from .guards import StructureGuard, modules_of
 from .graph_repr import graph_repr
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
@@ -58,7 +64,7 @@ class _GraphState:
     """Everything the Graph base class keeps; one attribute on the instance, so that user
     attributes and ours never collide."""
 
-    __slots__ = ("name", "config", "log", "modules", "module_list", "module_paths", "entries",
+    __slots__ = ("name", "config", "log", "modules", "guard", "entries",
                  "last", "build_params", "optimizers", "step")
 
     def __init__(self, name: str, cls: str):
@@ -66,8 +72,7 @@ class _GraphState:
         self.config = GraphConfig()
         self.log = GraphLog(f"(GRAPH:{name}:{cls})")
         self.modules: dict[str, torch.nn.Module] = {}
-        self.module_list: list[torch.nn.Module] | None = None  # cached named_modules() walk
-        self.module_paths: list[str] = []
+        self.guard = StructureGuard(lambda: modules_of(self.modules))
         self.entries: dict[Signature, CompiledGraph] = {}
         self.last: CompiledGraph | None = None
         self.build_params: list[inspect.Parameter] | None = None
@@ -109,7 +114,7 @@ class Graph:
         if isinstance(value, torch.nn.Module):
             st.modules.pop(name, None)
             st.modules[name] = value
-            st.module_list = None
+            st.guard.invalidate()
             self.__dict__.pop(name, None)
             return
         if isinstance(value, torch.Tensor):
@@ -121,7 +126,7 @@ class Graph:
             )
         if name in st.modules:
             del st.modules[name]
-            st.module_list = None
+            st.guard.invalidate()
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
@@ -135,7 +140,7 @@ class Graph:
         st = self._state()
         if name in st.modules:
             del st.modules[name]
-            st.module_list = None
+            st.guard.invalidate()
         else:
             object.__delattr__(self, name)
 
@@ -153,7 +158,8 @@ class Graph:
 
     @property
     def config(self) -> GraphConfig:
-        """The graph's `GraphConfig`; set options before the first call."""
+        """The graph's `GraphConfig`. An option changed after a call compiles the program again
+        for the new value at the next call (a guard, like an input shape)."""
         st = self._state()
         st.config.training = self.training
         return st.config
@@ -187,8 +193,8 @@ class Graph:
 
     def set_grad_scaler(self, grad_scaler: Any = None) -> None:
         """Set a GradScaler for loss scaling (AMP); not built yet."""
-        raise NotImplementedError(f"{self.name}: set_grad_scaler() is not implemented in tvmgraph yet "
-                                  f"(AMP with a grad scaler is planned); train in float32 for now.")
+        raise UnsupportedOptionError(f"{self.name}: set_grad_scaler() is not implemented in tvmgraph yet "
+                                     f"(AMP with a grad scaler is planned); train in float32 for now.")
 
     def state_dict(self) -> dict[str, Any]:
         """The whole training state: module parameters and buffers, optimizer and lr scheduler
@@ -204,11 +210,18 @@ class Graph:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned (same graph structure and optimizers)."""
         st = self._state()
+        keys = ("modules", "optimizers", "lr_schedulers", "step")
+        if not isinstance(state_dict, dict) or any(k not in state_dict for k in keys):
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise StateDictError(f"{st.name}: load_state_dict(state_dict) takes what {st.name}.state_dict() "
+                                 f"returned (keys {', '.join(keys)}), got {got}. For one module's "
+                                 f"weights use module.load_state_dict(...) instead.")
         missing = set(st.modules) - set(state_dict["modules"])
         if missing or len(state_dict["optimizers"]) != len(st.optimizers):
-            raise ValueError(f"{st.name}: state_dict does not fit this graph (modules missing: "
-                             f"{sorted(missing)}; optimizers: {len(state_dict['optimizers'])} saved, "
-                             f"{len(st.optimizers)} in the graph)")
+            raise StateDictError(f"{st.name}: state_dict does not fit this graph (modules missing: "
+                                 f"{sorted(missing)}; optimizers: {len(state_dict['optimizers'])} saved, "
+                                 f"{len(st.optimizers)} in the graph); load it into a graph built with the "
+                                 f"same modules and add_optimizer() calls.")
         for name, module in st.modules.items():
             module.load_state_dict(state_dict["modules"][name])
         for (optimizer, scheduler), opt_state, sch_state in zip(
@@ -232,8 +245,7 @@ class Graph:
 
     def named_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """Every registered module and its submodules, with their paths in the graph."""
-        return [(f"{name}.{sub}" if sub else name, m)
-                for name, top in self._state().modules.items() for sub, m in top.named_modules()]
+        return modules_of(self._state().modules)
 
     @property
     def lowered(self) -> LoweredGraph | None:
@@ -268,7 +280,13 @@ class Graph:
             entry = self._compile(st, signature, args_tree, flat)
         st.last = entry
         flat = [t if t.is_contiguous() else t.contiguous() for t in flat]
-        outputs, _loss = entry.run(flat)
+        try:
+            outputs, _loss = entry.run(flat)
+        except TvmGraphError:
+            raise
+        except Exception as e:  # the VM raises plain TVM errors
+            raise ExecutionError(f"{st.name}: the compiled program failed while running: {type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from e
         if entry.training is not None:
             st.step += 1
             for _, scheduler in st.optimizers:
@@ -347,17 +365,13 @@ class Graph:
                                       f"move them to one device with .to(device).")
         return flat, tree
 
-    def _modules_walk(self, st: _GraphState) -> list[torch.nn.Module]:
-        if st.module_list is None:
-            named = self.named_modules()
-            st.module_paths = [p for p, _ in named]
-            st.module_list = [m for _, m in named]
-        return st.module_list
-
     def _signature(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> Signature:
-        modes = tuple(m.training for m in self._modules_walk(st))
+        """The guards of this call: a compiled entry runs only for an equal signature."""
+        structure = st.guard.current()
+        modes = tuple(m.training for m in st.guard.modules)
         training = tuple(_optimizer_structure(o) for o, _ in st.optimizers)
-        return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training)
+        return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training, structure,
+                         st.config.snapshot())
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
@@ -382,20 +396,32 @@ class Graph:
         if st.last is not None:
             old = st.last.traced.signature
             arg_names = self._arg_names(st, len(args_tree.children))
-            diffs = signature.differences(old, arg_names, st.module_paths)
-            st.log.warning(f"compiling entry #{len(st.entries) + 1} for a new call signature: "
-                           + "; ".join(diffs or ["(first call of this signature)"]))
+            diffs = signature.differences(old, arg_names, st.guard.paths)
+            reason = "; ".join(diffs or ["(a signature seen before was changed back)"])
+            limit = st.config.recompile_limit
+            if len(st.entries) >= limit:
+                raise RecompileLimitError(
+                    f"{st.name}: this call would compile program #{len(st.entries) + 1}, past the graph's "
+                    f"recompile limit of {limit}. What changed this time: {reason}. A shape that changes "
+                    f"every call is the usual cause: keep input shapes fixed (pad the last batch, or "
+                    f"DataLoader(drop_last=True)); tvmgraph does not compile dynamic dimensions yet. If the "
+                    f"programs are all wanted, raise the limit: graph.config.set_recompile_limit(n)."
+                )
+            st.log.note(f"recompiling (program #{len(st.entries) + 1}): guard failed: {reason}")
         traced = self._trace(st, signature, args_tree, flat)
-        plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters, self.config)
+        options = signature.options
+        plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters, options)
         device = flat[0].device if flat else entry.module_device(st.modules)
-        compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, self.config, st.modules,
+        compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, options, st.modules,
                                          st.log, self.build)
         st.entries[signature] = compiled
+        st.guard.current()  # tracing registers modules of its own: absorb that epoch change now
         return compiled
 
 
 def _optimizer_structure(optimizer: torch.optim.Optimizer) -> tuple:
     """What about an optimizer changes the compiled program (cheap enough for every call)."""
     rule = rule_for(optimizer, "")
-    return tuple((rule.structure(g), tuple(map(id, g["params"])), g.get(CLIP_MAX_NORM), g.get(CLIP_NORM_TYPE))
+    return tuple((rule.structure(g), tuple(map(id, g["params"])), tuple(p.requires_grad for p in g["params"]),
+                  g.get(CLIP_MAX_NORM), g.get(CLIP_NORM_TYPE))
                  for g in optimizer.param_groups)

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from .config import GraphConfig, settings
+from .config import CompileOptions, GraphConfig, compile_options
 
 Report = Callable[[str], None]  # where passes say what they did (graph.debug(1))
-PipelineFn = Callable[[tvm.target.Target, GraphConfig, Report], tvm.transform.Pass]
+PipelineFn = Callable[[tvm.target.Target, CompileOptions, Report], tvm.transform.Pass]
 PIPELINE_MAP: dict[str, PipelineFn] = {}
 
 
@@ -31,13 +31,14 @@ def register_pipeline(name: str) -> Callable[[PipelineFn], PipelineFn]:
     return register
 
 
-def get_pipeline(target: tvm.target.Target, config: GraphConfig, name: str = "default",
+def get_pipeline(target: tvm.target.Target, config: CompileOptions | GraphConfig, name: str = "default",
                  report: Report | None = None) -> tvm.transform.Pass:
-    """The pass pipeline `name` for `target`; an unknown name lists the registered ones.
-    Passes report what they did through `report` (the graph's debug log at v_level 1)."""
+    """The pass pipeline `name` for `target` and the compile options (a GraphConfig is read
+    through its snapshot); an unknown name lists the registered ones. Passes report what they
+    did through `report` (the graph's debug log at v_level 1)."""
     if name not in PIPELINE_MAP:
         raise ValueError(f"unknown pipeline {name!r}; registered pipelines: {sorted(PIPELINE_MAP)}")
-    return PIPELINE_MAP[name](target, config, report or (lambda msg: None))
+    return PIPELINE_MAP[name](target, compile_options(config), report or (lambda msg: None))
 
 
 def _gpu_schedules() -> list[tvm.transform.Pass]:
@@ -48,14 +49,14 @@ def _gpu_schedules() -> list[tvm.transform.Pass]:
                                     dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
 
 
-def _cpu_schedules() -> list[tvm.transform.Pass]:
+def _cpu_schedules(options: CompileOptions) -> list[tvm.transform.Pass]:
     from .schedules import ApplyCPUSchedules
 
-    return [ApplyCPUSchedules(fast_math=settings.fast_math)] if settings.cpu_schedules else []
+    return [ApplyCPUSchedules(fast_math=options.fast_math)] if options.cpu_schedules else []
 
 
 @register_pipeline("default")
-def default_pipeline(target: tvm.target.Target, config: GraphConfig, report: Report) -> tvm.transform.Pass:
+def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: Report) -> tvm.transform.Pass:
     """Legalize, fuse, schedule and lower a Relax module to VM code for `target`.
 
     The same steps as TVM's per-target pipelines (relax/backend/*/pipeline.py), listed here so
@@ -100,7 +101,7 @@ def default_pipeline(target: tvm.target.Target, config: GraphConfig, report: Rep
         T.FuseOps(),
         T.FuseTIR(),
         # 5. Schedules for the kernels: dlight on GPU, tvmgraph's CPU rules on LLVM.
-        *(_gpu_schedules() if is_gpu else _cpu_schedules()),
+        *(_gpu_schedules() if is_gpu else _cpu_schedules(config)),
         #    The kernels run in an order with fewer tensors live at once
         #    (enable_straighten_algorithm). NOTE: needs dataflow blocks, so before ToNonDataflow.
         StraightenBindings(config.straighten_algorithm, report),

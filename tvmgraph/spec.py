@@ -118,18 +118,22 @@ def flatten(tree: Any, path: str = "") -> tuple[list[torch.Tensor], TreeDef]:
 
 @dataclass(frozen=True, slots=True)
 class Signature:
-    """Everything a compiled entry depends on besides the code of `build()` itself.
+    """Everything a compiled entry depends on besides the code of `build()` itself: its guards.
 
-    `module_modes` holds `training` of every registered submodule (train/eval changes the
-    program: batch norm and dropout behave differently), in `named_modules()` order; the
-    module paths in that order are passed to `differences` for messages. `optimizers` holds
-    what about each optimizer shapes the program (a learning rate does not: it is an input).
+    `module_modes` holds `training` of every module in the graph (train/eval changes the
+    program: batch norm and dropout behave differently), in `named_modules()` order; the module
+    paths in that order are passed to `differences` for messages. `structure` fingerprints the
+    modules, parameters and buffers (tvmgraph/guards.py). `optimizers` holds what about each
+    optimizer shapes the program (a learning rate does not: it is an input). `options` is the
+    `CompileOptions` snapshot (graph config and process-wide codegen settings).
     """
 
     args: TreeDef
     leaves: tuple[TensorSpec, ...]
     module_modes: tuple[bool, ...]
-    optimizers: tuple = ()  # what about each optimizer changes the program (training graphs)
+    optimizers: tuple = ()
+    structure: Any = None  # guards.ModuleStructure
+    options: Any = None  # config.CompileOptions
 
     def differences(self, other: Signature, arg_names: Sequence[str], module_paths: Sequence[str]) -> list[str]:
         """Human-readable list of what differs from `other` (an earlier signature)."""
@@ -142,17 +146,21 @@ class Signature:
                 if new != old:
                     diffs.append(f"argument '{path}' was {old.describe()} on {old.device}, "
                                  f"now {new.describe()} on {new.device}")
-        changed = [f"'{path}' {_mode(old)} -> {_mode(now)}"
-                   for path, old, now in zip(module_paths, other.module_modes, self.module_modes)
-                   if old != now]
-        if changed:
+        if self.structure != other.structure and self.structure is not None and other.structure is not None:
+            changes = self.structure.differences(other.structure)
+            more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+            diffs.append(f"model structure changed: {'; '.join(changes[:3])}{more}")
+        elif self.module_modes != other.module_modes:
+            changed = [f"'{path}' {_mode(old)} -> {_mode(now)}"
+                       for path, old, now in zip(module_paths, other.module_modes, self.module_modes)
+                       if old != now]
             more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             diffs.append(f"module mode changed: {', '.join(changed[:3])}{more}")
-        elif self.module_modes != other.module_modes:
-            diffs.append("the set of registered modules changed")
         if self.optimizers != other.optimizers:
             diffs.append("optimizer options that shape the program changed (momentum/nesterov/"
-                         "amsgrad/maximize/weight decay on-off, param groups, clipping)")
+                         "amsgrad/maximize/weight decay on-off, param groups, requires_grad, clipping)")
+        if self.options != other.options and self.options is not None and other.options is not None:
+            diffs.append(f"compile options changed: {', '.join(self.options.changes_from(other.options))}")
         return diffs
 
 

@@ -25,7 +25,7 @@ from . import codegen
 from . import lower as lowering
 from .debug import logger
 from .binding import TensorBinder
-from .config import GraphConfig, settings
+from .config import CompileOptions, GraphConfig, compile_options, settings
 from .errors import DeviceMismatchError, StaleGraphError
 from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
@@ -100,13 +100,13 @@ class LoweredGraph:
         """TVMScript of the Relax module."""
         return self.mod.script(show_meta=False)
 
-    def build(self, target: tvm.target.Target, config: GraphConfig, pipeline: str = "default",
+    def build(self, target: tvm.target.Target, config: CompileOptions | GraphConfig, pipeline: str = "default",
               report: Callable[[str], None] | None = None) -> tuple[tvm.IRModule, relax.VMExecutable]:
         """Run the pass pipeline for `target` and generate code; needs no device (cross-compiles)."""
         optimized = get_pipeline(target, config, pipeline, report)(self.mod)
         return optimized, codegen.build_executable(optimized, target)
 
-    def compile(self, device: torch.device, config: GraphConfig, modules: Mapping[str, torch.nn.Module],
+    def compile(self, device: torch.device, config: CompileOptions | GraphConfig, modules: Mapping[str, torch.nn.Module],
                 pipeline: str = "default", store: Callable[[relax.VMExecutable], Path] | None = None,
                 report: Callable[[str], None] | None = None) -> CompiledGraph:
         """Build for `device`'s target and load the program onto `device`, bound to `modules`.
@@ -114,7 +114,7 @@ class LoweredGraph:
         With `store` (the compiled cache's writer, returning the library's path) the program is
         exported as a shared library and loaded from there; without it, it runs from memory.
         """
-        target = target_for(device)
+        target = target_for(device, compile_options(config))
         optimized, executable = self.build(target, config, pipeline, report)
         lib = executable
         if store is not None:

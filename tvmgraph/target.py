@@ -7,7 +7,8 @@ import functools
 import torch
 import tvm
 
-from .config import settings
+from .config import CompileOptions, compile_options
+from .errors import UnsupportedDeviceError
 
 
 @functools.cache
@@ -16,14 +17,16 @@ def host_cpu() -> str:
     return tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()
 
 
-def target_for(device: torch.device) -> tvm.target.Target:
-    """The target that runs best on `device`: LLVM for the host CPU, or CUDA for its GPU."""
+def target_for(device: torch.device, options: CompileOptions | None = None) -> tvm.target.Target:
+    """The target that runs best on `device`: LLVM for the host CPU (at the options' LLVM
+    optimization level), or CUDA for its GPU."""
     if device.type == "cpu":
-        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "opt-level": settings.llvm_opt_level})
+        opt_level = compile_options(options).llvm_opt_level
+        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "opt-level": opt_level})
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"})
-    raise NotImplementedError(
+    raise UnsupportedDeviceError(
         f"tvmgraph compiles for CPU and CUDA devices; got inputs on {device}. "
         f"Move the inputs and the modules to 'cpu' or 'cuda'."
     )
@@ -35,4 +38,5 @@ def tvm_device(device: torch.device) -> tvm.runtime.Device:
         return tvm.cpu(0)
     if device.type == "cuda":
         return tvm.cuda(device.index if device.index is not None else torch.cuda.current_device())
-    raise NotImplementedError(f"no TVM device for torch device {device}")
+    raise UnsupportedDeviceError(f"tvmgraph runs on CPU and CUDA devices, not on {device}; move the "
+                                 f"inputs and modules with .to('cpu') or .to('cuda').")

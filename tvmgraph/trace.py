@@ -95,6 +95,13 @@ class _BuildRoot(torch.nn.Module):
                 f"build() may return only Tensors, lists or tuples of Tensors, and None. "
                 f"Convert the value to a tensor (torch.as_tensor) or return it outside the graph."
             ) from None
+        if not leaves and record.backward is None:
+            what = "None" if out is None else f"{type(out).__name__} with no tensor in it"
+            raise GraphOutputError(
+                f"{record.graph_name}: build() returned {what}; a graph must return at least one tensor "
+                f"(`return self.model(x)`; a training graph returns its loss). Check that build() ends "
+                f"with a return statement."
+            )
         if record.backward is not None:
             # The loss joins the outputs so that autodiff can find it in the lowered program.
             leaves = [*leaves, record.backward.loss]

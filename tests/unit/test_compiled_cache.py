@@ -53,7 +53,7 @@ def test_key_changes_with_what_changes_the_program(change: str) -> None:
 def test_key_parts_are_logged_for_explaining_misses(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger="tvmgraph.cache"):
         key_of(ModuleGraph(mlp()), torch.randn(2, 32))
-    for part in ("program", "constants", "signature", "training", "config", "target", "versions", "tvmgraph"):
+    for part in ("program", "constants", "signature", "training", "options", "target", "versions", "tvmgraph"):
         assert f"part {part}" in caplog.text
 
 

@@ -155,11 +155,12 @@ def test_inputs_on_different_devices() -> None:
         graph(torch.ones(1, 3), torch.ones(1, 3, device="meta"))
 
 
-def test_parameter_replaced_with_other_shape_is_a_stale_graph() -> None:
+def test_parameter_data_swapped_for_other_shape_is_a_stale_graph() -> None:
+    """`p.data = bigger` registers nothing (no guard sees it): the call refuses, never runs stale."""
     model = nn.Linear(3, 2)
     graph = ModuleGraph(model)
     graph(torch.ones(1, 3))
-    model.weight = nn.Parameter(torch.ones(2, 4))
+    model.weight.data = torch.ones(2, 4)
     with pytest.raises(errors.StaleGraphError, match=r"parameter 'model.weight' is now float32\[2, 4\] but the graph was compiled for float32\[2, 3\]"):
         graph(torch.ones(1, 3))
 

@@ -1,0 +1,230 @@
+"""Guards: a compiled program runs only while what it was compiled from still holds.
+
+Every change a user makes between calls (a replaced, added or removed module or parameter, a
+frozen layer, a config option, a process-wide codegen setting) either recompiles, with one INFO
+line naming the guard that failed, or raises a TvmGraphError; never the stale program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import tvmgraph
+from tvmgraph import artifact, errors
+from tvmgraph.config import CompileOptions, GraphConfig, Settings
+from tvmgraph.target import target_for
+from tests.conftest import ModuleGraph, TrainGraph, assert_close
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_replaced_submodule_recompiles_and_runs_the_new_weights(caplog: pytest.LogCaptureFixture) -> None:
+    """`model[2] = nn.Linear(...)` after the first call: the next call uses the new layer."""
+    model = mlp()
+    graph = ModuleGraph(model)
+    x = torch.randn(5, 4)
+    graph(x)
+    model[2] = nn.Linear(8, 6)
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        out = graph(x)
+    assert_close(out, model(x))
+    assert graph.num_compiled == 2
+    assert "guard failed: model structure changed: module 'model.2' was replaced (Linear -> Linear)" in caplog.text
+
+
+def test_removed_submodule_recompiles() -> None:
+    """`del model[1]` (torch has no hook for removal): the program without it runs."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    graph = ModuleGraph(model)
+    x = torch.randn(3, 4)
+    graph(x)
+    del model[1]
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 2
+
+
+def test_replaced_parameter_of_same_shape_is_read_live() -> None:
+    """A new Parameter object of the same shape is read at the next call (no stale weights)."""
+    model = nn.Linear(3, 2)
+    graph = ModuleGraph(model)
+    x = torch.randn(4, 3)
+    graph(x)
+    model.weight = nn.Parameter(torch.randn(2, 3))
+    assert_close(graph(x), model(x))
+
+
+def test_replaced_parameter_of_new_shape_recompiles() -> None:
+    """Both tensors of a layer replaced consistently with a new width: recompiled, eager's result."""
+    model = nn.Linear(3, 2)
+    graph = ModuleGraph(model)
+    x = torch.randn(4, 3)
+    graph(x)
+    model.weight = nn.Parameter(torch.randn(5, 3))
+    model.bias = nn.Parameter(torch.randn(5))
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 2
+
+
+def test_added_buffer_used_by_a_module_recompiles() -> None:
+    """A module whose forward reads an optional buffer: registering it later is seen."""
+
+    class Shift(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("shift", None)
+
+        def forward(self, x):
+            return x if self.shift is None else x + self.shift
+
+    model = Shift()
+    graph = ModuleGraph(model)
+    x = torch.randn(2, 3)
+    assert_close(graph(x), x)
+    model.register_buffer("shift", torch.full((3,), 2.0))
+    assert_close(graph(x), x + 2)
+
+
+def test_frozen_layer_is_not_updated_after_requires_grad_flip() -> None:
+    """`requires_grad_(False)` between steps freezes the layer, as in eager."""
+    torch.manual_seed(0)
+    eager_model = mlp()
+    graph_model = mlp()
+    graph_model.load_state_dict(eager_model.state_dict())
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
+    graph = TrainGraph(graph_model, nn.MSELoss(), torch.optim.SGD(graph_model.parameters(), lr=0.1, momentum=0.9))
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    for step in range(4):
+        if step == 2:
+            eager_model[0].requires_grad_(False)
+            graph_model[0].requires_grad_(False)
+            frozen = graph_model[0].weight.detach().clone()
+        eager_opt.zero_grad()
+        nn.MSELoss()(eager_model(x), y).backward()
+        eager_opt.step()
+        graph(x, y)
+    torch.testing.assert_close(graph_model[0].weight, frozen, rtol=0, atol=0)
+    for got, want in zip(graph_model.parameters(), eager_model.parameters()):
+        assert_close(got.detach(), want.detach())
+
+
+def test_config_change_after_first_call_recompiles(caplog: pytest.LogCaptureFixture) -> None:
+    """A changed option takes effect at the next call, and repr shows what runs."""
+    model = mlp()
+    graph = ModuleGraph(model)
+    x = torch.randn(5, 4)
+    graph(x)
+    graph.config.allow_fuse_add_to_output(False)
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        out = graph(x)
+    assert_close(out, model(x))
+    assert graph.num_compiled == 2
+    assert "compile options changed: fuse_add_to_output True -> False" in caplog.text
+    assert graph.compiled.traced.signature.options.fuse_add_to_output is False
+    assert "fuse_add_to_output=False" in repr(graph)
+
+
+def test_recompile_limit_ends_in_a_clear_error() -> None:
+    """Past the limit a call raises RecompileLimitError saying what changed and how to fix it."""
+    graph = ModuleGraph(nn.Linear(3, 2))
+    graph.config.set_recompile_limit(2)
+    graph(torch.randn(1, 3))
+    graph(torch.randn(2, 3))
+    with pytest.raises(errors.RecompileLimitError,
+                       match=r"recompile limit of 2.*argument 'args\[0\]' was float32\[2, 3\] on cpu, now float32\[3, 3\]"
+                             r".*set_recompile_limit"):
+        graph(torch.randn(3, 3))
+    graph(torch.randn(2, 3))  # entries already compiled keep working
+    assert isinstance(errors.RecompileLimitError("x"), RuntimeError)
+
+
+@pytest.mark.parametrize("mode, on", [("MemoryFirst", True), ("Disable", False), (True, True), (False, False)])
+def test_straighten_algorithm_takes_oneflow_modes(mode: object, on: bool) -> None:
+    """`enable_straighten_algorithm("Disable")` turns it off (it used to turn it on)."""
+    config = GraphConfig()
+    config.enable_straighten_algorithm(mode)
+    assert config.snapshot().straighten_algorithm is on
+
+
+def test_bad_option_values_list_the_valid_ones() -> None:
+    """Every setter takes only its documented values."""
+    config = GraphConfig()
+    with pytest.raises(errors.ConfigError, match=r"takes one of 'MemoryFirst', 'Disable' \(or True/False\), got 'memory'"):
+        config.enable_straighten_algorithm("memory")
+    with pytest.raises(errors.UnsupportedOptionError, match=r"enable_straighten_algorithm\('SpeedFirst'\) is not implemented"):
+        config.enable_straighten_algorithm("SpeedFirst")
+    for setter in ("allow_fuse_add_to_output", "allow_fuse_model_update_ops", "allow_fuse_cast_scale",
+                   "enable_compress_memory", "enable_recompute_attention", "enable_amp", "enable_zero"):
+        with pytest.raises(errors.ConfigError, match=rf"GraphConfig.{setter}\(mode\) takes True or False, got 'Disable'"):
+            getattr(config, setter)("Disable")
+    with pytest.raises(errors.ConfigError, match="set_recompile_limit"):
+        config.set_recompile_limit(0)
+    assert config.options() == GraphConfig().options()  # nothing changed by the refusals
+    assert isinstance(errors.ConfigError("x"), ValueError)
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("TVMGRAPH_LLVM_OPT_LEVEL", "abc", "set it to an integer from 0 to 3"),
+    ("TVMGRAPH_LLVM_OPT_LEVEL", "7", "set it to an integer from 0 to 3"),
+    ("TVMGRAPH_FAST_MATH", "off", "set it to 1 \\(on\\) or 0 \\(off\\)"),
+    ("TVMGRAPH_CPU_SCHEDULES", "yes", "set it to 1 \\(on\\) or 0 \\(off\\)"),
+    ("TVMGRAPH_COMPILE_CACHE", "2", "set it to 1 \\(on\\) or 0 \\(off\\)"),
+    ("TVMGRAPH_VM_ALLOCATOR", "fast", "set it to one of pooled, naive"),
+])
+def test_environment_variables_are_validated(monkeypatch: pytest.MonkeyPatch, variable: str, value: str,
+                                             expected: str) -> None:
+    """A bad TVMGRAPH_* value is a ConfigError naming the variable, never a bare int() error."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(errors.ConfigError, match=rf"environment variable {variable}={value!r}: {expected}"):
+        Settings()
+
+
+def test_unknown_tvmgraph_variable_is_reported(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A misspelt variable (TVMGRAPH_FASTMATH) would otherwise be silently ignored."""
+    monkeypatch.setenv("TVMGRAPH_FASTMATH", "0")
+    with caplog.at_level(logging.WARNING, logger="tvmgraph"):
+        Settings()
+    assert "unknown environment variable(s) TVMGRAPH_FASTMATH ignored" in caplog.text
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(CompileOptions)])
+def test_every_compile_option_is_part_of_the_cache_key(field: str) -> None:
+    """TVMGRAPH_FAST_MATH=0 with a warm cache loaded the old kernels: every option is now hashed."""
+    graph = ModuleGraph(nn.Linear(3, 2))
+    traced = graph.trace(torch.randn(2, 3))
+    base = CompileOptions()
+    value = getattr(base, field)
+    changed = dataclasses.replace(base, **{field: (not value) if isinstance(value, bool) else value + 1})
+    target = target_for(torch.device("cpu"))
+    assert (artifact.graph_key("G", traced, None, base, target, "default")
+            != artifact.graph_key("G", traced, None, changed, target, "default"))
+
+
+def test_snapshot_reads_the_process_settings() -> None:
+    """The snapshot carries the codegen settings the pipeline uses (not a second read of the env)."""
+    from tvmgraph.config import settings
+
+    snap = GraphConfig().snapshot()
+    assert (snap.fast_math, snap.cpu_schedules, snap.llvm_opt_level) == (
+        settings.fast_math, settings.cpu_schedules, settings.llvm_opt_level)
+
+
+def test_empty_build_is_a_graph_output_error() -> None:
+    """`def build(self, x): pass` used to end in a raw TVM ValueError."""
+
+    class Empty(tvmgraph.nn.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def build(self, x):
+            self.linear(x)
+
+    with pytest.raises(errors.GraphOutputError, match=r"build\(\) returned None; a graph must return at least one tensor"):
+        Empty()(torch.ones(1, 2))

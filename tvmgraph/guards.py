@@ -1,0 +1,156 @@
+"""Guards on the model's structure: a compiled program runs only while its modules still hold.
+
+A compiled entry reads the live tensors of the module objects it was traced with. Replacing a
+submodule (`model[2] = nn.Linear(...)`), adding or removing one, or registering a new parameter
+or buffer makes that program stale. `StructureGuard.current()` returns a `ModuleStructure`
+fingerprint of the graph's modules at the cost of one integer compare and one `len` per module
+per call:
+
+  * torch's global registration hooks bump a process-wide epoch whenever any module, parameter
+    or buffer is assigned (that covers replacement, which keeps every count the same);
+  * the number of children, parameters and buffers of every module is compared, which covers
+    removal (`del model[2]`, `del layer.bias`), for which torch has no hook.
+
+Only when one of them moved is the fingerprint walked again. A fingerprint names every module
+(path, class, identity) and every parameter and buffer (path, identity, shape, dtype), so equal
+fingerprints mean the compiled program still addresses the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+_epoch = 0
+_hooks_installed = False
+
+
+def _bump(*_args: object) -> None:
+    global _epoch
+    _epoch += 1
+    # None: the hook must not replace the value being registered.
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from torch.nn.modules import module as module_mod
+
+    module_mod.register_module_module_registration_hook(_bump)
+    module_mod.register_module_parameter_registration_hook(_bump)
+    module_mod.register_module_buffer_registration_hook(_bump)
+    _hooks_installed = True
+
+
+class ModuleStructure:
+    """A hashable fingerprint of a graph's modules; equal fingerprints address equal tensors."""
+
+    __slots__ = ("entries", "_hash")
+
+    def __init__(self, entries: tuple):
+        self.entries = entries  # ((path, class, id, params, buffers), ...)
+        self._hash = hash(entries)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, ModuleStructure) and self._hash == other._hash
+                                 and self.entries == other.entries)
+
+    def differences(self, old: ModuleStructure) -> list[str]:
+        """What changed since `old`, in words: modules and tensors added, removed or replaced."""
+        if self == old:
+            return []
+        before = {e[0]: e for e in old.entries}
+        now = {e[0]: e for e in self.entries}
+        diffs = [f"module '{p}' ({now[p][1]}) was added" for p in now if p not in before]
+        diffs += [f"module '{p}' ({before[p][1]}) was removed" for p in before if p not in now]
+        for path in now.keys() & before.keys():
+            new, old_entry = now[path], before[path]
+            if new[2] != old_entry[2]:
+                diffs.append(f"module '{path}' was replaced ({old_entry[1]} -> {new[1]})")
+                continue
+            for kind, i in (("parameter", 3), ("buffer", 4)):
+                diffs += _tensor_changes(kind, path, old_entry[i], new[i])
+        return sorted(diffs) or ["the modules changed"]
+
+
+def _tensor_changes(kind: str, owner: str, old: tuple, new: tuple) -> list[str]:
+    before = {t[0]: t for t in old}
+    now = {t[0]: t for t in new}
+    where = (lambda n: f"{owner}.{n}" if owner else n)
+    diffs = [f"{kind} '{where(n)}' was added" for n in now if n not in before]
+    diffs += [f"{kind} '{where(n)}' was removed" for n in before if n not in now]
+    for name in now.keys() & before.keys():
+        if now[name] != before[name]:
+            (_, _, shape0, dtype0), (_, _, shape1, dtype1) = before[name], now[name]
+            detail = f" ({dtype0}{list(shape0)} -> {dtype1}{list(shape1)})" if (shape0, dtype0) != (shape1, dtype1) else ""
+            diffs.append(f"{kind} '{where(name)}' was replaced{detail}")
+    return diffs
+
+
+def _tensor_entry(name: str, t: torch.Tensor) -> tuple:
+    return (name, id(t), tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def fingerprint(named_modules: list[tuple[str, torch.nn.Module]]) -> ModuleStructure:
+    """The structure of `named_modules` (paths in the graph, module objects), walked now."""
+    entries = []
+    for path, m in named_modules:
+        params = tuple(_tensor_entry(n, p) for n, p in m._parameters.items() if p is not None)
+        buffers = tuple(_tensor_entry(n, b) for n, b in m._buffers.items() if b is not None)
+        entries.append((path, type(m).__qualname__, id(m), params, buffers))
+    return ModuleStructure(tuple(entries))
+
+
+class StructureGuard:
+    """Per graph: the current `ModuleStructure` and module list, re-walked only when they moved."""
+
+    __slots__ = ("_walk", "_epoch", "_counts", "_modules", "_named", "structure")
+
+    def __init__(self, walk: Callable[[], list[tuple[str, torch.nn.Module]]]):
+        _install_hooks()
+        self._walk = walk
+        self._epoch = -1
+        self._counts: tuple[int, ...] = ()
+        self._modules: list[torch.nn.Module] = []
+        self._named: list[tuple[str, torch.nn.Module]] = []
+        self.structure: ModuleStructure | None = None
+
+    def invalidate(self) -> None:
+        """The graph's own module attributes changed (its setattr/delattr)."""
+        self._epoch = -1
+
+    def _counts_now(self) -> tuple[int, ...]:
+        return tuple(len(m._modules) + len(m._parameters) + len(m._buffers) for m in self._modules)
+
+    def current(self) -> ModuleStructure:
+        """The structure now; cheap when nothing was registered or removed since the last call."""
+        if self._epoch != _epoch or self._counts_now() != self._counts:
+            self._epoch = _epoch
+            self._named = self._walk()
+            self._modules = [m for _, m in self._named]
+            self._counts = self._counts_now()
+            new = fingerprint(self._named)
+            if new != self.structure:
+                self.structure = new
+        assert self.structure is not None
+        return self.structure
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """Every module in the graph, in `named_modules()` order, as of the last `current()`."""
+        return self._modules
+
+    @property
+    def paths(self) -> list[str]:
+        return [p for p, _ in self._named]
+
+
+def modules_of(modules: Mapping[str, torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
+    """`(path in the graph, module)` for every registered module and its submodules."""
+    return [(f"{name}.{sub}" if sub else name, m)
+            for name, top in modules.items() for sub, m in top.named_modules()]
