@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import inspect
 import itertools
+import operator
 from typing import Any
 
 import torch
@@ -368,7 +369,7 @@ class Graph:
     def _signature(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> Signature:
         """The guards of this call: a compiled entry runs only for an equal signature."""
         structure = st.guard.current()
-        modes = tuple(m.training for m in st.guard.modules)
+        modes = tuple(map(_TRAINING, st.guard.modules))
         training = tuple(_optimizer_structure(o) for o, _ in st.optimizers)
         return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training, structure,
                          st.config.snapshot())
@@ -419,9 +420,13 @@ class Graph:
         return compiled
 
 
+_TRAINING = operator.attrgetter("training")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 def _optimizer_structure(optimizer: torch.optim.Optimizer) -> tuple:
     """What about an optimizer changes the compiled program (cheap enough for every call)."""
     rule = rule_for(optimizer, "")
-    return tuple((rule.structure(g), tuple(map(id, g["params"])), tuple(p.requires_grad for p in g["params"]),
+    return tuple((rule.structure(g), tuple(map(id, g["params"])), tuple(map(_REQUIRES_GRAD, g["params"])),
                   g.get(CLIP_MAX_NORM), g.get(CLIP_NORM_TYPE))
                  for g in optimizer.param_groups)

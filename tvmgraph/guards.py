@@ -109,13 +109,14 @@ def fingerprint(named_modules: list[tuple[str, torch.nn.Module]]) -> ModuleStruc
 class StructureGuard:
     """Per graph: the current `ModuleStructure` and module list, re-walked only when they moved."""
 
-    __slots__ = ("_walk", "_epoch", "_counts", "_modules", "_named", "structure")
+    __slots__ = ("_walk", "_epoch", "_count", "_tables", "_modules", "_named", "structure")
 
     def __init__(self, walk: Callable[[], list[tuple[str, torch.nn.Module]]]):
         _install_hooks()
         self._walk = walk
         self._epoch = -1
-        self._counts: tuple[int, ...] = ()
+        self._count = 0
+        self._tables: list[dict] = []  # every module's _modules, _parameters and _buffers
         self._modules: list[torch.nn.Module] = []
         self._named: list[tuple[str, torch.nn.Module]] = []
         self.structure: ModuleStructure | None = None
@@ -124,16 +125,17 @@ class StructureGuard:
         """The graph's own module attributes changed (its setattr/delattr)."""
         self._epoch = -1
 
-    def _counts_now(self) -> tuple[int, ...]:
-        return tuple(len(m._modules) + len(m._parameters) + len(m._buffers) for m in self._modules)
-
     def current(self) -> ModuleStructure:
-        """The structure now; cheap when nothing was registered or removed since the last call."""
-        if self._epoch != _epoch or self._counts_now() != self._counts:
+        """The structure now; cheap when nothing was registered or removed since the last call.
+
+        One total of entries suffices for removals: an addition that could hide one in the
+        total bumps the epoch."""
+        if self._epoch != _epoch or sum(map(len, self._tables)) != self._count:
             self._epoch = _epoch
             self._named = self._walk()
             self._modules = [m for _, m in self._named]
-            self._counts = self._counts_now()
+            self._tables = [t for m in self._modules for t in (m._modules, m._parameters, m._buffers)]
+            self._count = sum(map(len, self._tables))
             new = fingerprint(self._named)
             if new != self.structure:
                 self.structure = new
