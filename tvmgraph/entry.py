@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ from . import artifact, codegen
 from . import lower as lowering
 from .config import CompileOptions
 from .debug import GraphLog
-from .errors import BackwardError, CompileError, OptimizerError, TvmGraphError
+from .errors import BackwardError, CompileError, OptimizerError, TvmGraphError, UnsupportedOpError
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .target import target_for
 from .training.plan import TrainingPlan
@@ -65,6 +66,15 @@ def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | 
     except TvmGraphError:
         raise
     except Exception as e:  # TVM raises its own InternalError/TVMError/ValueError types
+        missing = _NO_GRADIENT.findall(str(e))
+        if missing:
+            ops = ", ".join(sorted(set(missing)))
+            raise UnsupportedOpError(
+                f"{traced.graph_name}: build() needs the gradient of {ops}, which tvmgraph cannot compute "
+                f"yet (docs/gradients.md lists what is covered). Rewrite that part with ops that have "
+                f"gradients, freeze the parameters that feed it (requires_grad_(False)), or run it "
+                f"outside the graph."
+            ) from None
         raise CompileError(
             f"{traced.graph_name}: compiling build() failed inside TVM ({type(e).__name__}: "
             f"{_first_lines(str(e))}). This is a tvmgraph bug: please report it with the model. To work "
@@ -72,6 +82,9 @@ def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | 
             f"(False), allow_fuse_model_update_ops(False), enable_compress_memory(False)), or run the "
             f"failing module eagerly outside the graph; graph.debug(1) shows the stages."
         ) from e
+
+
+_NO_GRADIENT = re.compile(r"FPrimalGradient has not been registered for (relax\.[\w.]+)")
 
 
 def _first_lines(text: str, count: int = 3) -> str:

@@ -105,7 +105,7 @@ def test_bad_clip_settings() -> None:
 
 
 def test_set_grad_scaler_is_not_built_yet() -> None:
-    with pytest.raises(NotImplementedError, match=r"set_grad_scaler\(\) is not implemented"):
+    with pytest.raises(errors.UnsupportedOptionError, match=r"set_grad_scaler\(\) is not implemented"):
         Train().set_grad_scaler(None)
 
 
@@ -113,11 +113,40 @@ def test_load_state_dict_of_another_graph() -> None:
     graph = Train()
     state = graph.state_dict()
     state["optimizers"].append({})
-    with pytest.raises(ValueError, match="state_dict does not fit this graph"):
+    with pytest.raises(errors.StateDictError, match="state_dict does not fit this graph"):
         graph.load_state_dict(state)
+    with pytest.raises(errors.StateDictError, match=r"takes what .*state_dict\(\) returned"):
+        graph.load_state_dict({"weight": torch.ones(1)})
 
 
 def test_training_property_and_config() -> None:
     assert Train().training is True
     assert repr(Train().config) == "GraphConfig(training=True, )"
     assert Train(optimizer=False).training is False
+
+
+def test_missing_gradient_is_an_unsupported_op_naming_it() -> None:
+    """A Relax op without a registered gradient: UnsupportedOpError naming it, not a raw TVM error.
+    (cumprod has no gradient today; when it gets one, pick another op without.)"""
+
+    class CumProd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return torch.cumprod(self.w * x, dim=1).sum()
+
+    class Graph(tvmgraph.nn.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = CumProd()
+            self.add_optimizer(torch.optim.SGD(self.m.parameters(), lr=0.1))
+
+        def build(self, x):
+            loss = self.m(x)
+            loss.backward()
+            return loss
+
+    with pytest.raises(errors.UnsupportedOpError, match=r"needs the gradient of relax.cumprod"):
+        Graph()(torch.randn(4, 3))
