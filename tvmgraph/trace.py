@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -164,7 +165,11 @@ def trace_build(
             handles.append(module.register_forward_hook(_io_recorder(module_io, path), with_kwargs=True))
     _state.graph_name = graph_name
     try:
-        exported = torch.export.export(root, tuple(flat_inputs), strict=False)
+        with warnings.catch_warnings():
+            # nn.RNN/LSTM/GRU refresh their `_flat_weights` list (views of their registered
+            # parameters) on every forward; export warns about it although nothing is lost.
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights", category=UserWarning)
+            exported = torch.export.export(root, tuple(flat_inputs), strict=False)
     except TvmGraphError:
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
