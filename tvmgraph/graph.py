@@ -368,7 +368,7 @@ class Graph:
 
     def _signature(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> Signature:
         """The guards of this call: a compiled entry runs only for an equal signature."""
-        structure = st.guard.current()
+        structure = st.guard.current(identities=bool(st.optimizers))
         modes = tuple(map(_TRAINING, st.guard.modules))
         training = tuple(_optimizer_structure(o) for o, _ in st.optimizers)
         return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training, structure,
@@ -416,7 +416,7 @@ class Graph:
         compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, options, st.modules,
                                          st.log, self.build)
         st.entries[signature] = compiled
-        st.guard.current()  # tracing registers modules of its own: absorb that epoch change now
+        st.guard.current(bool(st.optimizers))  # tracing registers modules: absorb that epoch change now
         return compiled
 
 

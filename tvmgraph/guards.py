@@ -12,8 +12,11 @@ per call:
     removal (`del model[2]`, `del layer.bias`), for which torch has no hook.
 
 Only when one of them moved is the fingerprint walked again. A fingerprint names every module
-(path, class, identity) and every parameter and buffer (path, identity, shape, dtype), so equal
-fingerprints mean the compiled program still addresses the same tensors.
+(path, class, identity) and every parameter and buffer (path, shape, dtype), so equal
+fingerprints mean the compiled program still addresses tensors that fit it. A parameter replaced
+by another of the same shape is read live by an inference program (no recompile); a training
+graph's fingerprint also holds the parameters' identities, since its optimizers name them by
+identity.
 """
 
 from __future__ import annotations
@@ -92,16 +95,17 @@ def _tensor_changes(kind: str, owner: str, old: tuple, new: tuple) -> list[str]:
     return diffs
 
 
-def _tensor_entry(name: str, t: torch.Tensor) -> tuple:
-    return (name, id(t), tuple(t.shape), str(t.dtype).removeprefix("torch."))
+def _tensor_entry(name: str, t: torch.Tensor, identity: bool) -> tuple:
+    return (name, id(t) if identity else 0, tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
-def fingerprint(named_modules: list[tuple[str, torch.nn.Module]]) -> ModuleStructure:
-    """The structure of `named_modules` (paths in the graph, module objects), walked now."""
+def fingerprint(named_modules: list[tuple[str, torch.nn.Module]], identities: bool = False) -> ModuleStructure:
+    """The structure of `named_modules` (paths in the graph, module objects), walked now;
+    with `identities`, which parameter objects they hold too."""
     entries = []
     for path, m in named_modules:
-        params = tuple(_tensor_entry(n, p) for n, p in m._parameters.items() if p is not None)
-        buffers = tuple(_tensor_entry(n, b) for n, b in m._buffers.items() if b is not None)
+        params = tuple(_tensor_entry(n, p, identities) for n, p in m._parameters.items() if p is not None)
+        buffers = tuple(_tensor_entry(n, b, False) for n, b in m._buffers.items() if b is not None)
         entries.append((path, type(m).__qualname__, id(m), params, buffers))
     return ModuleStructure(tuple(entries))
 
@@ -109,7 +113,7 @@ def fingerprint(named_modules: list[tuple[str, torch.nn.Module]]) -> ModuleStruc
 class StructureGuard:
     """Per graph: the current `ModuleStructure` and module list, re-walked only when they moved."""
 
-    __slots__ = ("_walk", "_epoch", "_count", "_tables", "_modules", "_named", "structure")
+    __slots__ = ("_walk", "_epoch", "_count", "_tables", "_modules", "_named", "_identities", "structure")
 
     def __init__(self, walk: Callable[[], list[tuple[str, torch.nn.Module]]]):
         _install_hooks()
@@ -119,24 +123,28 @@ class StructureGuard:
         self._tables: list[dict] = []  # every module's _modules, _parameters and _buffers
         self._modules: list[torch.nn.Module] = []
         self._named: list[tuple[str, torch.nn.Module]] = []
+        self._identities = False
         self.structure: ModuleStructure | None = None
 
     def invalidate(self) -> None:
         """The graph's own module attributes changed (its setattr/delattr)."""
         self._epoch = -1
 
-    def current(self) -> ModuleStructure:
-        """The structure now; cheap when nothing was registered or removed since the last call.
+    def current(self, identities: bool = False) -> ModuleStructure:
+        """The structure now (with parameter identities for a training graph); cheap when
+        nothing was registered or removed since the last call.
 
         One total of entries suffices for removals: an addition that could hide one in the
         total bumps the epoch."""
-        if self._epoch != _epoch or sum(map(len, self._tables)) != self._count:
+        if (self._epoch != _epoch or sum(map(len, self._tables)) != self._count
+                or identities is not self._identities):
             self._epoch = _epoch
+            self._identities = identities
             self._named = self._walk()
             self._modules = [m for _, m in self._named]
             self._tables = [t for m in self._modules for t in (m._modules, m._parameters, m._buffers)]
             self._count = sum(map(len, self._tables))
-            new = fingerprint(self._named)
+            new = fingerprint(self._named, identities)
             if new != self.structure:
                 self.structure = new
         assert self.structure is not None

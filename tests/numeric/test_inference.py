@@ -132,7 +132,8 @@ def test_new_batch_size_compiles_new_entry_and_logs_it(caplog: pytest.LogCapture
     assert_close(graph(small), model(small).detach())
     with caplog.at_level(logging.WARNING, logger="tvmgraph"):
         graph(torch.randn(7, 32))
-    assert caplog.text == ""  # quiet by default: a recompile is INFO, not a warning
+    # quiet by default: a recompile is INFO, not a warning
+    assert not [r for r in caplog.records if r.name.startswith("tvmgraph")]
     with caplog.at_level(logging.INFO, logger="tvmgraph"):
         out = graph(big)
     assert_close(out, model(big).detach())

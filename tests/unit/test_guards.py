@@ -58,6 +58,20 @@ def test_replaced_parameter_of_same_shape_is_read_live() -> None:
     graph(x)
     model.weight = nn.Parameter(torch.randn(2, 3))
     assert_close(graph(x), model(x))
+    assert graph.num_compiled == 1
+
+
+def test_replaced_parameter_in_training_is_refused_by_name() -> None:
+    """A training graph whose layer gets a new Parameter object that its optimizer does not hold:
+    the next call recompiles and refuses the orphaned optimizer parameter with an OptimizerError,
+    never updating the old object behind the model's back."""
+    model = nn.Linear(3, 2)
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    graph(x, y)
+    model.weight = nn.Parameter(torch.randn(2, 3))
+    with pytest.raises(errors.OptimizerError, match=r"parameter #0 \(2, 3\) belongs to no module of the graph"):
+        graph(x, y)
 
 
 def test_replaced_parameter_of_new_shape_recompiles() -> None:
