@@ -47,8 +47,8 @@ class DeviceMismatchError(TvmGraphError, RuntimeError):
 
 
 class StaleGraphError(TvmGraphError, RuntimeError):
-    """The compiled program no longer fits the graph: a parameter or buffer changed shape or dtype
-    without being re-registered, or a tensor it reads is gone."""
+    """A tensor no longer fits the compiled program, and looking at the model again found no
+    change to compile for (a tvmgraph bug)."""
 
 
 class TraceError(TvmGraphError, RuntimeError):

@@ -37,6 +37,7 @@ from .errors import (
     NestedGraphError,
     OptimizerError,
     RecompileLimitError,
+    StaleGraphError,
     StateDictError,
     TvmGraphError,
     UnsupportedOptionError,
@@ -275,25 +276,44 @@ class Graph:
         st = self._state("calling the graph")
         self._check_callable(st, args, kwargs)
         flat, args_tree = self._flatten_args(st, args)
-        signature = self._signature(st, args_tree, flat)
-        entry = st.entries.get(signature)
-        if entry is None:
-            entry = self._compile(st, signature, args_tree, flat)
+        entry = self._entry_for(st, args_tree, flat)
         st.last = entry
-        flat = [t if t.is_contiguous() else t.contiguous() for t in flat]
+        inputs = [t if t.is_contiguous() else t.contiguous() for t in flat]
         try:
-            outputs, _loss = entry.run(flat)
-        except TvmGraphError:
-            raise
-        except Exception as e:  # the VM raises plain TVM errors
-            raise ExecutionError(f"{st.name}: the compiled program failed while running: {type(e).__name__}: "
-                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}") from e
+            outputs = self._run(st, entry, inputs)
+        except StaleGraphError:
+            # A tensor changed shape or dtype with no registration for the guard to see
+            # (`model.double()`, `p.data = ...`); the program refused it at its entry, before
+            # touching anything. Look at the model again: if it moved, compile for it and rerun.
+            st.guard.invalidate()
+            retry = self._entry_for(st, args_tree, flat)
+            if retry is entry:
+                raise
+            entry = st.last = retry
+            outputs = self._run(st, entry, inputs)
         if entry.training is not None:
             st.step += 1
             for _, scheduler in st.optimizers:
                 if scheduler is not None:
                     scheduler.step()
         return entry.traced.out_tree.unflatten(outputs)
+
+    def _entry_for(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> CompiledGraph:
+        """The compiled entry whose guards this call meets, compiled now if there is none."""
+        signature = self._signature(st, args_tree, flat)
+        entry = st.entries.get(signature)
+        return entry if entry is not None else self._compile(st, signature, args_tree, flat)
+
+    @staticmethod
+    def _run(st: _GraphState, entry: CompiledGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            return entry.run(inputs)[0]
+        except TvmGraphError:
+            raise
+        except Exception as e:  # the VM raises plain TVM errors
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            raise ExecutionError(f"{st.name}: the compiled program failed while running: "
+                                 f"{type(e).__name__}: {reason}") from e
 
     def trace(self, *args: Any) -> TracedGraph:
         """Stage 1 alone: trace `build(*args)` without lowering or compiling it."""

@@ -155,14 +155,20 @@ def test_inputs_on_different_devices() -> None:
         graph(torch.ones(1, 3), torch.ones(1, 3, device="meta"))
 
 
-def test_parameter_data_swapped_for_other_shape_is_a_stale_graph() -> None:
-    """`p.data = bigger` registers nothing (no guard sees it): the call refuses, never runs stale."""
+def test_parameter_data_swapped_for_other_shape_recompiles() -> None:
+    """`p.data = bigger` registers nothing; the program refuses it at its entry, and the call
+    looks at the model again and compiles for it (eager's result), never running stale."""
     model = nn.Linear(3, 2)
     graph = ModuleGraph(model)
-    graph(torch.ones(1, 3))
-    model.weight.data = torch.ones(2, 4)
-    with pytest.raises(errors.StaleGraphError, match=r"parameter 'model.weight' is now float32\[2, 4\] but the graph was compiled for float32\[2, 3\]"):
-        graph(torch.ones(1, 3))
+    x = torch.ones(1, 3)
+    graph(x)
+    model.weight.data = torch.randn(5, 3)
+    model.bias.data = torch.randn(5)
+    torch.testing.assert_close(graph(x), model(x).detach())
+    assert graph.num_compiled == 2
+    model.double()  # .to(dtype) swaps .data too
+    torch.testing.assert_close(graph(x.double()), model(x.double()).detach())
+    assert graph.num_compiled == 3
 
 
 def test_every_error_class_has_a_docs_section() -> None:
