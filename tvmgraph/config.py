@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import ConfigError
+
 
 def _not_yet(option: str, issue: str) -> NotImplementedError:
     return NotImplementedError(
@@ -153,6 +155,21 @@ class GraphConfig:
         return f"GraphConfig(training={self.training}, {changed})"
 
 
+def _env_bytes(name: str, default: int) -> int:
+    """A size in bytes from the environment variable `name`: a non-negative integer."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        size = int(value.strip())
+    except ValueError:
+        size = -1
+    if size < 0:
+        raise ConfigError(f"environment variable {name}={value!r} is not a size in bytes; set it to a "
+                          f"non-negative integer (e.g. {name}={default}) or unset it for the default")
+    return size
+
+
 @dataclass(frozen=True)
 class Settings:
     """Process-wide settings, read once from the environment."""
@@ -175,6 +192,8 @@ class Settings:
     llvm_opt_level: int = field(default_factory=lambda: int(os.environ.get("TVMGRAPH_LLVM_OPT_LEVEL", "1")))
     # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
     compile_cache: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_COMPILE_CACHE", "1") != "0")
+    # Size limit of the compiled cache in bytes (default 2 GiB); least recently used entries go first.
+    cache_max_bytes: int = field(default_factory=lambda: _env_bytes("TVMGRAPH_CACHE_MAX_BYTES", 2 << 30))
 
 
 settings = Settings()

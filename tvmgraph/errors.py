@@ -64,3 +64,7 @@ class BackwardError(TvmGraphError, RuntimeError):
 
 class OptimizerError(TvmGraphError, TypeError):
     """An optimizer, its options or its lr scheduler cannot be lowered into the graph."""
+
+
+class ConfigError(TvmGraphError, ValueError):
+    """A tvmgraph setting read from the environment has a value it cannot use."""
