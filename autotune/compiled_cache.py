@@ -155,7 +155,7 @@ class CompiledCache:
             raise CorruptEntryError(f"{ENTRY} is unreadable ({e})") from None
         if not isinstance(doc, dict):
             raise CorruptEntryError(f"{ENTRY} is not a JSON object")
-        if doc.get("format") != FORMAT:
+        if type(doc.get("format")) is not int or doc["format"] != FORMAT:
             raise UnknownFormatError(f"format {doc.get('format')!r} is not the format this tvmgraph "
                                      f"reads ({FORMAT})")
         if doc.get("sha256") != _document_digest(doc):

@@ -338,7 +338,7 @@ def test_a_tampered_entry_is_removed_before_its_library_loads(damage: str, tmp_p
     assert cache.load(KEY) is not None
 
 
-@pytest.mark.parametrize("version", [FORMAT + 1, None, "1"])
+@pytest.mark.parametrize("version", [FORMAT + 1, None, "1", True])
 def test_an_unknown_format_version_is_a_miss(version: object, tmp_path: Path, loaded: list[str]) -> None:
     """An entry of another format version (a newer tvmgraph's, say) is a miss and is replaced,
     not a crash."""
