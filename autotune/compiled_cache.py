@@ -1,13 +1,23 @@
-"""A persistent cache of compiled graphs: one directory per key, written atomically.
+"""A persistent cache of compiled graphs: one directory per key, checked before it is trusted.
 
+    <root>/<key>/entry.json    format version, key, every other file with its sha256 and size,
+                               the caller's metadata (JSON), and the sha256 of all of that
     <root>/<key>/lib-<id>.so   the compiled program (VM executable exported as a shared library)
-    <root>/<key>/meta.pt       what the runtime needs besides code (torch.save of a dict),
-                               plus the library's file name and sha256
+    <root>/<key>/<data files>  what the caller's codec stores as raw bytes (constant tensors)
 
-An entry is first written into a temporary directory beside the final one and renamed into
-place, so a crash never leaves a half-written entry under a real key. On load the library's
-checksum is verified; an entry that fails to read, verify or load is reported, removed and
-treated as a miss (the caller rebuilds it): a corrupt cache is never trusted.
+Nothing in an entry is a pickle: reading an entry parses JSON and raw bytes, and the library is
+loaded (native code runs) only after every file matched its recorded sha256. The checksums catch
+corruption and partial copies; they do not authenticate a writer: whoever can write into the
+cache directory can write a library and its checksums, so keep the directory private
+(it is created 0700).
+
+An entry is written into a temporary directory beside the final one and renamed into place, so
+a crash (even SIGKILL) never leaves a half-written entry under a real key; temporary directories
+left by killed processes are swept after an hour. An entry that fails to read, verify or load is
+reported once, removed and treated as a miss (the caller rebuilds it); an entry of an unknown
+format version is a miss as well. After each store, least recently used entries are evicted
+until the cache fits in `max_bytes` (the entry just stored always stays); a hit marks an entry
+used by touching its entry.json.
 
 Each library gets a file name of its own (`lib-<id>.so`): the dynamic loader reuses an already
 loaded library by path, so a rebuilt entry must not reuse the old name.
@@ -16,30 +26,56 @@ loaded library by path, so a rebuilt entry must not reuse the old name.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 logger = logging.getLogger("tvmgraph.cache")
 
-META = "meta.pt"
+FORMAT = 1  # bump when entry.json changes meaning; other versions are misses
+ENTRY = "entry.json"
+STALE_TEMP_SECONDS = 3600
+_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # no paths, no hidden files
+
+# meta -> (JSON-able document, data files by name) and back; the data files come back verified.
+Encode = Callable[[Any], tuple[Any, Mapping[str, bytes]]]
+Decode = Callable[[Any, Mapping[str, bytes]], Any]
+
+
+class CorruptEntryError(ValueError):
+    """An entry that cannot be trusted (internal: it is removed and rebuilt, never raised to users)."""
+
+
+class UnknownFormatError(CorruptEntryError):
+    """An entry written in a format version this code does not read."""
 
 
 @dataclass
 class Entry:
-    """A loaded cache entry: the runtime module and its metadata."""
+    """A loaded cache entry: the runtime module and its decoded metadata."""
 
     lib: Any  # tvm.runtime.Module
-    meta: dict[str, Any]
+    meta: Any
     lib_path: Path
+
+
+@dataclass
+class EntryInfo:
+    """One entry as `tvmgraph cache list` shows it (read without verifying it)."""
+
+    key: str
+    path: Path
+    size: int
+    last_used: float  # seconds since the epoch
 
 
 def _sha256(path: Path) -> str:
@@ -50,50 +86,225 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-class CompiledCache:
-    """Compiled graphs on disk under `root`, keyed by `autotune.cache_key.cache_key`."""
+def _document_digest(doc: Mapping[str, Any]) -> str:
+    """sha256 of the document without its own "sha256" field, in a canonical JSON form."""
+    body = {k: v for k, v in doc.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    def __init__(self, root: Path):
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class CompiledCache:
+    """Compiled graphs on disk under `root`, keyed by `autotune.cache_key.cache_key`.
+
+    `encode`/`decode` turn the caller's metadata into a JSON document plus raw data files and
+    back (default: the metadata is JSON already). `max_bytes=None` never evicts.
+    """
+
+    def __init__(self, root: Path, max_bytes: int | None = None, encode: Encode | None = None,
+                 decode: Decode | None = None):
         self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.encode: Encode = encode or (lambda meta: (meta, {}))
+        self.decode: Decode = decode or (lambda doc, files: doc)
+
+    # ---- reading ----
 
     def load(self, key: str) -> Entry | None:
-        """The entry for `key`, or None on a miss or a corrupt entry (which is removed)."""
+        """The entry for `key`, or None on a miss or an untrusted entry (which is removed)."""
         import tvm
 
         path = self.root / key
         if not path.is_dir():
             return None
         try:
-            meta = torch.load(path / META, weights_only=False)
-            lib_path = path / meta["lib_name"]
-            if _sha256(lib_path) != meta["lib_sha256"]:
-                raise ValueError(f"{lib_path.name} does not match its recorded checksum")
-            lib = tvm.runtime.load_module(str(lib_path))
+            doc, data = self._verify(path, key)
+            meta = self.decode(doc["meta"], data)
+            lib_path = path / doc["library"]
+            lib = tvm.runtime.load_module(str(lib_path))  # only now does native code run
+        except UnknownFormatError as e:
+            logger.info("compiled cache entry %s: %s; rebuilding it", path, e)
+            self._discard(path)
+            return None
         except Exception as e:  # anything unreadable means the entry cannot be trusted
             logger.warning("compiled cache entry %s is corrupt (%s: %s); removing it and rebuilding",
                            path, type(e).__name__, e)
-            shutil.rmtree(path, ignore_errors=True)
+            self._discard(path)
             return None
+        try:
+            os.utime(path / ENTRY)  # last use, for eviction
+        except OSError:  # evicted by another process meanwhile; the library is loaded already
+            pass
         logger.debug("compiled cache hit: %s", path)
-        return Entry(lib, meta, path / meta["lib_name"])
+        return Entry(lib, meta, lib_path)
 
-    def store(self, key: str, executable: Any, meta: dict[str, Any],
+    def _verify(self, path: Path, key: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """The entry's document and its data files, after checking every file against it."""
+        try:
+            doc = json.loads((path / ENTRY).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptEntryError(f"{ENTRY} is unreadable ({e})") from None
+        if not isinstance(doc, dict):
+            raise CorruptEntryError(f"{ENTRY} is not a JSON object")
+        if type(doc.get("format")) is not int or doc["format"] != FORMAT:
+            raise UnknownFormatError(f"format {doc.get('format')!r} is not the format this tvmgraph "
+                                     f"reads ({FORMAT})")
+        if doc.get("sha256") != _document_digest(doc):
+            raise CorruptEntryError(f"{ENTRY} does not match its recorded checksum")
+        if doc.get("key") != key:
+            raise CorruptEntryError(f"{ENTRY} was written for key {doc.get('key')!r}")
+        files, library = doc.get("files"), doc.get("library")
+        if not isinstance(files, dict) or library not in files:
+            raise CorruptEntryError(f"{ENTRY} does not list the library")
+        data = {}
+        for name, info in files.items():
+            if not _FILE_NAME.fullmatch(name) or name == ENTRY or not isinstance(info, dict):
+                raise CorruptEntryError(f"{ENTRY} lists a file named {name!r}")
+            try:
+                blob = (path / name).read_bytes() if name != library else None
+                digest = hashlib.sha256(blob).hexdigest() if blob is not None else _sha256(path / name)
+            except OSError as e:
+                raise CorruptEntryError(f"{name} is unreadable ({e})") from None
+            if digest != info.get("sha256"):
+                raise CorruptEntryError(f"{name} does not match its recorded checksum")
+            if blob is not None:
+                data[name] = blob
+        return doc, data
+
+    def entries(self) -> list[EntryInfo]:
+        """Every entry (not temporary directories), most recently used first."""
+        if not self.root.is_dir():
+            return []
+        infos = []
+        for path in self.root.iterdir():
+            if path.name.startswith(".") or not path.is_dir():
+                continue
+            try:
+                marker = path / ENTRY
+                used = (marker if marker.exists() else path).stat().st_mtime
+                infos.append(EntryInfo(path.name, path, _tree_size(path), used))
+            except OSError:  # removed meanwhile
+                continue
+        return sorted(infos, key=lambda e: e.last_used, reverse=True)
+
+    # ---- writing ----
+
+    def store(self, key: str, executable: Any, meta: Any,
               export: Callable[[Any, str], None] | None = None) -> Path:
         """Export `executable` (with `export(executable, path)`, default its own
-        `export_library`) and write `meta` as the entry for `key`; returns the library's path."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        `export_library`) and write `meta` as the entry for `key`; returns the library's path
+        (another process's, verified, when it stored the same key first)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.sweep()
         final = self.root / key
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
         lib_name = f"lib-{uuid.uuid4().hex[:12]}.so"
         try:
             (export or (lambda ex, path: ex.export_library(path)))(executable, str(tmp / lib_name))
-            torch.save({**meta, "lib_name": lib_name, "lib_sha256": _sha256(tmp / lib_name)}, tmp / META)
-            try:
-                os.rename(tmp, final)
-            except OSError:  # another process stored the same key first: use theirs
-                shutil.rmtree(tmp, ignore_errors=True)
-                return final / torch.load(final / META, weights_only=False)["lib_name"]
+            with open(tmp / lib_name, "rb+") as f:
+                os.fsync(f.fileno())
+            meta_doc, data = self.encode(meta)
+            files = {}
+            for name, blob in data.items():
+                if not _FILE_NAME.fullmatch(name) or name in (ENTRY, lib_name):
+                    raise ValueError(f"data file name {name!r} is not a plain file name")
+                _write(tmp / name, blob)
+            for name in [lib_name, *data]:
+                files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+            doc = {"format": FORMAT, "key": key, "library": lib_name, "files": files, "meta": meta_doc}
+            doc["sha256"] = _document_digest(doc)
+            _write(tmp / ENTRY, json.dumps(doc, indent=1, sort_keys=True).encode())
+            result = self._publish(tmp, final, key) or final / lib_name
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return final / lib_name
+        self.evict(keep=key)
+        return result
+
+    def _publish(self, tmp: Path, final: Path, key: str) -> Path | None:
+        """Rename `tmp` to `final`; None when ours is in place, else the library of the
+        verified entry another process stored first."""
+        for _ in range(2):
+            try:
+                os.rename(tmp, final)
+                return None
+            except OSError:  # `final` exists: another process stored this key
+                pass
+            if not final.is_dir():  # removed meanwhile: try our rename again
+                continue
+            try:
+                doc, _ = self._verify(final, key)
+            except Exception as e:  # theirs cannot be trusted
+                logger.warning("compiled cache entry %s is corrupt (%s); replacing it", final, e)
+                self._discard(final)
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final / doc["library"]
+        raise OSError(f"could not store the compiled cache entry {final}: another process keeps replacing it")
+
+    # ---- removing ----
+
+    def _discard(self, path: Path) -> None:
+        """Remove an entry: renamed away first, so nobody finds it half deleted."""
+        trash = self.root / f".trash-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(path, trash)
+        except OSError:  # already gone (another process removed it)
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def sweep(self, older_than: float = STALE_TEMP_SECONDS) -> int:
+        """Remove temporary directories (of stores killed midway) older than `older_than`
+        seconds; returns how many."""
+        if not self.root.is_dir():
+            return 0
+        swept, now = 0, time.time()
+        for path in self.root.iterdir():
+            try:
+                stale = path.name.startswith(".") and now - path.stat().st_mtime > older_than
+            except OSError:
+                continue
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+                swept += 1
+        if swept:
+            logger.info("compiled cache: removed %d stale temporary directories under %s", swept, self.root)
+        return swept
+
+    def evict(self, keep: str | None = None) -> list[str]:
+        """Remove least recently used entries (never `keep`) until the cache fits in
+        `max_bytes`; returns the evicted keys."""
+        if self.max_bytes is None:
+            return []
+        entries = self.entries()
+        total = sum(e.size for e in entries)
+        evicted = []
+        for entry in reversed(entries):  # least recently used first
+            if total <= self.max_bytes:
+                break
+            if entry.key == keep:
+                continue
+            self._discard(entry.path)
+            total -= entry.size
+            evicted.append(entry.key)
+            logger.info("compiled cache over its limit of %d bytes (TVMGRAPH_CACHE_MAX_BYTES): evicted %s "
+                        "(%d bytes, last used %s)", self.max_bytes, entry.key, entry.size,
+                        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.last_used)))
+        return evicted
+
+    def clear(self) -> list[EntryInfo]:
+        """Remove every entry and temporary directory; returns the entries removed."""
+        entries = self.entries()
+        for entry in entries:
+            self._discard(entry.path)
+        self.sweep(older_than=-1)
+        return entries

@@ -6,6 +6,10 @@ its shapes and dtypes), the lifted constants' values, the call signature, the tr
 the graph config, the target, the pass pipeline, the versions of torch/TVM/tvm-ffi, and a hash
 of tvmgraph's own source. What the key ignores cannot change the compiled code: the graph's
 name, the parameters' values (they are inputs), and debug settings.
+
+An entry's metadata is JSON, written and read by the explicit codecs below (no pickle: reading
+a cache entry never runs code): the `LoweredSignature` (constant tensors go, as raw bytes, into
+the entry's `constants.bin`), the `TrainStepLayout` and the target.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import tvm
@@ -23,17 +29,22 @@ from autotune.cache_key import Part, cache_key
 from autotune.compiled_cache import CompiledCache
 
 from .config import CompileOptions, GraphConfig, compile_options, settings
+from .lower import InputSource, LoweredSignature
 from .stages import CompiledGraph, TracedGraph
 from .training.plan import TrainingPlan
+from .training.train_step import TrainStepLayout
+
+CONSTANTS = "constants.bin"
 
 
 @functools.cache
 def source_fingerprint() -> str:
-    """sha256 of tvmgraph's and relay_passes' Python sources: a code change is a new key."""
+    """sha256 of tvmgraph's, relay_passes' and autotune's Python sources: a code change is a new key."""
+    import autotune
     import relay_passes
 
     h = hashlib.sha256()
-    for package in (Path(__file__).parent, Path(relay_passes.__file__).parent):
+    for package in (Path(__file__).parent, Path(relay_passes.__file__).parent, Path(autotune.__file__).parent):
         for path in sorted(package.rglob("*.py")):
             h.update(str(path.relative_to(package.parent)).encode())
             h.update(path.read_bytes())
@@ -92,14 +103,152 @@ def graph_key(graph_class: str, traced: TracedGraph, plan: TrainingPlan | None, 
     return cache_key(graph_class, key_parts(traced, plan, config, target, pipeline))
 
 
+# ---- metadata as JSON: each codec written out, each reader checking every type ----
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _str(value: Any, optional: bool = False) -> str | None:
+    if not (isinstance(value, str) or (optional and value is None)):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _list(value: Any) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list, got {value!r}")
+    return value
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(_int(d) for d in _list(value))
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, _str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def _source_from_json(value: Any) -> InputSource:
+    kind, target = _list(value)
+    if kind not in ("user", "parameter", "buffer", "constant", "rng"):
+        raise ValueError(f"unknown input kind {kind!r}")
+    return InputSource(kind, _str(target, optional=True))
+
+
+def _constants_to_json(constants: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bytes]:
+    """A table of (name, dtype, shape, device, offset, bytes) and the tensors' bytes, concatenated."""
+    table, blob = [], bytearray()
+    for name, value in constants.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"constant {name!r} is a {type(value).__name__}, not a tensor: it cannot be cached")
+        t = value.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()  # any dtype, bfloat16 included
+        table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                      "device": str(value.device), "offset": len(blob), "bytes": len(raw)})
+        blob += raw
+    return table, bytes(blob)
+
+
+def _constants_from_json(table: Any, blob: bytes) -> dict[str, torch.Tensor]:
+    constants = {}
+    for row in _list(table):
+        dtype, shape = _dtype(row["dtype"]), _shape(row["shape"])
+        offset, size = _int(row["offset"]), _int(row["bytes"])
+        if size != math.prod(shape) * dtype.itemsize or offset < 0 or offset + size > len(blob):
+            raise ValueError(f"constant {row['name']!r}: {size} bytes at {offset} do not hold {dtype}{list(shape)}")
+        if size == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:  # a bytearray: torch warns about (and must not write into) read-only buffers
+            t = torch.frombuffer(bytearray(blob[offset:offset + size]), dtype=torch.uint8).view(dtype).reshape(shape)
+        constants[_str(row["name"])] = t.to(torch.device(_str(row["device"])))
+    return constants
+
+
+def signature_to_json(sig: LoweredSignature) -> tuple[dict[str, Any], bytes]:
+    """The signature as a JSON document, and its constant tensors' bytes (see `_constants_to_json`)."""
+    constants, blob = _constants_to_json(sig.constants)
+    doc = {
+        "inputs": [[s.kind, s.target] for s in sig.inputs],
+        "mutations": [[s.kind, s.target] for s in sig.mutations],
+        "num_user_outputs": sig.num_user_outputs,
+        "has_loss": sig.has_loss,
+        "constants": constants,
+        "input_types": [[list(shape), dtype] for shape, dtype in sig.input_types],
+    }
+    return doc, blob
+
+
+def signature_from_json(doc: Mapping[str, Any], blob: bytes) -> LoweredSignature:
+    """Inverse of `signature_to_json`; raises ValueError (or KeyError) on anything malformed."""
+    if not isinstance(doc["has_loss"], bool):
+        raise ValueError(f"has_loss: expected a bool, got {doc['has_loss']!r}")
+    types = []
+    for shape, dtype in map(_list, _list(doc["input_types"])):
+        _dtype(dtype)  # a dtype name torch knows
+        types.append((_shape(shape), dtype))
+    return LoweredSignature(
+        inputs=tuple(_source_from_json(s) for s in _list(doc["inputs"])),
+        mutations=tuple(_source_from_json(s) for s in _list(doc["mutations"])),
+        num_user_outputs=_int(doc["num_user_outputs"]),
+        has_loss=doc["has_loss"],
+        constants=_constants_from_json(doc["constants"], blob),
+        input_types=tuple(types),
+    )
+
+
+def layout_to_json(layout: TrainStepLayout) -> dict[str, Any]:
+    """The training step's layout as a JSON document."""
+    return {
+        "grad_indices": list(layout.grad_indices),
+        "state_shapes": [[target, key, list(shape), dtype] for target, key, shape, dtype in layout.state_shapes],
+        "num_groups": layout.num_groups,
+    }
+
+
+def layout_from_json(doc: Mapping[str, Any]) -> TrainStepLayout:
+    """Inverse of `layout_to_json`; raises ValueError (or KeyError) on anything malformed."""
+    states = []
+    for target, key, shape, dtype in map(_list, _list(doc["state_shapes"])):
+        _dtype(dtype)
+        states.append((_str(target), _str(key), _shape(shape), dtype))
+    return TrainStepLayout(tuple(_int(i) for i in _list(doc["grad_indices"])), tuple(states),
+                           _int(doc["num_groups"]))
+
+
+def encode_meta(meta: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """A compiled graph's cache metadata (`CompiledGraph.artifact_meta()`) as a JSON document
+    plus data files."""
+    signature, blob = signature_to_json(meta["signature"])
+    layout = meta["train_layout"]
+    doc = {"signature": signature, "train_layout": layout_to_json(layout) if layout is not None else None,
+           "target": str(meta["target"])}
+    return doc, {CONSTANTS: blob} if blob else {}
+
+
+def decode_meta(doc: Mapping[str, Any], files: Mapping[str, bytes]) -> dict[str, Any]:
+    """Inverse of `encode_meta`, from a verified entry."""
+    layout = doc["train_layout"]
+    return {"signature": signature_from_json(doc["signature"], files.get(CONSTANTS, b"")),
+            "train_layout": layout_from_json(layout) if layout is not None else None,
+            "target": _str(doc["target"])}
+
+
 def compiled_cache() -> CompiledCache | None:
     """The process's compiled cache, or None when TVMGRAPH_COMPILE_CACHE=0."""
-    return CompiledCache(settings.cache_dir / "compiled") if settings.compile_cache else None
+    if not settings.compile_cache:
+        return None
+    return CompiledCache(settings.cache_dir / "compiled", settings.cache_max_bytes, encode_meta, decode_meta)
 
 
 def load(cache: CompiledCache, key: str, traced: TracedGraph, plan: TrainingPlan | None,
          device: torch.device, modules: Mapping[str, torch.nn.Module]) -> CompiledGraph | None:
-    """The cached program for `key`, ready to run, or None (a miss, or a corrupt entry)."""
+    """The cached program for `key`, ready to run, or None (a miss, or an untrusted entry)."""
     entry = cache.load(key)
     if entry is None:
         return None

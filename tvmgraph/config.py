@@ -300,7 +300,22 @@ def _env_path(name: str, default: Path) -> Path:
 
 # Every TVMGRAPH_* variable tvmgraph reads; any other one is most likely a typo and is reported.
 KNOWN_VARIABLES = ("TVMGRAPH_CACHE_DIR", "TVMGRAPH_VM_ALLOCATOR", "TVMGRAPH_CPU_SCHEDULES", "TVMGRAPH_FAST_MATH",
-                   "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE")
+                   "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE", "TVMGRAPH_CACHE_MAX_BYTES")
+
+
+def _env_bytes(name: str, default: int) -> int:
+    """A size in bytes from the environment variable `name`: a non-negative integer."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        size = int(value.strip())
+    except ValueError:
+        size = -1
+    if size < 0:
+        raise ConfigError(f"environment variable {name}={value!r} is not a size in bytes; set it to a "
+                          f"non-negative integer (e.g. {name}={default}) or unset it for the default")
+    return size
 
 
 @dataclass(frozen=True)
@@ -323,6 +338,8 @@ class Settings:
     llvm_opt_level: int = field(default_factory=lambda: _env_int("TVMGRAPH_LLVM_OPT_LEVEL", 1, 0, 3))
     # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
     compile_cache: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_COMPILE_CACHE", True))
+    # Size limit of the compiled cache in bytes (default 2 GiB); least recently used entries go first.
+    cache_max_bytes: int = field(default_factory=lambda: _env_bytes("TVMGRAPH_CACHE_MAX_BYTES", 2 << 30))
 
     def __post_init__(self) -> None:
         # TVMGRAPH_TEST_* belong to tvmgraph's own test suite.
