@@ -39,6 +39,17 @@ def test_replaced_submodule_recompiles_and_runs_the_new_weights(caplog: pytest.L
     assert "guard failed: model structure changed: module 'model.2' was replaced (Linear -> Linear)" in caplog.text
 
 
+def test_unrelated_module_creation_does_not_recompile() -> None:
+    """Registrations anywhere in the process make the guard look again, but an unchanged model
+    keeps its program."""
+    graph = ModuleGraph(mlp())
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        nn.Linear(3, 3)  # registers parameters: the process-wide epoch moves
+        graph(x)
+    assert graph.num_compiled == 1
+
+
 def test_removed_submodule_recompiles() -> None:
     """`del model[1]` (torch has no hook for removal): the program without it runs."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
