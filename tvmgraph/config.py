@@ -175,6 +175,10 @@ class Settings:
     llvm_opt_level: int = field(default_factory=lambda: int(os.environ.get("TVMGRAPH_LLVM_OPT_LEVEL", "1")))
     # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
     compile_cache: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_COMPILE_CACHE", "1") != "0")
+    # Check the module after every pass of the pipeline (relax.analysis.well_formed) and leave out
+    # an optional pass that breaks it (tvmgraph/pipeline.py). TVMGRAPH_CHECK_PASSES=1: always (the
+    # tests set it); otherwise at graph.debug(1) and when a compile fails (it is then rerun).
+    check_passes: bool = field(default_factory=lambda: os.environ.get("TVMGRAPH_CHECK_PASSES", "0") == "1")
 
 
 settings = Settings()

@@ -64,3 +64,7 @@ class BackwardError(TvmGraphError, RuntimeError):
 
 class OptimizerError(TvmGraphError, TypeError):
     """An optimizer, its options or its lr scheduler cannot be lowered into the graph."""
+
+
+class PassError(TvmGraphError, RuntimeError):
+    """A compiler pass the compile cannot do without failed (raised, or left an ill-formed module)."""
