@@ -179,17 +179,22 @@ class _Acyclic:
     """
 
     def __init__(self, mod: tvm.IRModule) -> None:
-        self.position: dict[relax.Var, int] = {}
+        self.mod = mod
+        self.position: dict[relax.Var, int] = {}  # filled at the first match (most patterns match none)
         self.reads: dict[relax.Var, list[relax.Var]] = {}
-        for _, func in mod.functions_items():
+        self.group_of: dict[relax.Var, frozenset[relax.Var]] = {}
+
+    def _number_bindings(self) -> None:
+        for _, func in self.mod.functions_items():
             if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
                 for block in func.body.blocks:
                     for binding in block.bindings:
                         self.position[binding.var] = len(self.position)
-                        self.reads[binding.var] = vars_in(binding.value)
-        self.group_of: dict[relax.Var, frozenset[relax.Var]] = {}
+                        self.reads[binding.var] = _reads(binding.value)
 
     def __call__(self, context: PatternCheckContext) -> bool:
+        if not self.position:
+            self._number_bindings()
         members = set(context.matched_bindings.keys())
         for var in list(members):  # a match that takes in an earlier group merges with it
             members |= self.group_of.get(var, frozenset())
@@ -227,6 +232,23 @@ class _Acyclic:
                 seen.add(var)
                 pending.extend(self.reads[var])
         return False
+
+
+def _reads(expr: relax.Expr) -> list[relax.Var]:
+    """The variables a binding's value reads; `vars_in` (a visitor) for anything but the
+    common shapes, which are walked here (several times faster)."""
+    if isinstance(expr, relax.Var):
+        return [expr]
+    if isinstance(expr, relax.Call):
+        op = [expr.op] if isinstance(expr.op, relax.Var) else []
+        return op + [v for a in expr.args for v in _reads(a)]
+    if isinstance(expr, relax.Tuple):
+        return [v for f in expr.fields for v in _reads(f)]
+    if isinstance(expr, relax.TupleGetItem):
+        return _reads(expr.tuple_value)
+    if isinstance(expr, (tvm.ir.Constant, relax.ShapeExpr)):  # tensors, numbers, strings, shapes
+        return []
+    return vars_in(expr)
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseEpilogue")
