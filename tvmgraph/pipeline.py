@@ -146,7 +146,8 @@ def _cpu_schedules() -> list[tvm.transform.Pass]:
 
 
 @register_pipeline("default")
-def default_pipeline(target: tvm.target.Target, config: GraphConfig, report: Report) -> list[tvm.transform.Pass]:
+def default_pipeline(target: tvm.target.Target, config: GraphConfig,
+                     report: Report) -> list[tvm.transform.Pass]:
     """Legalize, fuse, schedule and lower a Relax module to VM code for `target`.
 
     The same steps as TVM's per-target pipelines (relax/backend/*/pipeline.py), listed here so

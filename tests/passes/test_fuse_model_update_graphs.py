@@ -106,7 +106,8 @@ def test_parameters_read_in_build_train_like_eager(case: str, optimizer: str) ->
     batches = [(torch.randn(4, 3),) for _ in range(STEPS)]
     graph = DirectGraph(holder, DIRECT[case], OPTIMIZERS[optimizer](_trainable(case, holder)))
     losses = [graph(x) for (x,) in batches]
-    expected = _eager_steps(reference, DIRECT[case], OPTIMIZERS[optimizer](_trainable(case, reference)), batches)
+    reference_optimizer = OPTIMIZERS[optimizer](_trainable(case, reference))
+    expected = _eager_steps(reference, DIRECT[case], reference_optimizer, batches)
     _assert_same_run(losses, expected, holder, reference)
 
 

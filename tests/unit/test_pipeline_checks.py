@@ -14,6 +14,8 @@ import torch
 import tvm
 from torch import nn
 from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 import relay_passes.fuse_epilogue
 import tvmgraph.pipeline
@@ -30,9 +32,20 @@ def _drop_a_binding(mod: tvm.IRModule) -> tvm.IRModule:
     block = main.body.blocks[0]
     bindings = list(block.bindings)[1:]
     body = relax.SeqExpr([relax.DataflowBlock(bindings), *main.body.blocks[1:]], main.body.body)
-    mod = mod.shallow_copy() if hasattr(mod, "shallow_copy") else tvm.IRModule(dict(mod.functions_items()))
+    mod = mod.clone()
     mod["main"] = relax.Function(main.params, body, main.ret_ty, main.is_pure, main.attrs)
     return mod
+
+
+@I.ir_module
+class Small:
+    @R.function
+    def main(x: R.Tensor((2, 3), "float32"), w: R.Tensor((3, 3), "float32")):
+        with R.dataflow():
+            y = R.matmul(x, w)
+            z = R.nn.relu(y)
+            R.output(z)
+        return z
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseEpilogue")
@@ -106,3 +119,31 @@ def test_every_pass_of_the_default_pipeline_keeps_the_module_well_formed(
     assert not caplog.records
     with torch.no_grad():
         assert_close(out, model(x))
+
+
+OPTIONS = {
+    "FuseEpilogue": "allow_fuse_add_to_output",
+    "FuseModelUpdate": "allow_fuse_model_update_ops",
+    "FuseCastScale": "allow_fuse_cast_scale",
+    "StraightenBindings": "enable_straighten_algorithm",
+    "CompressMemory": "enable_compress_memory",
+    "RecomputeAttention": "enable_recompute_attention",
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS), ids=list(OPTIONS))
+def test_each_own_pass_is_left_out_naming_its_option(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """run_pass with a broken pass of that name returns the module as it was, with one warning
+    naming the graph, the pass and the GraphConfig option that turns it off."""
+    before = Small
+
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def broken(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return _drop_a_binding(mod)
+
+    with caplog.at_level(logging.WARNING, logger="tvmgraph"):
+        after = tvmgraph.pipeline.run_pass(broken, before, "SomeGraph_0", check=True)
+    assert after.same_as(before)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"SomeGraph_0: pass {name} left an ill-formed module"]
+    assert f"graph.config.{OPTIONS[name]}(False)" in caplog.records[0].getMessage()
