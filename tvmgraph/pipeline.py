@@ -4,10 +4,10 @@
 the target and the graph's config returning the list of its passes; register a new one with
 `@register_pipeline("name")` and select it with `get_pipeline(target, name=...)`.
 
-`get_pipeline` runs the passes one by one (`run_pass`). With checks on, every result must pass
-`relax.analysis.well_formed`. One of tvmgraph's own optimization passes that raises or leaves
-an ill-formed module is left out of that graph's compile with one warning naming the option
-that turns it off; any other pass that fails raises `PassError`.
+The `Pipeline` it returns runs the passes one by one (`run_pass`). With checks on, every
+result must pass `relax.analysis.well_formed`. One of tvmgraph's own optimization passes
+that raises or leaves an ill-formed module is left out of that graph's compile with one
+warning naming the option that turns it off; any other pass that fails raises `PassError`.
 """
 
 from __future__ import annotations
