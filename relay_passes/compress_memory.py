@@ -47,6 +47,7 @@ from tvm import ir, relax, s_tir, tirx
 
 from tvmgraph.debug import logger
 
+from .bindings import vars_in
 from .tensor_sizes import format_bytes, static_bytes
 
 ALIGN = 64  # bytes; TVM's kAllocAlignment, which kernels assume for their buffers
@@ -176,12 +177,6 @@ class FunctionPlan:
     arena_bytes: dict[tuple, int] = field(default_factory=dict)
 
 
-def _vars_in(expr: relax.Expr) -> list[relax.Var]:
-    found: list[relax.Var] = []
-    relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)
-    return found
-
-
 def _const_int(expr: relax.Expr) -> int | None:
     return int(expr.value) if isinstance(expr, tirx.IntImm) else None
 
@@ -197,7 +192,7 @@ def analyze(mod: tvm.IRModule, func: relax.Function, inplace: bool = True) -> Fu
 
     def refs(expr: relax.Expr) -> set[relax.Var]:
         found: set[relax.Var] = set()
-        for var in _vars_in(expr):
+        for var in vars_in(expr):
             found |= alias.get(var, set())
         return found
 

@@ -79,8 +79,10 @@ class TEValue:
 class TEUpdateOps:
     """Evaluates a formula for one parameter into TE computes, in the order of `output` calls."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, out_dtypes: dict[str, str], tag: str):
+    def __init__(self, shape: tuple[int, ...], dtype: str, out_dtypes: dict[str, str], tag: str,
+                 scalar_keys: frozenset[str] = frozenset()):
         self.shape, self.dtype, self.out_dtypes, self.tag = shape, dtype, out_dtypes, tag
+        self.scalar_keys = scalar_keys  # results that are scalar state (not stored)
         self.outputs: dict[str, te.Tensor] = {}  # element-wise results, in formula order
 
     def value(self, fn, scalar: bool) -> TEValue:
@@ -120,10 +122,11 @@ class TEUpdateOps:
             v = value(i)
             return v if _dtype(v) == dtype else tirx.Cast(dtype, v)
 
-        if value.scalar:
+        if key in self.scalar_keys:
             # Scalar state (Adam's step) is not stored by the kernel (its store would have to
             # follow every element loop); the kernel recomputes the new value where it is read,
-            # and FuseModelUpdate stores it with Relax ops beside the kernel.
+            # and FuseModelUpdate stores it with Relax ops beside the kernel. (Decided by the
+            # key: every value of a 0-d parameter ignores the index too, and is stored.)
             return self.value(stored, True)
         out = te.compute(self.shape, lambda *i: stored(i), name=f"{self.tag}_{key}")
         self.outputs[key] = out
@@ -162,7 +165,8 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
         base = len(inputs)
         arg_index = {PARAM: base, **{k: base + 2 + n for n, k in enumerate(keys)}}
         inputs += [p, g, *states.values()]
-        ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}")
+        ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}",
+                          frozenset(k for k in keys if rule.scalar_state(k)))
         h = {k: ops.value(lambda i, n=n: hyper(n), True) for n, k in enumerate(rule.hyper_keys)}
         rule.update(ops, ops.read(p), ops.read(g), {k: ops.read(s) for k, s in states.items()}, h, flags)
         order = [k for k in (*keys, PARAM) if k in ops.outputs]
@@ -209,9 +213,9 @@ def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.Pr
     sch = s_tir.Schedule(func)
     gpu = "gpu" in target.keys
     for outputs in chains:
-        if not outputs:
+        shape = [int(d) for d in outputs[0].shape] if outputs else []
+        if not shape:  # a 0-d parameter: one element, its results stored in formula order
             continue
-        shape = [int(d) for d in outputs[0].shape]
         lanes = GPU_THREADS if gpu else LANES
         outers, inner_loops = [], []
         for tensor in outputs:
@@ -267,6 +271,9 @@ class _Rewriter(PyExprMutator):
             gv = self.builder_.add_func(kernel, f"{call.op.name_hint}_kernel" + (str(c) if len(chunks) > 1 else ""))
             args = [call.args[0]] + [a for j in chunk for a in call.args[1 + j * per_param: 1 + (j + 1) * per_param]]
             updated = relax.op.call_tir_inplace(gv, relax.Tuple(args), inplace, [args[i].ty for i in inplace])
+            if len(inplace) == 1:  # one result (plain SGD on one parameter): a tensor, no tuple
+                kernel_results[chunk[0]] = [self.builder_.emit(updated)]
+                continue
             if len(chunks) == 1 and not has_scalars:
                 return updated
             updated = self.builder_.emit(updated)

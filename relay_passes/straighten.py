@@ -37,15 +37,10 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvmgraph.debug import logger
 
+from .bindings import vars_in
 from .tensor_sizes import format_bytes, static_bytes
 
 _INPLACE = tvm.ir.Op.get("relax.call_tir_inplace")
-
-
-def _used_vars(expr: relax.Expr) -> list[relax.Var]:
-    used: list[relax.Var] = []
-    relax.analysis.post_order_visit(expr, lambda e: used.append(e) if isinstance(e, relax.Var) else None)
-    return used
 
 
 class BlockModel:
@@ -61,12 +56,12 @@ class BlockModel:
 
         def roots_of(expr: relax.Expr) -> set[int]:
             found: set[int] = set()
-            for var in _used_vars(expr):
+            for var in vars_in(expr):
                 found |= roots[index[var]] if var in index else {outer.setdefault(var, n + len(outer))}
             return found
 
         self.size = [0] * n
-        self.deps = [{index[v] for v in _used_vars(b.value) if v in index} for b in bindings]
+        self.deps = [{index[v] for v in vars_in(b.value) if v in index} for b in bindings]
         self.reads: list[set[int]] = []
         self.protected: set[int] = set()  # roots that never die in this block
         last_match_cast = -1

@@ -8,6 +8,8 @@ import tempfile
 # A fresh compiled cache per test session (never the user's ~/.cache); set before tvmgraph is
 # imported, since tvmgraph reads its settings once.
 os.environ.setdefault("TVMGRAPH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmgraph-test-cache-"))
+# Every pass's result is checked (relax.analysis.well_formed) in every compile of the tests.
+os.environ.setdefault("TVMGRAPH_CHECK_PASSES", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

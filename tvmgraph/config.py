@@ -300,7 +300,8 @@ def _env_path(name: str, default: Path) -> Path:
 
 # Every TVMGRAPH_* variable tvmgraph reads; any other one is most likely a typo and is reported.
 KNOWN_VARIABLES = ("TVMGRAPH_CACHE_DIR", "TVMGRAPH_VM_ALLOCATOR", "TVMGRAPH_CPU_SCHEDULES", "TVMGRAPH_FAST_MATH",
-                   "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE", "TVMGRAPH_CACHE_MAX_BYTES")
+                   "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE", "TVMGRAPH_CACHE_MAX_BYTES",
+                   "TVMGRAPH_CHECK_PASSES")
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -340,6 +341,10 @@ class Settings:
     compile_cache: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_COMPILE_CACHE", True))
     # Size limit of the compiled cache in bytes (default 2 GiB); least recently used entries go first.
     cache_max_bytes: int = field(default_factory=lambda: _env_bytes("TVMGRAPH_CACHE_MAX_BYTES", 2 << 30))
+    # Check the module after every pass of the pipeline (relax.analysis.well_formed) and leave out
+    # an optional pass that breaks it (tvmgraph/pipeline.py). TVMGRAPH_CHECK_PASSES=1: always (the
+    # tests set it); otherwise at graph.debug(1) and when a compile fails (it is then rerun).
+    check_passes: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_CHECK_PASSES", False))
 
     def __post_init__(self) -> None:
         # TVMGRAPH_TEST_* belong to tvmgraph's own test suite.

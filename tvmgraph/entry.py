@@ -112,7 +112,9 @@ def _compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan |
         meta = {"signature": lowered.signature, "train_layout": lowered.train_layout, "target": str(target)}
         store = functools.partial(cache.store, key, meta=meta, export=codegen.export_library)
     with log.stage(f"compiling for {device}"):
-        return lowered.compile(device, options, modules, PIPELINE, store=store, report=lambda msg: log.info(1, msg))
+        # At debug(1) every pass's result is checked (tvmgraph/pipeline.py).
+        return lowered.compile(device, options, modules, PIPELINE, store=store,
+                               report=lambda msg: log.info(1, msg), checks=True if log.on(1) else None)
 
 
 def log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:

@@ -93,3 +93,7 @@ class StateDictError(TvmGraphError, ValueError):
 
 class UnsupportedDeviceError(TvmGraphError, NotImplementedError):
     """The inputs or modules are on a device tvmgraph does not compile for (it does CPU and CUDA)."""
+
+
+class PassError(TvmGraphError, RuntimeError):
+    """A compiler pass the compile cannot do without failed (raised, or left an ill-formed module)."""

@@ -1,8 +1,13 @@
 """Named Relax pass pipelines, one per target kind, built as a straight line of steps.
 
 `get_pipeline(target)` returns the pipeline `CompiledGraph` uses. A pipeline is a function of
-the target and the graph's config returning a `tvm.transform.Pass`; register a new one with
+the target and the graph's config returning the list of its passes; register a new one with
 `@register_pipeline("name")` and select it with `get_pipeline(target, name=...)`.
+
+The `Pipeline` it returns runs the passes one by one (`run_pass`). With checks on, every
+result must pass `relax.analysis.well_formed`. One of tvmgraph's own optimization passes
+that raises or leaves an ill-formed module is left out of that graph's compile with one
+warning naming the option that turns it off; any other pass that fails raises `PassError`.
 """
 
 from __future__ import annotations
@@ -12,11 +17,27 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from .config import CompileOptions, GraphConfig, compile_options
+from .config import CompileOptions, GraphConfig, compile_options, settings
+from .debug import logger
+from .errors import PassError
 
 Report = Callable[[str], None]  # where passes say what they did (graph.debug(1))
-PipelineFn = Callable[[tvm.target.Target, CompileOptions, Report], tvm.transform.Pass]
+PipelineFn = Callable[[tvm.target.Target, CompileOptions, Report], list[tvm.transform.Pass]]
 PIPELINE_MAP: dict[str, PipelineFn] = {}
+
+# tvmgraph's own optimization passes: one that fails is left out of the graph's compile (the
+# program is right without it, only slower), and the warning says how to leave it out for good.
+OPTIONAL_PASSES: dict[str, str | None] = {
+    "RecomputeAttention": "graph.config.enable_recompute_attention(False)",
+    "FuseModelUpdate": "graph.config.allow_fuse_model_update_ops(False)",
+    "SimplifyBroadcastMatmul": None,
+    "SimplifyPower": None,
+    "FuseEpilogue": "graph.config.allow_fuse_add_to_output(False)",
+    "FuseCastScale": "graph.config.allow_fuse_cast_scale(False)",
+    "tvmgraph.ApplyCPUSchedules": "the environment variable TVMGRAPH_CPU_SCHEDULES=0",
+    "StraightenBindings": "graph.config.enable_straighten_algorithm(False)",
+    "CompressMemory": "graph.config.enable_compress_memory(False)",
+}
 
 
 def register_pipeline(name: str) -> Callable[[PipelineFn], PipelineFn]:
@@ -32,13 +53,83 @@ def register_pipeline(name: str) -> Callable[[PipelineFn], PipelineFn]:
 
 
 def get_pipeline(target: tvm.target.Target, config: CompileOptions | GraphConfig, name: str = "default",
-                 report: Report | None = None) -> tvm.transform.Pass:
+                 report: Report | None = None, graph: str = "graph", checks: bool | None = None) -> Pipeline:
     """The pass pipeline `name` for `target` and the compile options (a GraphConfig is read
-    through its snapshot); an unknown name lists the registered ones. Passes report what they
-    did through `report` (the graph's debug log at v_level 1)."""
+    through its snapshot); an unknown name lists the registered ones.
+    Passes report what they did through `report` (the graph's debug log at v_level 1); with
+    `checks` (default: `settings.check_passes`) every pass's result must be well formed.
+    `graph` names the graph in warnings and errors."""
     if name not in PIPELINE_MAP:
         raise ValueError(f"unknown pipeline {name!r}; registered pipelines: {sorted(PIPELINE_MAP)}")
-    return PIPELINE_MAP[name](target, compile_options(config), report or (lambda msg: None))
+    passes = PIPELINE_MAP[name](target, compile_options(config), report or (lambda msg: None))
+    return Pipeline(name, passes, target, graph, settings.check_passes if checks is None else checks)
+
+
+class Pipeline:
+    """The passes of one pipeline for one graph; calling it runs them in order on a module.
+
+    NOTE: a Python loop, not one TVM Sequential: PassError must reach the caller as raised,
+    and an exception that crosses TVM's FFI comes back as a plain RuntimeError.
+    """
+
+    __slots__ = ("name", "passes", "target", "graph", "check")
+
+    def __init__(self, name: str, passes: list[tvm.transform.Pass], target: tvm.target.Target,
+                 graph: str, check: bool):
+        self.name, self.passes, self.target, self.graph, self.check = name, passes, target, graph, check
+
+    def __call__(self, mod: tvm.IRModule) -> tvm.IRModule:
+        problem = _ill_formed(mod) if self.check else None
+        if problem is not None:
+            raise PassError(f"{self.graph}: the lowered module is not well formed before the first pass "
+                            f"of pipeline {self.name!r} ({problem}); this is a bug in tvmgraph's "
+                            f"lowering, please report it with the graph's build()")
+        with self.target:
+            for p in self.passes:
+                mod = run_pass(p, mod, self.graph, self.check)
+        return mod
+
+
+def run_pass(p: tvm.transform.Pass, mod: tvm.IRModule, graph: str, check: bool) -> tvm.IRModule:
+    """`p(mod)`. With `check`, a result must also be well formed; if it is not, or `p` raises,
+    an optional pass (OPTIONAL_PASSES) is left out with one warning (`mod` is returned as it
+    was) and any other raises PassError. Without, `p` runs plain (a failing compile is rerun
+    with checks, see LoweredGraph.build, so that nothing is warned twice)."""
+    # NOTE: through Sequential, which honours the PassContext (opt_level, disabled passes).
+    if not check:
+        return tvm.transform.Sequential([p])(mod)
+    name = p.info.name
+    try:
+        out = tvm.transform.Sequential([p])(mod)
+    except Exception as e:  # a pass may raise anything; TVM's errors come as several types
+        problem, cause = f"raised {type(e).__name__}: {_reason(e)}", e
+    else:
+        problem, cause = _ill_formed(out), None
+        if problem is None:
+            return out
+    if name not in OPTIONAL_PASSES:
+        raise PassError(f"{graph}: pass {name} {problem}. The compile cannot do without this pass; "
+                        f"please report this with the graph's build()") from cause
+    option = OPTIONAL_PASSES[name]
+    fix = f"turn it off with {option}" if option else "it has no option to turn it off"
+    logger.warning("%s: pass %s %s; compiling this graph without it (%s; please report this).",
+                   graph, name, problem, fix)
+    return mod
+
+
+def _ill_formed(mod: tvm.IRModule) -> str | None:
+    """None for a well-formed module, else what is wrong with it."""
+    try:
+        relax.analysis.well_formed(mod)  # raises ValueError at the first violation
+    except Exception as e:  # noqa: BLE001  (TVM's FFI errors come as several types)
+        return f"left an ill-formed module ({_reason(e)})"
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    """The last line of an error's message (TVM's errors put the traceback first)."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
 
 
 def _gpu_schedules() -> list[tvm.transform.Pass]:
@@ -56,7 +147,8 @@ def _cpu_schedules(options: CompileOptions) -> list[tvm.transform.Pass]:
 
 
 @register_pipeline("default")
-def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: Report) -> tvm.transform.Pass:
+def default_pipeline(target: tvm.target.Target, config: CompileOptions,
+                     report: Report) -> list[tvm.transform.Pass]:
     """Legalize, fuse, schedule and lower a Relax module to VM code for `target`.
 
     The same steps as TVM's per-target pipelines (relax/backend/*/pipeline.py), listed here so
@@ -74,7 +166,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
 
     T = relax.transform
     is_gpu = target.kind.name == "cuda"
-    passes = [
+    return [
         # 1. Sort/scan/sampling ops to library or TIR implementations.
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
@@ -123,10 +215,3 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         T.VMShapeLower(),
         T.AttachGlobalSymbol(),
     ]
-
-    @tvm.transform.module_pass(opt_level=0, name="tvmgraph.default_pipeline")
-    def pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        with target:
-            return tvm.transform.Sequential(passes)(mod)
-
-    return pipeline

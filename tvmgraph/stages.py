@@ -72,7 +72,7 @@ class TracedGraph:
             index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
             grad_indices = [index_of[t] for t in plan.targets]
             loss_index = len(sig.mutations) + sig.num_user_outputs
-            mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report)
+            mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name)
         return LoweredGraph(self, mod, sig, exported, plan, layout)
 
 
@@ -101,21 +101,39 @@ class LoweredGraph:
         return self.mod.script(show_meta=False)
 
     def build(self, target: tvm.target.Target, config: CompileOptions | GraphConfig, pipeline: str = "default",
-              report: Callable[[str], None] | None = None) -> tuple[tvm.IRModule, relax.VMExecutable]:
-        """Run the pass pipeline for `target` and generate code; needs no device (cross-compiles)."""
-        optimized = get_pipeline(target, config, pipeline, report)(self.mod)
-        return optimized, codegen.build_executable(optimized, target)
+              report: Callable[[str], None] | None = None,
+              checks: bool | None = None) -> tuple[tvm.IRModule, relax.VMExecutable]:
+        """Run the pass pipeline for `target` and generate code; needs no device (cross-compiles).
+
+        With `checks` (default: `settings.check_passes`) every pass's result is checked and an
+        optional pass that breaks the module is left out (tvmgraph/pipeline.py). Without, a
+        compile that fails is run again with checks, so that such a pass is found and left out.
+        """
+        graph = self.traced.graph_name
+
+        def attempt(check: bool) -> tuple[tvm.IRModule, relax.VMExecutable]:
+            optimized = get_pipeline(target, config, pipeline, report, graph, check)(self.mod)
+            return optimized, codegen.build_executable(optimized, target)
+
+        if settings.check_passes if checks is None else checks:
+            return attempt(True)
+        try:
+            return attempt(False)
+        except Exception as e:  # any failure of a pass or of code generation
+            logger.info("%s: compiling failed (%s); compiling again with every pass checked", graph,
+                        type(e).__name__)
+            return attempt(True)
 
     def compile(self, device: torch.device, config: CompileOptions | GraphConfig, modules: Mapping[str, torch.nn.Module],
                 pipeline: str = "default", store: Callable[[relax.VMExecutable], Path] | None = None,
-                report: Callable[[str], None] | None = None) -> CompiledGraph:
+                report: Callable[[str], None] | None = None, checks: bool | None = None) -> CompiledGraph:
         """Build for `device`'s target and load the program onto `device`, bound to `modules`.
 
         With `store` (the compiled cache's writer, returning the library's path) the program is
         exported as a shared library and loaded from there; without it, it runs from memory.
         """
         target = target_for(device, compile_options(config))
-        optimized, executable = self.build(target, config, pipeline, report)
+        optimized, executable = self.build(target, config, pipeline, report, checks)
         lib = executable
         if store is not None:
             try:

@@ -210,6 +210,64 @@ def test_epilogue_that_broadcasts_past_the_product_is_not_taken() -> None:
     tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Before)
 
 
+def test_chain_stops_where_the_group_would_read_its_own_output() -> None:
+    """Two residual layers in a row (`x = x + relu(a(x)); o = x + b(x)`): the first chain ends
+    at its residual add, since the second matmul reads that sum and the last add reads the
+    second matmul. (A group taking both adds was computed from its own output: `Var ... is
+    not defined` at VM codegen.) The second matmul takes the last add."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), wa: R.Tensor((8, 8), "float32"),
+                 wb: R.Tensor((8, 8), "float32")):
+            with R.dataflow():
+                ya = R.matmul(x, wa)
+                ra = R.nn.relu(ya)
+                x1 = R.add(x, ra)
+                yb = R.matmul(x1, wb)
+                o = R.add(x1, yb)
+                R.output(o)
+            return o
+
+    @I.ir_module
+    class Expected:
+        @R.function(private=True)
+        def fused_relax_matmul_relax_add(
+            lv: R.Tensor((4, 8), "float32"), wb: R.Tensor((8, 8), "float32"),
+        ) -> R.Tensor((4, 8), "float32"):
+            R.func_attr({"Composite": "tvmgraph.fuse_epilogue", "Primitive": True})
+            with R.dataflow():
+                yb = R.matmul(lv, wb)
+                gv = R.add(lv, yb)
+                R.output(gv)
+            return gv
+
+        @R.function(private=True)
+        def fused_relax_matmul_relax_nn_relu_relax_add(
+            x: R.Tensor((4, 8), "float32"), wa: R.Tensor((8, 8), "float32"),
+        ) -> R.Tensor((4, 8), "float32"):
+            R.func_attr({"Composite": "tvmgraph.fuse_epilogue", "Primitive": True})
+            with R.dataflow():
+                ya = R.matmul(x, wa)
+                ra = R.nn.relu(ya)
+                gv = R.add(x, ra)
+                R.output(gv)
+            return gv
+
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), wa: R.Tensor((8, 8), "float32"),
+                 wb: R.Tensor((8, 8), "float32")):
+            cls = Expected
+            with R.dataflow():
+                lv = cls.fused_relax_matmul_relax_nn_relu_relax_add(x, wa)
+                gv = cls.fused_relax_matmul_relax_add(lv, wb)
+                R.output(gv)
+            return gv
+
+    tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Expected)
+
+
 def test_turned_off_it_leaves_the_module_alone() -> None:
     """allow_fuse_add_to_output(False): FuseOps alone will fuse."""
     tvm.ir.assert_structural_equal(FuseEpilogue(enabled=False)(Linear), Linear)

@@ -16,7 +16,7 @@ from tvmgraph import errors
 DOC = Path(__file__).parents[2] / "docs" / "errors.md"
 PRELUDE = "import torch, tvmgraph\nfrom torch import nn\n"
 # Errors that mean a bug in tvmgraph itself: documented, with no snippet that triggers them.
-NO_SNIPPET = {"TvmGraphError", "CompileError", "ExecutionError", "StaleGraphError"}
+NO_SNIPPET = {"TvmGraphError", "CompileError", "ExecutionError", "StaleGraphError", "PassError"}
 
 
 def sections() -> dict[str, str]:

@@ -109,11 +109,16 @@ def _clip(bb: relax.BlockBuilder, grads: list[relax.Expr], max_norm: float, norm
 
 
 def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
-                      report: Callable[[str], None] | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
-    """Replace `main` with `train_step` (see the module docstring for the contract)."""
+                      report: Callable[[str], None] | None = None,
+                      graph: str = "graph") -> tuple[tvm.IRModule, TrainStepLayout]:
+    """Replace `main` with `train_step` (see the module docstring for the contract); `graph`
+    names the graph in warnings."""
     from relay_passes.recompute_attention import RecomputeAttention  # relay_passes import tvmgraph
 
-    mod = RecomputeAttention(plan.recompute_attention, report)(mod)
+    from ..pipeline import run_pass
+
+    # Checked always (one check of the forward program): a broken result would fail in autodiff.
+    mod = run_pass(RecomputeAttention(plan.recompute_attention, report), mod, graph, check=True)
     main = mod["main"]
     mod = relax.transform.Gradient("main", require_grads=[main.params[i] for i in grad_indices],
                                    target_index=loss_index)(mod)
