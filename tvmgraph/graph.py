@@ -267,7 +267,6 @@ class Graph:
         if entry is None:
             entry = self._compile(st, signature, args_tree, flat)
         st.last = entry
-        flat = [t if t.is_contiguous() else t.contiguous() for t in flat]
         outputs, _loss = entry.run(flat)
         if entry.training is not None:
             st.step += 1

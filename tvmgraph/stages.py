@@ -27,6 +27,7 @@ from .debug import logger
 from .binding import TensorBinder
 from .config import GraphConfig, settings
 from .errors import DeviceMismatchError, StaleGraphError
+from .inputs import runnable_all
 from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
@@ -175,12 +176,19 @@ class CompiledGraph:
         return {"signature": self.signature, "train_layout": self.train_layout, "target": str(self.target)}
 
     def run(self, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Run once: returns the user outputs (flat) and the loss, if build() called backward()."""
+        """Run once: returns the user outputs (flat) and the loss, if build() called backward().
+
+        Tensors the kernels cannot read in place (misaligned views, other strides; see
+        inputs.py) are passed as copies; what the program writes back goes to the real tensors.
+        """
         state = self.binder.tensors()
         rng = [_draw_seed(self.device)] if self._has_rng else []
         extra = self.training.inputs() if self.training is not None else []
+        inputs, _ = runnable_all(flat_inputs)
+        passed_state, copied = runnable_all(state, thorough=False)
+        passed_extra, _ = runnable_all(extra, thorough=False)
         try:
-            results = self._entry(*flat_inputs, *rng, *state, *extra)
+            results = self._entry(*inputs, *rng, *passed_state, *passed_extra)
         except Exception:  # the VM raises plain errors; say which tensor is at fault
             self._diagnose(state)
             raise
@@ -190,7 +198,7 @@ class CompiledGraph:
         user = list(results[n_mut:n_mut + n_user])
         loss = results[n_mut + n_user] if self.signature.has_loss else None
         if self.training is not None:
-            self.training.write_back(results[n_mut + n_user + 1:])
+            self.training.write_back(results[n_mut + n_user + 1:], {id(state[i]) for i in copied})
         return user, loss
 
     def _write_back(self, flat_inputs: Sequence[torch.Tensor], state: list[torch.Tensor], new_values) -> None:
