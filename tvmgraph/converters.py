@@ -14,6 +14,14 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   whole packed q/k/v projection then stayed alive until the end of the backward pass. Here it
   is a one-wide `strided_slice` (its gradient builds zeros from the static shape), squeezed;
   negative indices count from the end as in torch.
+- `embedding`, `index_select`, `take`, `index.Tensor`, `gather`, `scatter`: the stock
+  converters emit `take(mode="fast")` or unchecked gather/scatter kernels, which read or write
+  outside the tensor for an index out of range (a segfault, or silent garbage) and, for
+  `x[idx]` and `take`, for a negative index too. Here every index is first mapped into the
+  tensor: negative values counted from the end where torch allows them (`x[idx]`, `take`),
+  then clamped. Index *inputs* out of range never get this far (index_guard.py raises
+  first); this keeps indices computed in the graph inside the tensor, in the forward kernels
+  and in take's gradient.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
@@ -149,6 +157,92 @@ def convolution(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax
     return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1, 1, 1))))
 
 
+def _static_size(x: relax.Expr, axis: int | None) -> int | None:
+    dims = list(x.ty.shape) if axis is None else [x.ty.shape[axis]]
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
+        return None
+    return math.prod(int(d) for d in dims)
+
+
+def _in_range(bb: relax.BlockBuilder, index: relax.Expr, size: int | None, from_end: bool) -> relax.Expr:
+    """`index` mapped into `0..size - 1`: negative values counted from the end (`from_end`, as
+    torch's `x[idx]` does), then clamped. Done before `take` rather than by take's `mode`,
+    because take's gradient (`take_backward`) ignores the mode and would write outside the
+    gradient buffer."""
+    if size is None:  # symbolic size: only take's mode protects the forward kernel
+        return index
+    dtype = _dtype(index)
+    if from_end:
+        negative = bb.emit(relax.op.less(index, relax.const(0, dtype)))
+        shifted = bb.emit(relax.op.add(index, relax.const(size, dtype)))
+        index = bb.emit(relax.op.where(negative, shifted, index))
+    return bb.emit(relax.op.clip(index, 0, size - 1))
+
+
+def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """weight[ids], the ids clamped into the table (see the module docstring)."""
+    bb = importer.block_builder
+    weight, ids = importer.env[node.args[0]], importer.env[node.args[1]]
+    flat = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(ids, "int32")), [-1]))
+    flat = _in_range(bb, flat, _static_size(weight, 0), from_end=False)
+    rows = bb.emit(relax.op.take(weight, flat, axis=0, mode="clip"))
+    if len(ids.ty.shape) == 1:
+        return rows
+    return bb.emit(relax.op.reshape(rows, [*ids.ty.shape, weight.ty.shape[-1]]))
+
+
+def index_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x.index_select(dim, index), the index clamped into x."""
+    bb = importer.block_builder
+    x, index = importer.env[node.args[0]], importer.env[node.args[2]]
+    dim = int(node.args[1]) % max(len(x.ty.shape), 1)
+    index = _in_range(bb, index, _static_size(x, dim), from_end=False)
+    return bb.emit(relax.op.take(x, index, axis=dim, mode="clip"))
+
+
+def take(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """torch.take(x, index) on the flattened x; negative indices count from the end."""
+    bb = importer.block_builder
+    x, index = importer.env[node.args[0]], importer.env[node.args[1]]
+    index = _in_range(bb, index, _static_size(x, None), from_end=True)
+    flat = bb.emit(relax.op.reshape(x, [-1]))
+    return bb.emit(relax.op.take(flat, index, axis=0, mode="wrap"))
+
+
+def index_tensor(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x[..., index, ...] with one index tensor; negative indices count from the end, as in
+    torch (the stock `fast` take reads before the tensor's start). Several index tensors go to
+    the stock converter."""
+    indexed = [(axis, index) for axis, index in enumerate(node.args[1]) if index is not None]
+    if len(indexed) != 1:
+        return importer._index_tensor(node)
+    bb = importer.block_builder
+    axis, index = indexed[0]
+    x = importer.env[node.args[0]]
+    index = _in_range(bb, importer.env[index], _static_size(x, axis), from_end=True)
+    return bb.emit(relax.op.take(x, index, axis=axis, mode="wrap"))
+
+
+def clamped_index(stock: str) -> Converter:
+    """The stock converter of `op(x, dim, index, ...)` (gather, scatter), its index clamped
+    into `x` first: TOPI's gather and scatter kernels do not check their indices."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        stock_convert = getattr(importer, stock)
+        if len(node.args) < 3 or not isinstance(node.args[2], torch.fx.Node):
+            return stock_convert(node)
+        x, index_node = importer.env[node.args[0]], node.args[2]
+        size = _static_size(x, int(node.args[1]) % max(len(x.ty.shape), 1))
+        index = importer.env[index_node]
+        importer.env[index_node] = _in_range(importer.block_builder, index, size, from_end=False)
+        try:
+            return stock_convert(node)
+        finally:
+            importer.env[index_node] = index
+
+    return convert
+
+
 def dropout(seed_node: torch.fx.Node | None, salts: dict[torch.fx.Node, int]) -> Converter:
     """`native_dropout(x, p, train)` -> (x * mask, mask != 0), the mask drawn in the graph
     (dropout.py); forward and backward are each one kernel."""
@@ -188,4 +282,11 @@ CONVERTERS: dict[str, Converter] = {
     "select.int": select,
     "convolution.default": convolution,
     "native_dropout.default": dropout(None, {}),  # placeholder entry; lower.py binds the seed
+    "embedding.default": embedding,
+    "index_select.default": index_select,
+    "take.default": take,
+    "index.Tensor": index_tensor,
+    "gather.default": clamped_index("_gather"),
+    "scatter.src": clamped_index("_scatter"),
+    "scatter.value": clamped_index("_scatter_value"),
 }

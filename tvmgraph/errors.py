@@ -64,3 +64,7 @@ class BackwardError(TvmGraphError, RuntimeError):
 
 class OptimizerError(TvmGraphError, TypeError):
     """An optimizer, its options or its lr scheduler cannot be lowered into the graph."""
+
+
+class IndexOutOfRangeError(TvmGraphError, IndexError):
+    """An index input (token ids, labels, gather/scatter indices) holds a value out of range."""

@@ -27,6 +27,7 @@ from .debug import logger
 from .binding import TensorBinder
 from .config import GraphConfig, settings
 from .errors import DeviceMismatchError, StaleGraphError
+from .index_guard import IndexGuard
 from .inputs import runnable_all
 from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
@@ -134,7 +135,7 @@ class CompiledGraph:
 
     __slots__ = ("traced", "plan", "signature", "train_layout", "lib", "target", "device", "binder",
                  "training", "_lowered", "optimized", "_entry", "_num_mutations", "_num_user_outputs",
-                 "_has_rng")
+                 "_has_rng", "_index_guard")
 
     def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, signature: lowering.LoweredSignature,
                  train_layout: TrainStepLayout | None, lib: tvm.runtime.Module | relax.VMExecutable,
@@ -157,6 +158,7 @@ class CompiledGraph:
         self._num_mutations = len(signature.mutations)
         self._num_user_outputs = signature.num_user_outputs
         self._has_rng = any(s.kind == "rng" for s in signature.inputs)
+        self._index_guard = IndexGuard.of(traced.graph_name, traced.result.exported)
 
     @property
     def lowered(self) -> LoweredGraph:
@@ -178,9 +180,12 @@ class CompiledGraph:
     def run(self, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Run once: returns the user outputs (flat) and the loss, if build() called backward().
 
-        Tensors the kernels cannot read in place (misaligned views, other strides; see
-        inputs.py) are passed as copies; what the program writes back goes to the real tensors.
+        Index inputs out of range raise IndexOutOfRangeError first (index_guard.py). Tensors the
+        kernels cannot read in place (misaligned views, other strides; see inputs.py) are passed
+        as copies; what the program writes back goes to the real tensors.
         """
+        if self._index_guard is not None:
+            self._index_guard.check(flat_inputs)
         state = self.binder.tensors()
         rng = [_draw_seed(self.device)] if self._has_rng else []
         extra = self.training.inputs() if self.training is not None else []
