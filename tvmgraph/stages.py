@@ -29,6 +29,7 @@ from .config import GraphConfig, settings
 from .errors import DeviceMismatchError, StaleGraphError
 from .index_guard import IndexGuard
 from .inputs import runnable_all
+from .native_output import to_debug_log
 from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
@@ -68,7 +69,8 @@ class TracedGraph:
         autodiff and the optimizer update. Passes say what they did through `report`."""
         exported = lowering.decompose(self.result.exported)
         lowering.check_supported(exported, self.graph_name)
-        mod, sig = lowering.to_relax(exported, self.graph_name, self.result.has_backward)
+        with to_debug_log("import"):  # a failed import's BlockBuilder complains on stderr
+            mod, sig = lowering.to_relax(exported, self.graph_name, self.result.has_backward)
         layout = None
         if plan is not None:
             index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
