@@ -17,11 +17,11 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
 - `embedding`, `index_select`, `take`, `index.Tensor`, `gather`, `scatter`: the stock
   converters emit `take(mode="fast")` or unchecked gather/scatter kernels, which read or write
   outside the tensor for an index out of range (a segfault, or silent garbage) and, for
-  `x[idx]` and `take`, for a negative index too. Here every index is first mapped into the
-  tensor: negative values counted from the end where torch allows them (`x[idx]`, `take`),
-  then clamped. Index *inputs* out of range never get this far (index_guard.py raises
-  first); this keeps indices computed in the graph inside the tensor, in the forward kernels
-  and in take's gradient.
+  `x[idx]` and `take`, for a negative index too. Here take clamps (`clip`) where torch
+  refuses negative indices and wraps (`wrap`) where torch counts them from the end, and
+  gather/scatter indices are clamped before the kernel. Index *inputs* out of range never get
+  this far (index_guard.py raises first); this keeps indices computed in the graph inside the
+  tensor.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
@@ -157,34 +157,25 @@ def convolution(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax
     return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1, 1, 1))))
 
 
-def _static_size(x: relax.Expr, axis: int | None) -> int | None:
-    dims = list(x.ty.shape) if axis is None else [x.ty.shape[axis]]
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
-        return None
-    return math.prod(int(d) for d in dims)
+def _static_size(x: relax.Expr, axis: int) -> int | None:
+    size = x.ty.shape[axis]
+    return int(size) if isinstance(size, tvm.tirx.IntImm) else None
 
 
-def _in_range(bb: relax.BlockBuilder, index: relax.Expr, size: int | None, from_end: bool) -> relax.Expr:
-    """`index` mapped into `0..size - 1`: negative values counted from the end (`from_end`, as
-    torch's `x[idx]` does), then clamped. Done before `take` rather than by take's `mode`,
-    because take's gradient (`take_backward`) ignores the mode and would write outside the
-    gradient buffer."""
-    if size is None:  # symbolic size: only take's mode protects the forward kernel
-        return index
-    dtype = _dtype(index)
-    if from_end:
-        negative = bb.emit(relax.op.less(index, relax.const(0, dtype)))
-        shifted = bb.emit(relax.op.add(index, relax.const(size, dtype)))
-        index = bb.emit(relax.op.where(negative, shifted, index))
-    return bb.emit(relax.op.clip(index, 0, size - 1))
+def _clamped(bb: relax.BlockBuilder, index: relax.Expr, size: int | None) -> relax.Expr:
+    """`index` clamped into `0..size - 1` (left as it is for a symbolic size)."""
+    return index if size is None else bb.emit(relax.op.clip(index, 0, size - 1))
 
+
+# take's mode covers the forward kernel and, through tvmgraph's take gradient
+# (gradients/fixes.py), take_backward: `clip` where torch refuses negative indices, `wrap`
+# where it counts them from the end.
 
 def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """weight[ids], the ids clamped into the table (see the module docstring)."""
     bb = importer.block_builder
     weight, ids = importer.env[node.args[0]], importer.env[node.args[1]]
     flat = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(ids, "int32")), [-1]))
-    flat = _in_range(bb, flat, _static_size(weight, 0), from_end=False)
     rows = bb.emit(relax.op.take(weight, flat, axis=0, mode="clip"))
     if len(ids.ty.shape) == 1:
         return rows
@@ -193,18 +184,14 @@ def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
 
 def index_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """x.index_select(dim, index), the index clamped into x."""
-    bb = importer.block_builder
-    x, index = importer.env[node.args[0]], importer.env[node.args[2]]
-    dim = int(node.args[1]) % max(len(x.ty.shape), 1)
-    index = _in_range(bb, index, _static_size(x, dim), from_end=False)
-    return bb.emit(relax.op.take(x, index, axis=dim, mode="clip"))
+    x, dim, index = importer.env[node.args[0]], int(node.args[1]), importer.env[node.args[2]]
+    return importer.block_builder.emit(relax.op.take(x, index, axis=dim, mode="clip"))
 
 
 def take(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """torch.take(x, index) on the flattened x; negative indices count from the end."""
     bb = importer.block_builder
     x, index = importer.env[node.args[0]], importer.env[node.args[1]]
-    index = _in_range(bb, index, _static_size(x, None), from_end=True)
     flat = bb.emit(relax.op.reshape(x, [-1]))
     return bb.emit(relax.op.take(flat, index, axis=0, mode="wrap"))
 
@@ -216,11 +203,9 @@ def index_tensor(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     indexed = [(axis, index) for axis, index in enumerate(node.args[1]) if index is not None]
     if len(indexed) != 1:
         return importer._index_tensor(node)
-    bb = importer.block_builder
     axis, index = indexed[0]
     x = importer.env[node.args[0]]
-    index = _in_range(bb, importer.env[index], _static_size(x, axis), from_end=True)
-    return bb.emit(relax.op.take(x, index, axis=axis, mode="wrap"))
+    return importer.block_builder.emit(relax.op.take(x, importer.env[index], axis=axis, mode="wrap"))
 
 
 def clamped_index(stock: str) -> Converter:
@@ -234,7 +219,7 @@ def clamped_index(stock: str) -> Converter:
         x, index_node = importer.env[node.args[0]], node.args[2]
         size = _static_size(x, int(node.args[1]) % max(len(x.ty.shape), 1))
         index = importer.env[index_node]
-        importer.env[index_node] = _in_range(importer.block_builder, index, size, from_end=False)
+        importer.env[index_node] = _clamped(importer.block_builder, index, size)
         try:
             return stock_convert(node)
         finally:

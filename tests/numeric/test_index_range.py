@@ -96,8 +96,7 @@ class Lookup(nn.Module):
 
 
 def test_negative_indices_in_training_match_eager():
-    """The gradient of `table[idx]` with negative idx lands on the right rows (take's gradient
-    kernel ignores take's mode; the converter normalizes the indices first)."""
+    """The gradient of `table[idx]` with negative idx lands on the right rows, step after step."""
     model = Lookup()
     reference = copy.deepcopy(model)
     graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
