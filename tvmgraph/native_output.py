@@ -39,9 +39,13 @@ def to_debug_log(stage: str) -> Iterator[None]:
             if _depth > 1:
                 yield
                 return
+            try:
+                saved = os.dup(2)
+            except OSError:  # no fd 2 (a pythonw-like process): nothing to capture
+                yield
+                return
             with tempfile.TemporaryFile() as sink:
                 sys.stderr.flush()
-                saved = os.dup(2)
                 os.dup2(sink.fileno(), 2)
                 try:
                     yield
