@@ -200,7 +200,7 @@ def _plan(graph, traced):
 
 # ---- training ----
 
-def _side_by_side(model, make_batches, steps, eager_first=False):
+def _side_by_side(model, make_batches, steps, eager_first=False, tol=STEP_TOL):
     """Train `model` in a graph and a copy eagerly (SGD momentum, CE) on the same batches."""
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -224,9 +224,9 @@ def _side_by_side(model, make_batches, steps, eager_first=False):
         name, x, y = batches[step % len(batches)]
         loss = graph(x, y)
         ref_loss = eager(reference, ref_opt, x, y)
-        torch.testing.assert_close(loss, ref_loss, **STEP_TOL, msg=lambda m: f"step {step} ({name}): {m}")
+        torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"step {step} ({name}): {m}")
         for (key, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
-            torch.testing.assert_close(a, b, **STEP_TOL, msg=lambda m, k=key: f"step {step} ({name}) {k}: {m}")
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, k=key: f"step {step} ({name}) {k}: {m}")
     assert graph.num_compiled == 1
     return graph
 
@@ -261,3 +261,20 @@ def test_conv_training_channels_last_and_view_parameters():
     _side_by_side(model, batches, steps=6, eager_first=True)
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(flat[1:].view(5, 16), model[3].weight.detach())
+
+
+@pytest.mark.slow
+def test_cnn_training_on_batch_slices():
+    """The reported crash: a MobileNetV2-style CNN trained on slices `x[i:i + 60]`,
+    `y[i:i + 60]` of bigger tensors (most of them misaligned) trains like eager. (Over many
+    steps float32 rounding differences through batch norm grow past STEP_TOL.)"""
+    from tests.models import SmallCNN
+
+    images, labels = torch.randn(400, 1, 8, 8), _labels(400, 10)
+    starts = [7 * step for step in range(12)]
+    assert sum(labels[i:i + 60].data_ptr() % ALIGNMENT != 0 for i in starts) >= 10
+
+    def batches():
+        return [(f"slice {i}", images[i:i + 60], labels[i:i + 60]) for i in starts]
+
+    _side_by_side(SmallCNN(in_ch=1), batches, steps=12, tol=dict(atol=2e-4, rtol=1e-3))
