@@ -7,6 +7,10 @@ SGD momentum), prints the median time of a full `graph(...)` call, of the compil
 alone (the VM entry called with ready arguments: kernels plus VM dispatch), and the difference:
 tvmgraph's Python-side overhead per call (signature, argument flattening, parameter binding,
 optimizer state and hyperparameters, write-back).
+
+Then two costs of safety checks: the same inference call with an aligned input and with a
+misaligned view of one (which is copied first, tvmgraph/inputs.py), and, for an embedding over
+64 int64 ids, the share of a call spent checking the ids' range (tvmgraph/index_guard.py).
 """
 
 from __future__ import annotations
@@ -65,6 +69,19 @@ def main() -> None:
         program = median_us(lambda: entry._entry(*ready))
         print(f"{name:>9}: graph call {total:6.1f} us, compiled program alone {program:5.1f} us, "
               f"overhead {total - program:5.1f} us")
+
+    graph = Infer(nn.Linear(4, 4))
+    misaligned = torch.randn(17)[1:5].view(1, 4)  # a 4-byte offset view: copied before each call
+    graph(x)
+    aligned_us, misaligned_us = median_us(lambda: graph(x)), median_us(lambda: graph(misaligned))
+    print(f"{'layout':>9}: graph call with an aligned input {aligned_us:6.1f} us, with a misaligned view "
+          f"{misaligned_us:6.1f} us (copy {misaligned_us - aligned_us:5.1f} us)")
+
+    graph, ids = Infer(nn.Embedding(10, 4)), torch.randint(0, 10, (64,))
+    graph(ids)
+    guard = graph.compiled._index_guard
+    total, check = median_us(lambda: graph(ids)), median_us(lambda: guard.check([ids]))
+    print(f"{'index':>9}: embedding graph call {total:6.1f} us, of which the id range check {check:5.1f} us")
 
 
 if __name__ == "__main__":

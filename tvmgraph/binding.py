@@ -3,7 +3,9 @@
 The program takes every parameter and buffer as an argument. At each call `TensorBinder` reads
 them from the modules' own `_parameters`/`_buffers` dicts, so the program always sees what
 eager code sees: an in-place update (`p.data.mul_(2)`, `load_state_dict`) or a replaced
-Parameter object is picked up by the next call without recompiling, and nothing is copied.
+Parameter object is picked up by the next call without recompiling, and nothing is copied,
+unless a tensor's layout does not suit the kernels (a misaligned view, channels_last):
+`CompiledGraph.run` then passes a copy and writes updates back into the tensor (inputs.py).
 """
 
 from __future__ import annotations

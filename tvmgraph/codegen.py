@@ -20,6 +20,8 @@ import tvm
 from tvm import relax
 from tvm.relax import vm_build
 
+from .native_output import to_debug_log
+
 
 PARTS_PER_THREAD = 4
 
@@ -31,7 +33,13 @@ def _parts(tir_mod: tvm.IRModule, jobs: int) -> list[tvm.IRModule]:
 
 
 def build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | None = None) -> relax.VMExecutable:
-    """`tvm.compile(mod, target, relax_pipeline=None)`, with the kernels built in parallel."""
+    """`tvm.compile(mod, target, relax_pipeline=None)`, with the kernels built in parallel;
+    LLVM's and TVM's C++ warnings go to the debug log (native_output.py)."""
+    with to_debug_log("codegen"):
+        return _build_executable(mod, target, jobs)
+
+
+def _build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | None) -> relax.VMExecutable:
     jobs = jobs or os.cpu_count() or 1
     if jobs == 1 or "gpu" in target.keys:  # device modules keep TVM's single-module path
         return tvm.compile(mod, target=target, relax_pipeline=None)

@@ -14,6 +14,14 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   whole packed q/k/v projection then stayed alive until the end of the backward pass. Here it
   is a one-wide `strided_slice` (its gradient builds zeros from the static shape), squeezed;
   negative indices count from the end as in torch.
+- `embedding`, `index_select`, `take`, `index.Tensor`, `gather`, `scatter`: the stock
+  converters emit `take(mode="fast")` or unchecked gather/scatter kernels, which read or write
+  outside the tensor for an index out of range (a segfault, or silent garbage) and, for
+  `x[idx]` and `take`, for a negative index too. Here take clamps (`clip`) where torch
+  refuses negative indices and wraps (`wrap`) where torch counts them from the end, and
+  gather/scatter indices are clamped before the kernel. Index *inputs* out of range never get
+  this far (index_guard.py raises first); this keeps indices computed in the graph inside the
+  tensor.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
@@ -149,6 +157,77 @@ def convolution(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax
     return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1, 1, 1))))
 
 
+def _static_size(x: relax.Expr, axis: int) -> int | None:
+    size = x.ty.shape[axis]
+    return int(size) if isinstance(size, tvm.tirx.IntImm) else None
+
+
+def _clamped(bb: relax.BlockBuilder, index: relax.Expr, size: int | None) -> relax.Expr:
+    """`index` clamped into `0..size - 1` (left as it is for a symbolic size)."""
+    return index if size is None else bb.emit(relax.op.clip(index, 0, size - 1))
+
+
+# take's mode covers the forward kernel and, through tvmgraph's take gradient
+# (gradients/fixes.py), take_backward: `clip` where torch refuses negative indices, `wrap`
+# where it counts them from the end.
+
+def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """weight[ids], the ids clamped into the table (see the module docstring)."""
+    bb = importer.block_builder
+    weight, ids = importer.env[node.args[0]], importer.env[node.args[1]]
+    flat = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(ids, "int32")), [-1]))
+    rows = bb.emit(relax.op.take(weight, flat, axis=0, mode="clip"))
+    if len(ids.ty.shape) == 1:
+        return rows
+    return bb.emit(relax.op.reshape(rows, [*ids.ty.shape, weight.ty.shape[-1]]))
+
+
+def index_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x.index_select(dim, index), the index clamped into x."""
+    x, dim, index = importer.env[node.args[0]], int(node.args[1]), importer.env[node.args[2]]
+    return importer.block_builder.emit(relax.op.take(x, index, axis=dim, mode="clip"))
+
+
+def take(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """torch.take(x, index) on the flattened x; negative indices count from the end."""
+    bb = importer.block_builder
+    x, index = importer.env[node.args[0]], importer.env[node.args[1]]
+    flat = bb.emit(relax.op.reshape(x, [-1]))
+    return bb.emit(relax.op.take(flat, index, axis=0, mode="wrap"))
+
+
+def index_tensor(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x[..., index, ...] with one index tensor; negative indices count from the end, as in
+    torch (the stock `fast` take reads before the tensor's start). Several index tensors go to
+    the stock converter."""
+    indexed = [(axis, index) for axis, index in enumerate(node.args[1]) if index is not None]
+    if len(indexed) != 1:
+        return importer._index_tensor(node)
+    axis, index = indexed[0]
+    x = importer.env[node.args[0]]
+    return importer.block_builder.emit(relax.op.take(x, importer.env[index], axis=axis, mode="wrap"))
+
+
+def clamped_index(stock: str) -> Converter:
+    """The stock converter of `op(x, dim, index, ...)` (gather, scatter), its index clamped
+    into `x` first: TOPI's gather and scatter kernels do not check their indices."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        stock_convert = getattr(importer, stock)
+        if len(node.args) < 3 or not isinstance(node.args[2], torch.fx.Node):
+            return stock_convert(node)
+        x, index_node = importer.env[node.args[0]], node.args[2]
+        size = _static_size(x, int(node.args[1]) % max(len(x.ty.shape), 1))
+        index = importer.env[index_node]
+        importer.env[index_node] = _clamped(importer.block_builder, index, size)
+        try:
+            return stock_convert(node)
+        finally:
+            importer.env[index_node] = index
+
+    return convert
+
+
 def dropout(seed_node: torch.fx.Node | None, salts: dict[torch.fx.Node, int]) -> Converter:
     """`native_dropout(x, p, train)` -> (x * mask, mask != 0), the mask drawn in the graph
     (dropout.py); forward and backward are each one kernel."""
@@ -188,4 +267,11 @@ CONVERTERS: dict[str, Converter] = {
     "select.int": select,
     "convolution.default": convolution,
     "native_dropout.default": dropout(None, {}),  # placeholder entry; lower.py binds the seed
+    "embedding.default": embedding,
+    "index_select.default": index_select,
+    "take.default": take,
+    "index.Tensor": index_tensor,
+    "gather.default": clamped_index("_gather"),
+    "scatter.src": clamped_index("_scatter"),
+    "scatter.value": clamped_index("_scatter_value"),
 }

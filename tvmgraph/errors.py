@@ -97,3 +97,7 @@ class UnsupportedDeviceError(TvmGraphError, NotImplementedError):
 
 class PassError(TvmGraphError, RuntimeError):
     """A compiler pass the compile cannot do without failed (raised, or left an ill-formed module)."""
+
+
+class IndexOutOfRangeError(TvmGraphError, IndexError):
+    """An index input (token ids, labels, gather/scatter indices) holds a value out of range."""

@@ -278,9 +278,8 @@ class Graph:
         flat, args_tree = self._flatten_args(st, args)
         entry = self._entry_for(st, args_tree, flat)
         st.last = entry
-        inputs = [t if t.is_contiguous() else t.contiguous() for t in flat]
         try:
-            outputs = self._run(st, entry, inputs)
+            outputs = self._run(st, entry, flat)
         except StaleGraphError:
             # A tensor changed shape or dtype with no registration for the guard to see
             # (`model.double()`, `p.data = ...`); the program refused it at its entry, before
@@ -290,7 +289,7 @@ class Graph:
             if retry is entry:
                 raise
             entry = st.last = retry
-            outputs = self._run(st, entry, inputs)
+            outputs = self._run(st, entry, flat)
         if entry.training is not None:
             st.step += 1
             for _, scheduler in st.optimizers:

@@ -27,6 +27,9 @@ from .debug import logger
 from .binding import TensorBinder
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .errors import DeviceMismatchError, StaleGraphError
+from .index_guard import IndexGuard
+from .inputs import runnable_all
+from .native_output import to_debug_log
 from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
@@ -66,7 +69,8 @@ class TracedGraph:
         autodiff and the optimizer update. Passes say what they did through `report`."""
         exported = lowering.decompose(self.result.exported)
         lowering.check_supported(exported, self.graph_name)
-        mod, sig = lowering.to_relax(exported, self.graph_name, self.result.has_backward)
+        with to_debug_log("import"):  # a failed import's BlockBuilder complains on stderr
+            mod, sig = lowering.to_relax(exported, self.graph_name, self.result.has_backward)
         layout = None
         if plan is not None:
             index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
@@ -151,7 +155,7 @@ class CompiledGraph:
 
     __slots__ = ("traced", "plan", "signature", "train_layout", "lib", "target", "device", "binder",
                  "training", "_lowered", "optimized", "_entry", "_num_mutations", "_num_user_outputs",
-                 "_has_rng")
+                 "_has_rng", "_index_guard")
 
     def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, signature: lowering.LoweredSignature,
                  train_layout: TrainStepLayout | None, lib: tvm.runtime.Module | relax.VMExecutable,
@@ -174,6 +178,7 @@ class CompiledGraph:
         self._num_mutations = len(signature.mutations)
         self._num_user_outputs = signature.num_user_outputs
         self._has_rng = any(s.kind == "rng" for s in signature.inputs)
+        self._index_guard = IndexGuard.of(traced.graph_name, traced.result.exported)
 
     @property
     def lowered(self) -> LoweredGraph:
@@ -193,12 +198,22 @@ class CompiledGraph:
         return {"signature": self.signature, "train_layout": self.train_layout, "target": str(self.target)}
 
     def run(self, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Run once: returns the user outputs (flat) and the loss, if build() called backward()."""
+        """Run once: returns the user outputs (flat) and the loss, if build() called backward().
+
+        Index inputs out of range raise IndexOutOfRangeError first (index_guard.py). Tensors the
+        kernels cannot read in place (misaligned views, other strides; see inputs.py) are passed
+        as copies; what the program writes back goes to the real tensors.
+        """
+        if self._index_guard is not None:
+            self._index_guard.check(flat_inputs)
         state = self.binder.tensors()
         rng = [_draw_seed(self.device)] if self._has_rng else []
         extra = self.training.inputs() if self.training is not None else []
+        inputs, _ = runnable_all(flat_inputs)
+        passed_state, copied = runnable_all(state, thorough=False)
+        passed_extra, _ = runnable_all(extra, thorough=False)
         try:
-            results = self._entry(*flat_inputs, *rng, *state, *extra)
+            results = self._entry(*inputs, *rng, *passed_state, *passed_extra)
         except Exception:  # the VM raises plain errors; say which tensor is at fault
             self._diagnose(state)
             raise
@@ -208,7 +223,7 @@ class CompiledGraph:
         user = list(results[n_mut:n_mut + n_user])
         loss = results[n_mut + n_user] if self.signature.has_loss else None
         if self.training is not None:
-            self.training.write_back(results[n_mut + n_user + 1:])
+            self.training.write_back(results[n_mut + n_user + 1:], {id(state[i]) for i in copied})
         return user, loss
 
     def _write_back(self, flat_inputs: Sequence[torch.Tensor], state: list[torch.Tensor], new_values) -> None:

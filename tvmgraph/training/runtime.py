@@ -10,7 +10,7 @@ values and state. Parameters keep their identity: only `.data` is swapped for th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -49,12 +49,20 @@ class TrainingBinding:
             hypers.append(torch.tensor(values, dtype=torch.float32, device=self.device))
         return states + hypers
 
-    def write_back(self, results: Sequence[torch.Tensor]) -> None:
-        """Store `new_params..., new_states...` (the tail of train_step's results)."""
+    def write_back(self, results: Sequence[torch.Tensor], copied: Collection[int] = ()) -> None:
+        """Store `new_params..., new_states...` (the tail of train_step's results).
+
+        `copied` holds the `id`s of parameters the program was given a copy of (a misaligned
+        view, channels_last: see inputs.py); their new values are copied into them, keeping
+        their storage and layout, as torch's in-place optimizer step does.
+        """
         params = [p for g in self.plan.groups for p in g.params]
         new_params, new_states = results[:len(params)], results[len(params):]
         for param, value in zip(params, new_params):
-            if value.data_ptr() != param.data_ptr():  # not updated in place
+            if id(param) in copied:
+                with torch.no_grad():
+                    param.copy_(value)
+            elif value.data_ptr() != param.data_ptr():  # not updated in place
                 param.data = value
         cursor = 0
         for group in self.plan.groups:

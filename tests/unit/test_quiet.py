@@ -1,0 +1,52 @@
+"""A compile prints nothing at default verbosity: TVM's C++ warnings ("Unknown pragma
+pragma_scope" in a cross-entropy training step, "Fast mode segfaults..." for embeddings,
+"BlockBuilder destroyed with remaining blocks!" after a failed import) go to the debug log
+(tvmgraph/native_output.py) or no longer happen (converters.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import ModuleGraph, TrainGraph
+from tvmgraph import artifact
+from tvmgraph.errors import UnsupportedOpError
+
+
+@pytest.fixture(autouse=True)
+def _always_compile(monkeypatch):
+    # A compiled-cache hit would skip code generation, and with it what this file checks.
+    monkeypatch.setattr(artifact, "compiled_cache", lambda: None)
+
+
+def test_cross_entropy_training_compile_prints_nothing(capfd, caplog):
+    """Code generation's "Unknown pragma pragma_scope" (TOPI's scatter kernel, the gradient of
+    gather) reaches the debug log, not stderr."""
+    model = nn.Linear(7, 3)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    with caplog.at_level(logging.DEBUG, logger="tvmgraph"):
+        graph(torch.randn(5, 7), torch.tensor([0, 2, 1, 2, 0]))
+    assert capfd.readouterr() == ("", "")
+    assert any("TVM (codegen)" in r.getMessage() and "pragma_scope" in r.getMessage() for r in caplog.records)
+
+
+def test_embedding_compile_prints_nothing(capfd):
+    """Embedding lowers to a clamped take, not TVM's `fast` one and its segfault warning."""
+    graph = ModuleGraph(nn.Sequential(nn.Embedding(11, 3), nn.Linear(3, 2)))
+    graph(torch.tensor([[1, 10], [0, 4]]))
+    assert capfd.readouterr() == ("", "")
+
+
+def test_failed_import_prints_nothing(capfd):
+    """A converter that refuses an op leaves a half-built Relax function behind; its
+    BlockBuilder's complaint when freed goes to the debug log."""
+    graph = ModuleGraph(nn.Conv1d(2, 3, 3).double())
+    with pytest.raises(UnsupportedOpError, match="1-D convolution in float64"):
+        graph(torch.randn(1, 2, 8, dtype=torch.float64))
+    gc.collect()
+    assert capfd.readouterr() == ("", "")
