@@ -17,6 +17,7 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
+- pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch
 import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+from . import converters_nn
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -189,3 +192,4 @@ CONVERTERS: dict[str, Converter] = {
     "convolution.default": convolution,
     "native_dropout.default": dropout(None, {}),  # placeholder entry; lower.py binds the seed
 }
+CONVERTERS.update(converters_nn.CONVERTERS)

@@ -73,7 +73,10 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
     with warnings.catch_warnings():
         # torch 2.13 deep-copies its own pytree specs here and warns about itself.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        return exported.run_decompositions()
+        table = torch.export.default_decompositions()
+        # Kept whole: its decomposition has a NaN gradient on fully masked rows (converters_nn.py).
+        table.pop(torch.ops.aten._safe_softmax.default)
+        return exported.run_decompositions(table)
 
 
 def op_key(node: torch.fx.Node) -> str:
