@@ -18,7 +18,8 @@ ones give silently wrong numbers (each found against torch eager; tests/numeric/
 - `upsample_nearest2d`: the stock converter rounds half-pixel centres (`nearest-exact`); torch's
   `nearest` takes `floor(dst * in / out)` in float32. Here it is two `take`s with those indices.
 - `native_layer_norm`, `native_group_norm`: the stock converters return only the normalized
-  output, so the saved mean and rstd (outputs 1 and 2) were that output again.
+  output, so the saved mean and rstd (outputs 1 and 2) were that output again; a group norm
+  without weight or bias crashed.
 - `_safe_softmax` (kept whole by lowering.decompose): torch's decomposition has a NaN gradient
   on fully masked rows.
 - `_native_batch_norm_legit_no_training` in float16/bfloat16: the stock result is float32.
@@ -217,12 +218,9 @@ def upsample_bilinear2d_aa(node: torch.fx.Node, importer: ExportedProgramImporte
     x = importer.env[node.args[0]]
     size = _arg(node, 1, "output_size", None)
     align_corners = bool(_arg(node, 2, "align_corners", False))
-    scales = _arg(node, 3, "scale_factors", None)
+    scale_h, scale_w = _arg(node, 3, "scales_h", None), _arg(node, 4, "scales_w", None)
     in_h, in_w = _static_shape(x, "interpolate(antialias=True)")[-2:]
-    if size is None:
-        size = [int(math.floor(in_h * scales[0])), int(math.floor(in_w * scales[1]))]
     dtype = x.ty.dtype.dtype
-    scale_h, scale_w = (scales[0], scales[1]) if scales is not None else (None, None)
     wh = _aa_weights(in_h, int(size[0]), align_corners, scale_h)
     ww = _aa_weights(in_w, int(size[1]), align_corners, scale_w)
     rows = bb.emit(relax.op.matmul(x, relax.const(ww.T.astype(dtype)), out_dtype=dtype))
@@ -289,8 +287,13 @@ def native_group_norm(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     """(out, mean, rstd), mean and rstd of shape (N, groups), computed only when used."""
     bb = importer.block_builder
     x = importer.env[node.args[0]]
-    n, groups, eps = int(node.args[3]), int(node.args[6]), float(node.args[7])
-    out = importer._native_group_norm(node)
+    n, channels, groups, eps = int(node.args[3]), int(node.args[4]), int(node.args[6]), float(node.args[7])
+    dtype = x.ty.dtype.dtype
+    # The stock converter passes a missing weight or bias on as a null argument (a crash later).
+    gamma, beta = (importer.env[a] if a is not None else relax.const(np.full(channels, fill, dtype=dtype))
+                   for a, fill in ((node.args[1], 1.0), (node.args[2], 0.0)))
+    out = bb.emit(relax.op.nn.group_norm(x, gamma, beta, num_groups=groups, channel_axis=1,
+                                         axes=list(range(2, x.ty.ndim)), epsilon=eps))
     mean = rstd = out
     if _output_used(node, 1) or _output_used(node, 2):
         grouped = bb.emit(relax.op.reshape(x, (n, groups, -1)))
