@@ -69,6 +69,13 @@ def _output_used(node: torch.fx.Node, index: int) -> bool:
 
 # ---- pooling ----
 
+def _window(node: torch.fx.Node, rank: int) -> tuple[list[int], list[int], list[int]]:
+    """kernel, stride (the kernel when empty, as in aten) and padding of a pooling node."""
+    kernel = _per_dim(node.args[1], rank, 1)
+    stride = _arg(node, 2, "stride", None)
+    return kernel, _per_dim(stride, rank, 1) if stride else kernel, _per_dim(_arg(node, 3, "padding", 0), rank, 0)
+
+
 def _pool_indices(x: te.Tensor, values: te.Tensor, kernel: list[int], stride: list[int],
                   padding: list[int], dilation: list[int]) -> te.Tensor:
     """torch's max-pool indices: the flat offset in the input plane of each window's first max.
@@ -101,9 +108,7 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
     bb = importer.block_builder
     rank = 3 if node.target.__name__.startswith("max_pool3d") else 2
     x = importer.env[node.args[0]]
-    kernel = _per_dim(node.args[1], rank, 1)
-    stride = _per_dim(_arg(node, 2, "stride", None), rank, 0) if _arg(node, 2, "stride", None) else kernel
-    padding = _per_dim(_arg(node, 3, "padding", 0), rank, 0)
+    kernel, stride, padding = _window(node, rank)
     dilation = _per_dim(_arg(node, 4, "dilation", 1), rank, 1)
     ceil_mode = bool(_arg(node, 5, "ceil_mode", False))
     unbatched = x.ty.ndim == rank + 1
@@ -111,14 +116,15 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
     pool = relax.op.nn.max_pool2d if rank == 2 else relax.op.nn.max_pool3d
     values = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=padding, dilation=dilation,
                           ceil_mode=ceil_mode, layout="NCHW" if rank == 2 else "NCDHW"))
-    indices = values
+    indices = None
     if _output_used(node, 1):
         _static_shape(data, f"max_pool{rank}d indices")
         indices = bb.emit_te(_pool_indices, data, values, kernel, stride, padding, dilation)
     if unbatched:
         values = bb.emit(relax.op.squeeze(values, axis=[0]))
-        indices = bb.emit(relax.op.squeeze(indices, axis=[0])) if indices is not values else values
-    return bb.emit(relax.Tuple([values, indices]))
+        indices = bb.emit(relax.op.squeeze(indices, axis=[0])) if indices is not None else None
+    # Unused indices are never computed; the tuple still needs a second field.
+    return bb.emit(relax.Tuple([values, indices if indices is not None else values]))
 
 
 def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -135,9 +141,7 @@ def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
         return importer._avg_pool2d(node) if rank == 2 else importer._avg_pool3d(node)
     bb = importer.block_builder
     x = importer.env[node.args[0]]
-    kernel = _per_dim(node.args[1], rank, 1)
-    stride = _per_dim(_arg(node, 2, "stride", None), rank, 0) if _arg(node, 2, "stride", None) else kernel
-    padding = _per_dim(_arg(node, 3, "padding", 0), rank, 0)
+    kernel, stride, padding = _window(node, rank)
     count_include_pad = bool(_arg(node, 5, "count_include_pad", True))
     size = _static_shape(x, f"avg_pool{rank}d")[-rank:]
     out_size = [_pool_size(*dims, ceil_mode) for dims in zip(size, padding, kernel, stride)]
