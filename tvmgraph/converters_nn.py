@@ -329,25 +329,65 @@ def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     return bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(normalized, 0)), dtype))
 
 
+_SCORE_PATH = {"view.default", "_unsafe_view.default", "expand.default", "clone.default", "mul.Tensor",
+               "mul.Scalar", "div.Tensor", "div.Scalar"}
+_MATMULS = {"bmm.default", "mm.default", "matmul.default"}
+
+
+def _from_matmul(node: object) -> bool:
+    """Whether an fx value is a matmul's result through views and scales (finite scores)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if name in _MATMULS:
+            return True
+        if name not in _SCORE_PATH:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _empty_rows(bb: relax.BlockBuilder, x: relax.Expr, dim: int) -> relax.Expr:
+    """Rows of `x` along `dim` (negative) that are all -inf, keepdims; elementwise where `x`
+    lacks `dim` (it broadcasts along it)."""
+    neg_inf = relax.const(-math.inf, x.ty.dtype.dtype)
+    if x.ty.ndim + dim < 0:
+        return bb.emit(relax.op.equal(x, neg_inf))
+    # Not max(x) == -inf: TVM's max starts from the lowest finite value, so an all -inf row's
+    # max is -FLT_MAX.
+    finite = relax.op.astype(relax.op.not_equal(x, neg_inf), "int32")
+    return bb.emit(relax.op.equal(relax.op.max(finite, axis=[dim], keepdims=True), relax.const(0, "int32")))
+
+
 def safe_softmax(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """`_safe_softmax` (attention with a boolean mask): softmax, 0 on rows that are all -inf.
+    """`_safe_softmax` (torch attention): softmax, 0 on rows that are all -inf.
 
     torch's decomposition computes the NaN softmax of such a row and then replaces it by 0; its
-    gradient (0 times NaN) is NaN and reaches q and k through the additive mask. Here the row is
-    zeroed before the softmax as well, so nothing is NaN.
+    gradient (0 times NaN) is NaN and reaches q and k through the additive mask. Here no softmax
+    row is all -inf: for `scores + mask` (SDPA with a mask) the mask's all -inf rows become 0
+    before the add, which keeps the attention's shape for RecomputeAttention; any other input
+    that is not plain scores has its empty rows zeroed before the softmax.
     """
     bb = importer.block_builder
-    x = importer.env[node.args[0]]
-    dim = int(node.args[1])
+    arg = node.args[0]
+    x = importer.env[arg]
+    dim = int(node.args[1]) % x.ty.ndim - x.ty.ndim
     dtype = _arg(node, 2, "dtype", None)
     if dtype is not None:
         x = bb.emit(relax.op.astype(x, str(dtype).removeprefix("torch.")))
     zero = relax.const(0.0, x.ty.dtype.dtype)
-    # Not max(x) == -inf: TVM's max starts from the lowest finite value, so an all -inf row's
-    # max is -FLT_MAX.
-    finite = relax.op.astype(relax.op.not_equal(x, relax.const(-math.inf, x.ty.dtype.dtype)), "int32")
-    empty = bb.emit(relax.op.equal(relax.op.max(finite, axis=[dim], keepdims=True), relax.const(0, "int32")))
-    probs = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.where(empty, zero, x)), axis=dim))
+    is_add = isinstance(arg, torch.fx.Node) and getattr(arg.target, "__name__", "") == "add.Tensor"
+    masked_scores = is_add and _from_matmul(arg.args[0]) and isinstance(arg.args[1], torch.fx.Node) \
+        and importer.env[arg.args[1]].ty.dtype.dtype == x.ty.dtype.dtype
+    if dtype is None and _from_matmul(arg):
+        empty, logits = _empty_rows(bb, x, dim), x
+    elif dtype is None and masked_scores:
+        mask = importer.env[arg.args[1]]
+        empty = _empty_rows(bb, mask, dim)
+        logits = bb.emit(relax.op.add(importer.env[arg.args[0]], bb.emit(relax.op.where(empty, zero, mask))))
+    else:
+        empty = _empty_rows(bb, x, dim)
+        logits = bb.emit(relax.op.where(empty, zero, x))
+    probs = bb.emit(relax.op.nn.softmax(logits, axis=dim))
     return bb.emit(relax.op.where(empty, zero, probs))
 
 

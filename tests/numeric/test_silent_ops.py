@@ -8,6 +8,7 @@ op's input: SGD with lr=1 makes the update equal the gradient of `sum(op(x) * w)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -45,6 +46,10 @@ def _quarter_grid() -> torch.Tensor:
 def _bool_mask() -> torch.Tensor:
     # Row 1 is fully masked: SDPA must give zeros there (torch's _safe_softmax), not NaN.
     return torch.tensor([[True, False, True, True], [False] * 4, [True, True, False, False], [True] * 4])
+
+
+def _float_mask() -> torch.Tensor:
+    return torch.zeros(1, 2, 4, 4).masked_fill(~_bool_mask(), float("-inf"))
 
 
 def x4() -> torch.Tensor:
@@ -200,6 +205,10 @@ GRADIENTS = [
                  id="max_pool1d-ties"),
     pytest.param(lambda x: F.scaled_dot_product_attention(x, x * 0.5, x, attn_mask=_bool_mask()),
                  lambda: torch.randn(1, 2, 4, 8), id="_safe_softmax-sdpa-masked_row"),
+    pytest.param(lambda x: F.scaled_dot_product_attention(x, x * 0.5, x, attn_mask=_float_mask()),
+                 lambda: torch.randn(1, 2, 4, 8), id="_safe_softmax-sdpa-float_mask"),
+    pytest.param(lambda x: torch.ops.aten._safe_softmax(x.masked_fill(~_bool_mask(), float("-inf")), -1),
+                 lambda: torch.randn(4, 4), id="_safe_softmax-masked_fill"),
     pytest.param(lambda x: torch.ops.aten._safe_softmax(x, -1), lambda: torch.randn(3, 4), id="_safe_softmax"),
     pytest.param(lambda x: F.interpolate(x, size=(4, 5), mode="bilinear", antialias=True), x4,
                  id="upsample_bilinear2d_aa"),
@@ -220,4 +229,24 @@ def test_gradient_matches_eager(fn: Callable, make_x: Callable) -> None:
     (fn(leaf) * w).sum().backward()
     model = OpOfParameter(fn, x)
     SGDStep(model)(w)
+    assert_close(x - model.x.detach(), leaf.grad)
+
+
+def test_masked_attention_still_recomputed(caplog: pytest.LogCaptureFixture) -> None:
+    """The NaN-free `_safe_softmax` keeps SDPA with a mask in the shape RecomputeAttention
+    matches (scores + mask -> softmax -> matmul): the pass still fires, and the gradient
+    (fully masked row included) matches eager."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(x, x * 0.5, x, attn_mask=_bool_mask())
+
+    x = torch.randn(1, 2, 4, 6)  # not test_gradient_matches_eager's shape: a compiled-cache hit logs no pass
+    w = torch.randn_like(fn(x))
+    leaf = x.clone().requires_grad_()
+    (fn(leaf) * w).sum().backward()
+    model = OpOfParameter(fn, x)
+    graph = SGDStep(model)
+    graph.debug(1)
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        graph(w)
+    assert "RecomputeAttention: 1 attention(s) recomputed in the backward pass" in caplog.text
     assert_close(x - model.x.detach(), leaf.grad)
