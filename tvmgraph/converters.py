@@ -6,6 +6,7 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
 - `_native_batch_norm_legit_functional` (batch norm in train mode): the stock converter returns
   zeros for the updated running variance. Here the running statistics follow torch exactly:
   `running = (1 - momentum) * running + momentum * batch_stat`, with the unbiased variance.
+  float16/bfloat16 inputs are normalized in float32 and cast back (the stock result is float32).
 - `native_dropout`: the stock converter drops dropout even in train mode; here it draws a mask
   (see dropout.py).
 - `select` (`x[i]`, `x.select(dim, i)`): the stock converter emits `take(mode="fast")`, whose
@@ -25,6 +26,7 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
+- pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import torch
 import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+from . import converters_nn
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -53,11 +57,17 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     bb = importer.block_builder
     x = importer.env[node.args[0]]
     shape = [int(d) for d in x.ty.shape]
-    dtype = x.ty.dtype.dtype
+    x_dtype = x.ty.dtype.dtype
     channels = shape[1]
     weight, bias, running_mean, running_var = (
         importer.env.get(a) if a is not None else None for a in node.args[1:5]
     )
+    stats_dtype = running_mean.ty.dtype.dtype if running_mean is not None else x_dtype
+    if x_dtype in ("float16", "bfloat16"):  # computed in float32, as torch does
+        x, weight, bias, running_mean, running_var = (
+            bb.emit(relax.op.astype(v, "float32")) if v is not None else None
+            for v in (x, weight, bias, running_mean, running_var))
+    dtype = x.ty.dtype.dtype
     training = _arg(node, 5, "training", True)
     momentum = float(_arg(node, 6, "momentum", 0.1))
     eps = float(_arg(node, 7, "eps", 1e-5))
@@ -75,6 +85,8 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
         )
     )
     out = bb.emit(relax.TupleGetItem(normalized, 0))
+    if x_dtype != dtype:
+        out = bb.emit(relax.op.astype(out, x_dtype))
     axes = [0, *range(2, len(shape))]
     count = math.prod(shape[a] for a in axes)
     mean = bb.emit(relax.op.mean(x, axis=axes))
@@ -88,6 +100,8 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     unbiased = count / (count - 1) if count > 1 else 1.0
     new_mean = blend(running_mean, mean, 1.0)
     new_var = blend(running_var, var, unbiased)
+    if stats_dtype != dtype:
+        new_mean, new_var = (bb.emit(relax.op.astype(v, stats_dtype)) for v in (new_mean, new_var))
     return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
 
 
@@ -275,3 +289,4 @@ CONVERTERS: dict[str, Converter] = {
     "scatter.src": clamped_index("_scatter"),
     "scatter.value": clamped_index("_scatter_value"),
 }
+CONVERTERS.update(converters_nn.CONVERTERS)

@@ -9,7 +9,9 @@ Steps, in order:
      (stale as soon as the eager module changes them) and would drop buffer mutations such as
      batch-norm running statistics. Inputs keep this order: user inputs, parameters, buffers,
      constants; `LoweredSignature` records where each one comes from and which outputs are
-     mutations to write back;
+     mutations to write back. A parameter reached by several paths (weight tying, one module
+     registered twice) is one input, named by its first path: torch.export lifts it once per
+     path, and as separate inputs its gradient would be split between them;
   4. import with `from_exported_program`, using tvmgraph's own converters where the stock ones
      are wrong for training (see converters.py).
 """
@@ -71,7 +73,10 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
     with warnings.catch_warnings():
         # torch 2.13 deep-copies its own pytree specs here and warns about itself.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        return exported.run_decompositions()
+        table = torch.export.default_decompositions()
+        # Kept whole: its decomposition has a NaN gradient on fully masked rows (converters_nn.py).
+        table.pop(torch.ops.aten._safe_softmax.default)
+        return exported.run_decompositions(table)
 
 
 def op_key(node: torch.fx.Node) -> str:
@@ -127,12 +132,37 @@ def _add_rng_input(exported: torch.export.ExportedProgram) -> tuple[torch.fx.Nod
     return seed, {node: salt for salt, node in enumerate(dropouts)}
 
 
-def _plain_signature(exported: torch.export.ExportedProgram, seed: torch.fx.Node | None) -> tuple[ExportGraphSignature, LoweredSignature]:
+def _merge_tied_parameters(exported: torch.export.ExportedProgram) -> set[str]:
+    """Make every use of a parameter lifted under several paths read its first path's input.
+
+    Returns the placeholder names dropped. The first path is the one `named_parameters()`
+    reports (both walk the modules in the same order), so the training plan finds it.
+    """
+    placeholders = {n.name: n for n in exported.graph.find_nodes(op="placeholder")}
+    first: dict[int, torch.fx.Node] = {}
+    dropped = set()
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind != InputKind.PARAMETER or spec.target not in exported.state_dict:
+            continue
+        node = placeholders[spec.arg.name]
+        key = id(exported.state_dict[spec.target])
+        if key not in first:
+            first[key] = node
+            continue
+        node.replace_all_uses_with(first[key])
+        exported.graph.erase_node(node)
+        dropped.add(spec.arg.name)
+    return dropped
+
+
+def _plain_signature(exported: torch.export.ExportedProgram, seed: torch.fx.Node | None,
+                     dropped: set[str] = frozenset()) -> tuple[ExportGraphSignature, LoweredSignature]:
     """Every input becomes a user input (user inputs first, then the rng seed if any), every
-    output a user output."""
+    output a user output; inputs named in `dropped` are left out."""
     kind_names = {InputKind.USER_INPUT: "user", InputKind.PARAMETER: "parameter",
                   InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
-    specs = sorted(exported.graph_signature.input_specs, key=lambda s: _INPUT_ORDER[s.kind])
+    specs = sorted((s for s in exported.graph_signature.input_specs if s.arg.name not in dropped),
+                   key=lambda s: _INPUT_ORDER[s.kind])
     sources, inputs = [], []
     for spec in specs:
         if spec.kind not in kind_names:
@@ -172,7 +202,8 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     such as the result of `decompose`.
     """
     seed, salts = _add_rng_input(exported)
-    plain_sig, lowered_sig = _plain_signature(exported, seed)
+    dropped = _merge_tied_parameters(exported)
+    plain_sig, lowered_sig = _plain_signature(exported, seed, dropped)
     exported._graph_signature = plain_sig
     exported._constants = {}  # constants are inputs now; nothing is bound into the module
     convert_map = dict(converters.CONVERTERS, **{"native_dropout.default": converters.dropout(seed, salts)})

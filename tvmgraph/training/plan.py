@@ -72,7 +72,9 @@ class TrainingPlan:
     def build(graph_name: str, optimizers: list[tuple[torch.optim.Optimizer, object]],
               named_parameters: list[tuple[str, torch.nn.Parameter]],
               recompute_attention: bool = True) -> TrainingPlan:
-        path_of = {id(p): path for path, p in named_parameters}
+        path_of: dict[int, str] = {}
+        for path, p in named_parameters:  # a shared parameter goes by its first path, as in lowering
+            path_of.setdefault(id(p), path)
         plan = TrainingPlan(lr_schedulers=[s for _, s in optimizers if s is not None],
                             recompute_attention=recompute_attention)
         seen: dict[int, str] = {}

@@ -1,0 +1,406 @@
+"""Converters for pooling, interpolation, normalization and grid sampling, where TVM 0.27's stock
+ones give silently wrong numbers (each found against torch eager; tests/numeric/test_silent_ops.py).
+
+- `max_pool{2,3}d_with_indices` (also `max_pool1d`, which decomposes to the 2-D op): the stock
+  converter returns float zeros as the indices. Here they are int64 and point, as in torch, at
+  the first maximum of each window, counted in the flattened input plane (a window holding
+  NaN points at its first NaN, torch at its last).
+- `avg_pool{2,3}d` with `divisor_override` or `ceil_mode`: the stock converter ignores
+  `divisor_override` (divides by the window size), and TVM's gradient of a ceil-mode pool
+  divides the clipped last windows wrongly. Here both are a floor-mode window sum times
+  torch's divisors (a constant map).
+- `grid_sampler_2d`: TVM's `grid_sample` reads the grid as (N, 2, H, W), torch's is
+  (N, H, W, 2); the stock converter passes it unchanged (wrong shape and values). Bicubic is
+  refused (TVM's cubic kernel differs from torch's).
+- `_upsample_bilinear2d_aa` (`interpolate(..., antialias=True)`): the stock converter drops the
+  anti-aliasing. Here it is torch's separable triangle filter, written as two matmuls with
+  constant weight matrices (so its gradient is the transposed matmuls).
+- `upsample_nearest2d`: the stock converter rounds half-pixel centres (`nearest-exact`); torch's
+  `nearest` takes `floor(dst * in / out)` in float32. Here it is two `take`s with those indices.
+- `native_layer_norm`, `native_group_norm`: the stock converters return only the normalized
+  output, so the saved mean and rstd (outputs 1 and 2) were that output again; a group norm
+  without weight or bias crashed.
+- `_safe_softmax` (kept whole by lowering.decompose): torch's decomposition has a NaN gradient
+  on fully masked rows.
+- `_native_batch_norm_legit_no_training` in float16/bfloat16: the stock result is float32.
+  Here it computes in float32 (as torch does) and returns the input's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+import torch
+import tvm
+from tvm import relax, te
+from tvm import tirx as tir
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+_HALF = ("float16", "bfloat16")
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: object) -> object:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _static_shape(expr: relax.Expr, what: str) -> list[int]:
+    shape = expr.ty.shape
+    if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
+        raise NotImplementedError(f"{what} needs a static input shape, got {shape}")
+    return [int(d) for d in shape]
+
+
+def _per_dim(value: object, rank: int, default: int) -> list[int]:
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        return [default] * rank
+    if isinstance(value, int):
+        return [value] * rank
+    values = [int(v) for v in value]
+    return values * rank if len(values) == 1 else values
+
+
+def _output_used(node: torch.fx.Node, index: int) -> bool:
+    return any(u.target is operator.getitem and u.args[1] == index for u in node.users)
+
+
+# ---- pooling ----
+
+def _window(node: torch.fx.Node, rank: int) -> tuple[list[int], list[int], list[int]]:
+    """kernel, stride (the kernel when empty, as in aten) and padding of a pooling node."""
+    kernel = _per_dim(node.args[1], rank, 1)
+    stride = _arg(node, 2, "stride", None)
+    return kernel, _per_dim(stride, rank, 1) if stride else kernel, _per_dim(_arg(node, 3, "padding", 0), rank, 0)
+
+
+def _pool_indices(x: te.Tensor, values: te.Tensor, kernel: list[int], stride: list[int],
+                  padding: list[int], dilation: list[int]) -> te.Tensor:
+    """torch's max-pool indices: the flat offset in the input plane of each window's first max.
+
+    A plain min-reduction over the positions holding the window's max (`values`); a tuple
+    (argmax) reducer came out wrong under the default CPU schedules.
+    """
+    rank = len(kernel)
+    spatial = [int(d) for d in x.shape[-rank:]]
+    axes = [te.reduce_axis((0, k), name=f"r{d}") for d, k in enumerate(kernel)]
+    none = tir.const(np.iinfo(np.int64).max, "int64")
+
+    def compute(*index):
+        batch, out = index[:-rank], index[-rank:]
+        pos = [out[d] * stride[d] - padding[d] + axes[d] * dilation[d] for d in range(rank)]
+        valid = tir.all(*[tir.all(p >= 0, p < spatial[d]) for d, p in enumerate(pos)])
+        flat = tir.Cast("int64", pos[0])
+        for d in range(1, rank):
+            flat = flat * spatial[d] + pos[d]
+        clamped = [tir.max(tir.min(p, spatial[d] - 1), 0) for d, p in enumerate(pos)]
+        value, best = x(*batch, *clamped), values(*index)
+        hit = tir.all(valid, tir.any(value == best, tir.all(tir.isnan(value), tir.isnan(best))))
+        return te.min(tir.Select(hit, flat, none), axis=axes)
+
+    return te.compute(values.shape, compute, name="max_pool_indices")
+
+
+def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(values, int64 indices) of `max_pool{2,3}d_with_indices`; the indices kernel only when used."""
+    bb = importer.block_builder
+    rank = 3 if node.target.__name__.startswith("max_pool3d") else 2
+    x = importer.env[node.args[0]]
+    kernel, stride, padding = _window(node, rank)
+    dilation = _per_dim(_arg(node, 4, "dilation", 1), rank, 1)
+    ceil_mode = bool(_arg(node, 5, "ceil_mode", False))
+    unbatched = x.ty.ndim == rank + 1
+    data = bb.emit(relax.op.expand_dims(x, axis=0)) if unbatched else x
+    pool = relax.op.nn.max_pool2d if rank == 2 else relax.op.nn.max_pool3d
+    values = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=padding, dilation=dilation,
+                          ceil_mode=ceil_mode, layout="NCHW" if rank == 2 else "NCDHW"))
+    indices = None
+    if _output_used(node, 1):
+        _static_shape(data, f"max_pool{rank}d indices")
+        indices = bb.emit_te(_pool_indices, data, values, kernel, stride, padding, dilation)
+    if unbatched:
+        values = bb.emit(relax.op.squeeze(values, axis=[0]))
+        indices = bb.emit(relax.op.squeeze(indices, axis=[0])) if indices is not None else None
+    # Unused indices are never computed; the tuple still needs a second field.
+    return bb.emit(relax.Tuple([values, indices if indices is not None else values]))
+
+
+def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`avg_pool{2,3}d`; with `ceil_mode` or `divisor_override`, a window sum times a constant map.
+
+    The sum is a floor-mode, count-include-pad pool over an input padded far enough for the
+    ceil-mode windows (every window is then divided by its full size, undone by the map), so
+    that its gradient is TVM's floor-mode one, which is right; the ceil-mode one is not.
+    """
+    rank = 3 if node.target.__name__.startswith("avg_pool3d") else 2
+    ceil_mode = bool(_arg(node, 4, "ceil_mode", False))
+    divisor = _arg(node, 6, "divisor_override", None)
+    if divisor is None and not ceil_mode:
+        return importer._avg_pool2d(node) if rank == 2 else importer._avg_pool3d(node)
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    kernel, stride, padding = _window(node, rank)
+    count_include_pad = bool(_arg(node, 5, "count_include_pad", True))
+    size = _static_shape(x, f"avg_pool{rank}d")[-rank:]
+    out_size = [_pool_size(*dims, ceil_mode) for dims in zip(size, padding, kernel, stride)]
+    extra = [max(0, (o - 1) * st + k - (n + 2 * p)) for o, st, k, n, p in zip(out_size, stride, kernel, size, padding)]
+    if divisor is not None:
+        scale = np.full(out_size, math.prod(kernel) / float(divisor))
+    else:
+        counts = [_window_counts(*dims, count_include_pad) for dims in zip(size, padding, kernel, stride, out_size)]
+        scale = math.prod(kernel) / math.prod(np.ix_(*counts))
+    unbatched = x.ty.ndim == rank + 1
+    data = bb.emit(relax.op.expand_dims(x, axis=0)) if unbatched else x
+    pool = relax.op.nn.avg_pool2d if rank == 2 else relax.op.nn.avg_pool3d
+    total = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=padding + [p + e for p, e in zip(padding, extra)],
+                         ceil_mode=False, count_include_pad=True, layout="NCHW" if rank == 2 else "NCDHW"))
+    dtype = x.ty.dtype.dtype
+    out = bb.emit(relax.op.multiply(total, relax.const(scale.astype(dtype))))
+    return bb.emit(relax.op.squeeze(out, axis=[0])) if unbatched else out
+
+
+def _pool_size(size: int, pad: int, kernel: int, stride: int, ceil_mode: bool) -> int:
+    """aten pooling_output_shape (dilation 1)."""
+    span = size + 2 * pad - kernel
+    out = (-(-span // stride) if ceil_mode else span // stride) + 1
+    if ceil_mode and (out - 1) * stride >= size + pad:  # the last window must start inside the input
+        out -= 1
+    return out
+
+
+def _window_counts(size: int, pad: int, kernel: int, stride: int, out: int, count_include_pad: bool) -> np.ndarray:
+    """torch's per-dimension divisor of each window (aten avg_pool2d: clipped to the padded
+    input, and to the input itself without count_include_pad)."""
+    start = np.arange(out) * stride - pad
+    end = np.minimum(start + kernel, size + pad)
+    if not count_include_pad:
+        start, end = np.maximum(start, 0), np.minimum(end, size)
+    return np.maximum(end - start, 1).astype(np.float64)
+
+
+# ---- sampling and interpolation ----
+
+def grid_sampler_2d(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`grid_sample` with torch's (N, H, W, 2) grid, for bilinear and nearest."""
+    bb = importer.block_builder
+    x, grid = importer.env[node.args[0]], importer.env[node.args[1]]
+    mode, padding_mode, align_corners = int(node.args[2]), int(node.args[3]), bool(node.args[4])
+    if mode not in (0, 1):
+        raise NotImplementedError("grid_sample(mode='bicubic') is not supported (TVM's cubic "
+                                  "kernel differs from torch's); use 'bilinear' or 'nearest'")
+    grid = bb.emit(relax.op.permute_dims(grid, [0, 3, 1, 2]))
+    return bb.emit(relax.op.image.grid_sample(
+        x, grid, method=("bilinear", "nearest")[mode], layout="NCHW",
+        padding_mode=("zeros", "border", "reflection")[padding_mode], align_corners=align_corners))
+
+
+def _aa_weights(in_size: int, out_size: int, align_corners: bool, scale_factor: float | None) -> np.ndarray:
+    """torch's anti-aliased bilinear weights (aten UpSampleKernel.cpp, _compute_weights_aa) as an
+    (out_size, in_size) matrix: a triangle filter widened by the scale when downsampling."""
+    if align_corners:
+        scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    else:
+        scale = 1.0 / scale_factor if scale_factor else in_size / out_size
+    support = scale if scale >= 1.0 else 1.0  # bilinear: interp_size / 2 = 1, scaled
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    weights = np.zeros((out_size, in_size))
+    for i in range(out_size):
+        center = scale * (i + 0.5)
+        lo = max(int(center - support + 0.5), 0)
+        hi = min(int(center + support + 0.5), in_size)
+        w = np.maximum(0.0, 1.0 - np.abs((np.arange(lo, hi) - center + 0.5) * invscale))
+        if w.sum() != 0:
+            weights[i, lo:hi] = w / w.sum()
+    return weights
+
+
+def upsample_bilinear2d_aa(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """Anti-aliased bilinear resize: `Wh @ x @ Ww^T` over the last two dimensions."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    size = _arg(node, 1, "output_size", None)
+    align_corners = bool(_arg(node, 2, "align_corners", False))
+    scale_h, scale_w = _arg(node, 3, "scales_h", None), _arg(node, 4, "scales_w", None)
+    in_h, in_w = _static_shape(x, "interpolate(antialias=True)")[-2:]
+    dtype = x.ty.dtype.dtype
+    wh = _aa_weights(in_h, int(size[0]), align_corners, scale_h)
+    ww = _aa_weights(in_w, int(size[1]), align_corners, scale_w)
+    rows = bb.emit(relax.op.matmul(x, relax.const(ww.T.astype(dtype)), out_dtype=dtype))
+    return bb.emit(relax.op.matmul(relax.const(wh.astype(dtype)), rows, out_dtype=dtype))
+
+
+def _nearest_indices(in_size: int, out_size: int, scale_factor: float | None) -> np.ndarray:
+    """torch's `nearest` source rows (aten nearest_idx), float32 arithmetic included."""
+    if out_size == in_size:
+        return np.arange(out_size, dtype=np.int64)
+    if out_size == 2 * in_size:
+        return np.arange(out_size, dtype=np.int64) >> 1
+    if scale_factor:
+        scale = np.float32(1.0 / scale_factor)
+    else:
+        scale = np.float32(in_size) / np.float32(out_size)
+    src = np.floor(np.arange(out_size, dtype=np.float32) * scale).astype(np.int64)
+    return np.minimum(src, in_size - 1)
+
+
+def upsample_nearest2d(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`interpolate(mode='nearest')`: a `take` of torch's source rows, then of its columns."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    size = _arg(node, 1, "output_size", None)
+    scales = _arg(node, 2, "scale_factors", None)
+    in_h, in_w = _static_shape(x, "interpolate(mode='nearest')")[-2:]
+    if size is None:
+        size = [int(math.floor(in_h * scales[0])), int(math.floor(in_w * scales[1]))]
+    scale_h, scale_w = (scales[0], scales[1]) if scales is not None else (None, None)
+    out = x
+    for axis, (n, m, s) in ((-2, (in_h, int(size[0]), scale_h)), (-1, (in_w, int(size[1]), scale_w))):
+        if n == m:
+            continue
+        index = relax.const(_nearest_indices(n, m, s), "int64")
+        out = bb.emit(relax.op.take(out, index, axis=x.ty.ndim + axis, mode="clip"))
+    return out
+
+
+# ---- normalization ----
+
+def native_layer_norm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(out, mean, rstd) with torch's shapes; mean and rstd are computed only when used."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    normalized = list(node.args[1])
+    eps = float(_arg(node, 4, "eps", 1e-5))
+    out = importer._native_layer_norm(node)
+    axes = list(range(x.ty.ndim - len(normalized), x.ty.ndim))
+    mean = rstd = out
+    if _output_used(node, 1) or _output_used(node, 2):
+        mean, rstd = _mean_rstd(bb, x, axes, eps)
+    return bb.emit(relax.Tuple([out, mean, rstd]))
+
+
+def _mean_rstd(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int], eps: float) -> tuple[relax.Expr, relax.Expr]:
+    mean = bb.emit(relax.op.mean(x, axis=axes, keepdims=True))
+    var = relax.op.variance(x, axis=axes, keepdims=True)
+    rstd = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, x.ty.dtype.dtype))))
+    return mean, rstd
+
+
+def native_group_norm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(out, mean, rstd), mean and rstd of shape (N, groups), computed only when used."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    n, channels, groups, eps = int(node.args[3]), int(node.args[4]), int(node.args[6]), float(node.args[7])
+    dtype = x.ty.dtype.dtype
+    # The stock converter passes a missing weight or bias on as a null argument (a crash later).
+    gamma, beta = (importer.env[a] if a is not None else relax.const(np.full(channels, fill, dtype=dtype))
+                   for a, fill in ((node.args[1], 1.0), (node.args[2], 0.0)))
+    out = bb.emit(relax.op.nn.group_norm(x, gamma, beta, num_groups=groups, channel_axis=1,
+                                         axes=list(range(2, x.ty.ndim)), epsilon=eps))
+    mean = rstd = out
+    if _output_used(node, 1) or _output_used(node, 2):
+        grouped = bb.emit(relax.op.reshape(x, (n, groups, -1)))
+        mean, rstd = _mean_rstd(bb, grouped, [2], eps)
+        mean = bb.emit(relax.op.reshape(mean, (n, groups)))
+        rstd = bb.emit(relax.op.reshape(rstd, (n, groups)))
+    return bb.emit(relax.Tuple([out, mean, rstd]))
+
+
+def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """Eval-mode batch norm; float16/bfloat16 compute in float32 and return the input's dtype."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    dtype = x.ty.dtype.dtype
+    if dtype not in _HALF:
+        return importer._batch_norm_legit_no_training(node)
+    channels = _static_shape(x, "half-precision batch norm")[1]
+
+    def f32(arg: object, fill: float) -> relax.Expr:
+        if arg is None:
+            return relax.const(np.full(channels, fill, dtype="float32"))
+        return bb.emit(relax.op.astype(importer.env[arg], "float32"))
+
+    weight, bias, mean, var = f32(node.args[1], 1.0), f32(node.args[2], 0.0), f32(node.args[3], 0.0), f32(node.args[4], 1.0)
+    eps = float(_arg(node, 6, "eps", 1e-5))
+    normalized = bb.emit(relax.op.nn.batch_norm(
+        bb.emit(relax.op.astype(x, "float32")), weight, bias, mean, var, axis=1, epsilon=eps,
+        center=node.args[2] is not None, scale=node.args[1] is not None, training=False))
+    return bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(normalized, 0)), dtype))
+
+
+_SCORE_PATH = {"view.default", "_unsafe_view.default", "expand.default", "clone.default", "mul.Tensor",
+               "mul.Scalar", "div.Tensor", "div.Scalar"}
+_MATMULS = {"bmm.default", "mm.default", "matmul.default"}
+
+
+def _from_matmul(node: object) -> bool:
+    """Whether an fx value is a matmul's result through views and scales (finite scores)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if name in _MATMULS:
+            return True
+        if name not in _SCORE_PATH:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _empty_rows(bb: relax.BlockBuilder, x: relax.Expr, dim: int) -> relax.Expr:
+    """Rows of `x` along `dim` (negative) that are all -inf, keepdims; elementwise where `x`
+    lacks `dim` (it broadcasts along it)."""
+    neg_inf = relax.const(-math.inf, x.ty.dtype.dtype)
+    if x.ty.ndim + dim < 0:
+        return bb.emit(relax.op.equal(x, neg_inf))
+    # Not max(x) == -inf: TVM's max starts from the lowest finite value, so an all -inf row's
+    # max is -FLT_MAX.
+    finite = relax.op.astype(relax.op.not_equal(x, neg_inf), "int32")
+    return bb.emit(relax.op.equal(relax.op.max(finite, axis=[dim], keepdims=True), relax.const(0, "int32")))
+
+
+def safe_softmax(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`_safe_softmax` (torch attention): softmax, 0 on rows that are all -inf.
+
+    torch's decomposition computes the NaN softmax of such a row and then replaces it by 0; its
+    gradient (0 times NaN) is NaN and reaches q and k through the additive mask. Here no softmax
+    row is all -inf: for `scores + mask` (SDPA with a mask) the mask's all -inf rows become 0
+    before the add, which keeps the attention's shape for RecomputeAttention; any other input
+    that is not plain scores has its empty rows zeroed before the softmax.
+    """
+    bb = importer.block_builder
+    arg = node.args[0]
+    x = importer.env[arg]
+    dim = int(node.args[1]) % x.ty.ndim - x.ty.ndim
+    dtype = _arg(node, 2, "dtype", None)
+    if dtype is not None:
+        x = bb.emit(relax.op.astype(x, str(dtype).removeprefix("torch.")))
+    zero = relax.const(0.0, x.ty.dtype.dtype)
+    is_add = isinstance(arg, torch.fx.Node) and getattr(arg.target, "__name__", "") == "add.Tensor"
+    masked_scores = is_add and _from_matmul(arg.args[0]) and isinstance(arg.args[1], torch.fx.Node) \
+        and importer.env[arg.args[1]].ty.dtype.dtype == x.ty.dtype.dtype
+    if dtype is None and _from_matmul(arg):
+        empty, logits = _empty_rows(bb, x, dim), x
+    elif dtype is None and masked_scores:
+        mask = importer.env[arg.args[1]]
+        empty = _empty_rows(bb, mask, dim)
+        logits = bb.emit(relax.op.add(importer.env[arg.args[0]], bb.emit(relax.op.where(empty, zero, mask))))
+    else:
+        empty = _empty_rows(bb, x, dim)
+        logits = bb.emit(relax.op.where(empty, zero, x))
+    probs = bb.emit(relax.op.nn.softmax(logits, axis=dim))
+    return bb.emit(relax.op.where(empty, zero, probs))
+
+
+CONVERTERS = {
+    "_safe_softmax.default": safe_softmax,
+    "max_pool2d_with_indices.default": max_pool_with_indices,
+    "max_pool3d_with_indices.default": max_pool_with_indices,
+    "avg_pool2d.default": avg_pool,
+    "avg_pool3d.default": avg_pool,
+    "grid_sampler_2d.default": grid_sampler_2d,
+    "_upsample_bilinear2d_aa.default": upsample_bilinear2d_aa,
+    "upsample_nearest2d.vec": upsample_nearest2d,
+    "native_layer_norm.default": native_layer_norm,
+    "native_group_norm.default": native_group_norm,
+    "_native_batch_norm_legit_no_training.default": batch_norm_eval,
+}
