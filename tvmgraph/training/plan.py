@@ -89,7 +89,9 @@ class TrainingPlan:
                         raise OptimizerError(
                             f"{where}: parameter #{param_index} {tuple(p.shape)} belongs to no module "
                             f"of the graph; assign the module that owns it in __init__ "
-                            f"(self.model = model) before add_optimizer()")
+                            f"(self.model = model) before add_optimizer(). If a module's parameter was "
+                            f"replaced by a new nn.Parameter, give the optimizer the new one too "
+                            f"(a new optimizer, or optimizer.param_groups[i]['params'])")
                     if not p.requires_grad:
                         continue  # torch skips parameters without a gradient, so do we
                     path = path_of[id(p)]
