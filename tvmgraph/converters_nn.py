@@ -145,16 +145,19 @@ def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
     count_include_pad = bool(_arg(node, 5, "count_include_pad", True))
     size = _static_shape(x, f"avg_pool{rank}d")[-rank:]
     out_size = [_pool_size(*dims, ceil_mode) for dims in zip(size, padding, kernel, stride)]
-    extra = [max(0, (o - 1) * st + k - (n + 2 * p)) for o, st, k, n, p in zip(out_size, stride, kernel, size, padding)]
+    extra = [max(0, (o - 1) * st + k - (n + 2 * p))
+             for o, st, k, n, p in zip(out_size, stride, kernel, size, padding)]
     if divisor is not None:
         scale = np.full(out_size, math.prod(kernel) / float(divisor))
     else:
-        counts = [_window_counts(*dims, count_include_pad) for dims in zip(size, padding, kernel, stride, out_size)]
+        counts = [_window_counts(*dims, count_include_pad)
+                  for dims in zip(size, padding, kernel, stride, out_size)]
         scale = math.prod(kernel) / math.prod(np.ix_(*counts))
     unbatched = x.ty.ndim == rank + 1
     data = bb.emit(relax.op.expand_dims(x, axis=0)) if unbatched else x
     pool = relax.op.nn.avg_pool2d if rank == 2 else relax.op.nn.avg_pool3d
-    total = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=padding + [p + e for p, e in zip(padding, extra)],
+    after = [p + e for p, e in zip(padding, extra)]
+    total = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=padding + after,
                          ceil_mode=False, count_include_pad=True, layout="NCHW" if rank == 2 else "NCDHW"))
     dtype = x.ty.dtype.dtype
     out = bb.emit(relax.op.multiply(total, relax.const(scale.astype(dtype))))
@@ -280,7 +283,8 @@ def native_layer_norm(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     return bb.emit(relax.Tuple([out, mean, rstd]))
 
 
-def _mean_rstd(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int], eps: float) -> tuple[relax.Expr, relax.Expr]:
+def _mean_rstd(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int],
+               eps: float) -> tuple[relax.Expr, relax.Expr]:
     mean = bb.emit(relax.op.mean(x, axis=axes, keepdims=True))
     var = relax.op.variance(x, axis=axes, keepdims=True)
     rstd = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, x.ty.dtype.dtype))))
@@ -321,7 +325,8 @@ def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
             return relax.const(np.full(channels, fill, dtype="float32"))
         return bb.emit(relax.op.astype(importer.env[arg], "float32"))
 
-    weight, bias, mean, var = f32(node.args[1], 1.0), f32(node.args[2], 0.0), f32(node.args[3], 0.0), f32(node.args[4], 1.0)
+    weight, bias = f32(node.args[1], 1.0), f32(node.args[2], 0.0)
+    mean, var = f32(node.args[3], 0.0), f32(node.args[4], 1.0)
     eps = float(_arg(node, 6, "eps", 1e-5))
     normalized = bb.emit(relax.op.nn.batch_norm(
         bb.emit(relax.op.astype(x, "float32")), weight, bias, mean, var, axis=1, epsilon=eps,

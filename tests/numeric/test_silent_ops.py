@@ -160,7 +160,8 @@ def test_grid_sample_bicubic_is_refused() -> None:
     """Bicubic grid_sample (TVM's cubic kernel is not torch's) is an UnsupportedOpError naming
     the op and the modes that work, not a wrong number."""
     graph = ModuleGraph(Fn(lambda x, g: F.grid_sample(x, g, mode="bicubic", align_corners=False)))
-    with pytest.raises(UnsupportedOpError, match=r"aten\.grid_sampler_2d\.default .*mode='bicubic'.*'bilinear' or 'nearest'"):
+    message = r"aten\.grid_sampler_2d\.default .*mode='bicubic'.*'bilinear' or 'nearest'"
+    with pytest.raises(UnsupportedOpError, match=message):
         graph(x4(), _grid())
 
 
