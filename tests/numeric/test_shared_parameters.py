@@ -110,9 +110,6 @@ def test_tied_gpt_adamw_clipped_cosine_matches_eager():
     optimizer, scheduler = adamw_clipped_cosine(model)
     ref_optimizer, ref_scheduler = adamw_clipped_cosine(reference)
     graph = TrainGraph(model, TokenCrossEntropy(), optimizer, lr_sch=scheduler)
-    # The embedding gradient feeding the fused epilogues of the MLP crashes VM codegen ("Var
-    # lv.._adjoint is not defined", relay_passes/fuse_epilogue.py); unrelated to tying.
-    graph.config.allow_fuse_add_to_output(False)
     batches = [(torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))) for _ in range(20)]
     train_side_by_side(graph, model, reference, ref_optimizer, ref_scheduler, TokenCrossEntropy(), batches)
     assert model.head.weight is model.tok_emb.weight
