@@ -275,11 +275,31 @@ def native_layer_norm(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     x = importer.env[node.args[0]]
     normalized = list(node.args[1])
     eps = float(_arg(node, 4, "eps", 1e-5))
-    out = importer._native_layer_norm(node)
     axes = list(range(x.ty.ndim - len(normalized), x.ty.ndim))
+    if x.ty.dtype.dtype not in ("float32", "float16"):
+        return _layer_norm_by_parts(bb, importer, node, x, axes, eps)
+    out = importer._native_layer_norm(node)
     mean = rstd = out
     if _output_used(node, 1) or _output_used(node, 2):
         mean, rstd = _mean_rstd(bb, x, axes, eps)
+    return bb.emit(relax.Tuple([out, mean, rstd]))
+
+
+def _layer_norm_by_parts(bb: relax.BlockBuilder, importer: ExportedProgramImporter, node: torch.fx.Node,
+                         x: relax.Expr, axes: list[int], eps: float) -> relax.Expr:
+    """Layer norm from mean, centred square and rsqrt: TVM's own layer_norm legalizes float32
+    and float16 only (float64 and bfloat16 failed in LegalizeOps)."""
+    dtype = x.ty.dtype.dtype
+    mean = bb.emit(relax.op.mean(x, axis=axes, keepdims=True))
+    centred = bb.emit(relax.op.subtract(x, mean))
+    var = bb.emit(relax.op.mean(relax.op.multiply(centred, centred), axis=axes, keepdims=True))
+    rstd = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, dtype))))
+    out = bb.emit(relax.op.multiply(centred, rstd))
+    weight, bias = (node.args[i] if len(node.args) > i else None for i in (2, 3))
+    if weight is not None:
+        out = bb.emit(relax.op.multiply(out, importer.env[weight]))
+    if bias is not None:
+        out = bb.emit(relax.op.add(out, importer.env[bias]))
     return bb.emit(relax.Tuple([out, mean, rstd]))
 
 
