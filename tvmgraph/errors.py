@@ -93,3 +93,21 @@ class StateDictError(TvmGraphError, ValueError):
 
 class UnsupportedDeviceError(TvmGraphError, NotImplementedError):
     """The inputs or modules are on a device tvmgraph does not compile for (it does CPU and CUDA)."""
+
+
+class GraphPickleError(TvmGraphError, TypeError):
+    """A graph was pickled (`pickle.dumps`, `torch.save`): use `tvmgraph.save(graph, path)`."""
+
+
+class SaveError(TvmGraphError, ValueError):
+    """`tvmgraph.save` cannot save this graph as asked (never called, unknown target, no linker)."""
+
+
+class SavedGraphError(TvmGraphError, ValueError):
+    """`tvmgraph.load` refused a saved graph: a file is missing or changed, or the graph was
+    built for another format, platform or TVM version."""
+
+
+class SavedGraphInputError(TvmGraphError, ValueError):
+    """A loaded graph was called with inputs that do not match its manifest (count, type,
+    dtype, shape or device)."""

@@ -1,0 +1,266 @@
+"""tvmgraph.save / tvmgraph.load: saved graphs run without the model's code, are checked before
+any native code loads, and refuse what does not match their manifest."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tvmgraph
+from tests.conftest import ModuleGraph, TrainGraph, assert_close
+from tests.models import EncoderBlock, SmallCNN, mlp
+from tvmgraph import deploy
+from tvmgraph.artifact_format import document_digest, sha256_file
+from tvmgraph.errors import GraphPickleError, SaveError, SavedGraphError, SavedGraphInputError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def saved_mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = mlp().eval()
+    graph = ModuleGraph(model)
+    x = torch.randn(4, 32)
+    graph(x)
+    path = tmp_path_factory.mktemp("saved") / "mlp"
+    assert tvmgraph.save(graph, path) == path
+    return path, model, x
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_manifest(path: Path, **changes) -> None:
+    """Change manifest fields and re-sign it, as a newer or foreign tvmgraph would have written it."""
+    doc = json.loads((path / "manifest.json").read_text())
+    for key, value in changes.items():
+        target, _, field = key.partition("__")
+        if field:
+            doc[target][field] = value
+        else:
+            doc[key] = value
+    doc["sha256"] = document_digest(doc)
+    (path / "manifest.json").write_text(json.dumps(doc))
+
+
+def test_saved_graph_matches_eager_with_torch_and_numpy_inputs(saved_mlp) -> None:
+    """A loaded graph gives the eager model's outputs; torch in gives torch out, numpy in numpy out."""
+    path, model, x = saved_mlp
+    loaded = tvmgraph.load(path)
+    expected = model(x).detach()
+    out = loaded(x)
+    assert isinstance(out, torch.Tensor)
+    assert_close(out, expected)
+    out_np = loaded(x.numpy())
+    assert isinstance(out_np, np.ndarray)
+    assert_close(torch.from_numpy(out_np), expected)
+
+
+def test_manifest_lists_specs_target_versions_and_every_file(saved_mlp) -> None:
+    """manifest.json has the format version, graph name, input/output specs, the target, the
+    versions, and the sha256 of every other file in the directory."""
+    path, _, _ = saved_mlp
+    doc = json.loads((path / "manifest.json").read_text())
+    assert doc["format"] == 1 and doc["graph"].startswith("ModuleGraph_") and doc["program"] == "inference"
+    assert doc["inputs"] == [{"name": "args_0", "dtype": "float32", "shape": [4, 32]}]
+    assert doc["outputs"] == [{"name": "output_0", "dtype": "float32", "shape": [4, 10]}]
+    assert doc["target"]["kind"] == "llvm" and doc["target"]["machine"] == "x86_64"
+    assert set(doc["versions"]) >= {"tvmgraph", "tvm", "torch"}
+    on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
+    assert set(doc["files"]) == on_disk == {"graph.so", "params.safetensors"}
+    for name, info in doc["files"].items():
+        assert info["sha256"] == sha256_file(path / name)
+    assert doc["sha256"] == document_digest(doc)
+
+
+TORCH_BLOCKED = """
+import sys, numpy as np
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this process")
+sys.meta_path.insert(0, Block())
+import tvmgraph
+graph = tvmgraph.load(sys.argv[1])
+x = np.frombuffer(open(sys.argv[2], "rb").read(), dtype=np.float32).reshape(4, 32)
+out = graph(x)
+assert isinstance(out, np.ndarray), type(out)
+assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules)
+sys.stdout.write(out.astype(np.float32).tobytes().hex())
+"""
+
+
+def test_load_runs_in_a_fresh_process_without_torch_or_the_model_code(saved_mlp, tmp_path: Path) -> None:
+    """A new process that cannot import torch (and never sees tests/models.py) loads the saved
+    graph and reproduces the eager outputs from numpy inputs."""
+    path, model, x = saved_mlp
+    (tmp_path / "x.bin").write_bytes(x.numpy().tobytes())
+    done = subprocess.run([sys.executable, "-c", TORCH_BLOCKED, str(path), str(tmp_path / "x.bin")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = np.frombuffer(bytes.fromhex(done.stdout), dtype=np.float32).reshape(4, 10)
+    assert_close(torch.from_numpy(out.copy()), model(x).detach())
+
+
+@pytest.mark.parametrize("damage, file, reason", [
+    ("flip_library", "graph.so", "does not match its recorded checksum"),
+    ("remove_params", "params.safetensors", "is missing"),
+    ("remove_manifest", "manifest.json", "is missing"),
+    ("edit_manifest", "manifest.json", "does not match its recorded checksum"),
+    ("newer_format", "manifest.json", "format 2 is newer than the format this tvmgraph reads (1)"),
+    ("other_platform", "manifest.json", "the graph was built for linux aarch64"),
+])
+def test_load_refuses_a_damaged_or_foreign_directory_before_loading_native_code(
+        saved_mlp, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str, file: str, reason: str) -> None:
+    """Every refusal is a SavedGraphError naming the file and the reason, raised before the
+    library is handed to the dynamic loader."""
+    import tvm
+
+    path = _copy(saved_mlp[0], tmp_path / "copy")
+    if damage == "flip_library":
+        data = bytearray((path / "graph.so").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (path / "graph.so").write_bytes(bytes(data))
+    elif damage == "remove_params":
+        (path / "params.safetensors").unlink()
+    elif damage == "remove_manifest":
+        (path / "manifest.json").unlink()
+    elif damage == "edit_manifest":
+        doc = json.loads((path / "manifest.json").read_text())
+        doc["inputs"][0]["shape"] = [8, 32]
+        (path / "manifest.json").write_text(json.dumps(doc))
+    elif damage == "newer_format":
+        _rewrite_manifest(path, format=2)
+    else:
+        _rewrite_manifest(path, target__machine="aarch64")
+    loaded = []
+    monkeypatch.setattr(tvm.runtime, "load_module", lambda *a, **k: loaded.append(a))
+    with pytest.raises(SavedGraphError) as info:
+        tvmgraph.load(path)
+    assert f"{file}: {reason}" in str(info.value)
+    assert str(path) in str(info.value)
+    assert loaded == []
+
+
+def test_load_of_a_missing_directory_says_so(tmp_path: Path) -> None:
+    """A path that is not a directory is refused by name."""
+    with pytest.raises(SavedGraphError, match="does not exist"):
+        tvmgraph.load(tmp_path / "nothing")
+
+
+def test_calls_with_wrong_inputs_are_clear_errors(saved_mlp) -> None:
+    """Shape, dtype, count, type and a torch/numpy mix are checked against the manifest."""
+    loaded = tvmgraph.load(saved_mlp[0])
+    x = saved_mlp[2]
+    cases = [
+        ((torch.randn(5, 32),), r"input 'args_0' is float32\[5, 32\] but the graph was saved for float32\[4, 32\]"),
+        ((x.double(),), r"input 'args_0' is float64\[4, 32\]"),
+        ((x.numpy().astype(np.int64),), r"is int64\[4, 32\]"),
+        ((x, x), r"takes 1 argument\(s\) but 2 were given; .*\(args_0: float32\[4, 32\]\)"),
+        (([1.0] * 32,), r"is a list, not a numpy array"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SavedGraphInputError, match=message):
+            loaded(*args)
+    assert_close(loaded(x), saved_mlp[1](x).detach())  # still usable after the refusals
+
+
+def test_save_is_atomic_and_replaces_an_older_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that fails midway leaves no directory and no temporary files; saving over a saved
+    graph replaces it."""
+    model = mlp((8, 4)).eval()
+    graph = ModuleGraph(model)
+    x = torch.randn(2, 8)
+    graph(x)
+
+    def fail(*args):
+        raise RuntimeError("linker died")
+
+    monkeypatch.setattr(deploy, "export", fail)
+    with pytest.raises(RuntimeError, match="linker died"):
+        tvmgraph.save(graph, tmp_path / "g")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    tvmgraph.save(graph, tmp_path / "g")
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    tvmgraph.save(graph, tmp_path / "g")
+    assert [p.name for p in tmp_path.iterdir()] == ["g"]
+    assert_close(tvmgraph.load(tmp_path / "g")(x), model(x).detach())
+    (tmp_path / "other").mkdir()
+    with pytest.raises(SaveError, match="exists and is not a saved graph"):
+        tvmgraph.save(graph, tmp_path / "other")
+
+
+def test_pickling_a_graph_points_at_tvmgraph_save() -> None:
+    """pickle.dumps and torch.save of a graph raise GraphPickleError (a TypeError) naming tvmgraph.save."""
+    graph = ModuleGraph(mlp((8, 4)))
+    with pytest.raises(GraphPickleError, match=r"tvmgraph.save\(graph, path\)"):
+        pickle.dumps(graph)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        torch.save(graph, io.BytesIO())
+
+
+def test_save_of_a_state_dict_works_like_torch_save(tmp_path: Path) -> None:
+    """tvmgraph.save(graph.state_dict(), file) writes what torch.load reads back."""
+    graph = ModuleGraph(mlp((8, 4)))
+    tvmgraph.save(graph.state_dict(), tmp_path / "sd.pt")
+    restored = torch.load(tmp_path / "sd.pt")
+    assert_close(restored["modules"]["model"]["0.weight"], graph.model[0].weight.detach())
+
+
+def test_save_needs_a_called_graph_or_example_args(tmp_path: Path) -> None:
+    """An uncalled graph cannot be saved without example_args; with them it is traced and saved."""
+    model = mlp((8, 4)).eval()
+    graph = ModuleGraph(model)
+    with pytest.raises(SaveError, match=r"has not been called.*example_args=\(x,\)"):
+        tvmgraph.save(graph, tmp_path / "g")
+    x = torch.randn(3, 8)
+    tvmgraph.save(graph, tmp_path / "g", example_args=(x,))
+    assert graph.num_compiled == 0
+    assert_close(tvmgraph.load(tmp_path / "g")(x), model(x).detach())
+
+
+def _train_and_save(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, path: Path):
+    model.train()
+    graph = TrainGraph(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05))
+    graph(x, y)  # one training step
+    tvmgraph.save(graph, path)
+    assert model.training, "saving switched the modules back to their own modes"
+    model.eval()
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(x), y)
+
+
+@pytest.mark.parametrize("name", ["mlp", pytest.param("cnn", marks=pytest.mark.slow),
+                                  pytest.param("transformer", marks=pytest.mark.slow)])
+def test_training_graph_saves_its_inference_program(name: str, tmp_path: Path) -> None:
+    """A training graph saves build() in eval mode without the optimizer update: the loaded
+    graph gives the eager model's eval-mode outputs (dropout off, batch norm on running stats)
+    and does not train."""
+    if name == "mlp":
+        model, x, y = mlp(), torch.randn(4, 32), torch.randn(4, 10)
+    elif name == "cnn":
+        model, x, y = SmallCNN(dropout=0.5), torch.randn(2, 3, 16, 16), torch.randn(2, 10)
+    else:
+        model, x, y = EncoderBlock(dropout=0.1), torch.randn(2, 6, 32), torch.randn(2, 6, 32)
+    expected = _train_and_save(model, x, y, tmp_path / name)
+    loaded = tvmgraph.load(tmp_path / name)
+    assert loaded.manifest["program"] == "inference"
+    assert_close(loaded(x, y), expected)
+    assert_close(loaded(x, y), expected)  # no update between calls
