@@ -12,6 +12,7 @@ torch tensors in give torch tensors out (torch is then imported, since the calle
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import sys
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,36 @@ _MACHINES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64
 def host_machine() -> str:
     """This machine's architecture in the manifest's words (`x86_64`, `aarch64`)."""
     return _MACHINES.get(platform.machine().lower(), platform.machine().lower())
+
+
+class _HideTorch:
+    """A meta-path finder under which `import torch` fails (see `_import_tvm`)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("tvmgraph.load imports TVM without torch")
+
+
+def _import_tvm() -> Any:
+    """`import tvm`; in a runtime-only process (TVM_USE_RUNTIME_LIB=1) that has not imported
+    torch, without torch.
+
+    tvm-ffi imports torch on its own import when torch is installed, which takes seconds that a
+    process serving saved graphs on numpy arrays does not need. Hidden, torch tensors still pass
+    through DLPack, but tvm-ffi no longer converts torch dtypes, which compiling needs: hence
+    only where TVM's compiler is not loaded anyway.
+    """
+    if "tvm" in sys.modules or "torch" in sys.modules or os.environ.get("TVM_USE_RUNTIME_LIB") != "1":
+        import tvm
+
+        return tvm
+    hide = _HideTorch()
+    sys.meta_path.insert(0, hide)
+    try:
+        import tvm
+    finally:
+        sys.meta_path.remove(hide)
+    return tvm
 
 
 def _refuse(path: Path, file: str, reason: str, fix: str) -> SavedGraphError:
@@ -61,7 +92,7 @@ def _check_manifest(path: Path, doc: Mapping[str, Any]) -> None:
         raise _refuse(path, MANIFEST, f"the graph was built for {system} {machine} ({target.get('string')}) but "
                       f"this machine is {sys.platform} {host_machine()}",
                       f"Export it for this machine: tvmgraph.save(graph, path, target={host_machine()!r}).")
-    import tvm
+    tvm = _import_tvm()
 
     built, here = str(doc.get("versions", {}).get("tvm")), tvm.__version__
     if built.split(".")[:2] != here.split(".")[:2]:
@@ -125,7 +156,7 @@ class SavedGraph:
 
     def __init__(self, path: Path, manifest: dict[str, Any], files: Mapping[str, bytes], device: Any):
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine  # not tvm.relax: a runtime-only process has no compiler
 
         self.path = path
         self.manifest = manifest
@@ -145,7 +176,7 @@ class SavedGraph:
         if missing:
             raise _refuse(path, manifest["parameters"], f"has no tensor {missing[0]!r}", "Save the graph again.")
         lib = tvm.runtime.load_module(str(path / manifest["library"]))  # native code runs from here on
-        self._vm = relax.VirtualMachine(lib, self._dev)
+        self._vm = VirtualMachine(lib, self._dev)
         self._entry = self._vm[manifest["entry"]]
 
     def __repr__(self) -> str:

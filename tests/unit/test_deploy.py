@@ -100,18 +100,20 @@ x = np.frombuffer(open(sys.argv[2], "rb").read(), dtype=np.float32).reshape(4, 3
 out = graph(x)
 assert isinstance(out, np.ndarray), type(out)
 assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules)
+assert "tvm.relax" not in sys.modules
 sys.stdout.write(out.astype(np.float32).tobytes().hex())
 """
 
 
 def test_load_runs_in_a_fresh_process_without_torch_or_the_model_code(saved_mlp, tmp_path: Path) -> None:
-    """A new process that cannot import torch (and never sees tests/models.py) loads the saved
-    graph and reproduces the eager outputs from numpy inputs."""
+    """A new process that cannot import torch (and never sees tests/models.py), with only TVM's
+    runtime library loaded, loads the saved graph and reproduces the eager outputs from numpy
+    inputs."""
     path, model, x = saved_mlp
     (tmp_path / "x.bin").write_bytes(x.numpy().tobytes())
     done = subprocess.run([sys.executable, "-c", TORCH_BLOCKED, str(path), str(tmp_path / "x.bin")],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "TVM_USE_RUNTIME_LIB": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     out = np.frombuffer(bytes.fromhex(done.stdout), dtype=np.float32).reshape(4, 10)
     assert_close(torch.from_numpy(out.copy()), model(x).detach())
@@ -351,3 +353,21 @@ def test_save_rejects_unknown_targets(tmp_path: Path) -> None:
         tvmgraph.save(graph, tmp_path / "g", example_args=(torch.randn(2, 8),), target="riscv")
     with pytest.raises(SaveError, match="arch='sm_90' is for target='cuda'"):
         tvmgraph.save(graph, tmp_path / "g", example_args=(torch.randn(2, 8),), target="x86_64", arch="sm_90")
+
+
+def test_a_runtime_only_process_never_imports_torch_even_when_installed(saved_mlp, tmp_path: Path) -> None:
+    """With TVM_USE_RUNTIME_LIB=1, loading and calling on numpy arrays leaves torch unimported
+    (tvm-ffi would import it on its own), and torch tensors passed later still work."""
+    script = textwrap.dedent("""
+        import sys, numpy as np, tvmgraph
+        graph = tvmgraph.load(sys.argv[1])
+        graph(np.zeros((4, 32), dtype=np.float32))
+        assert "torch" not in sys.modules, "torch was imported"
+        import torch
+        out = graph(torch.zeros(4, 32))
+        assert isinstance(out, torch.Tensor) and out.shape == (4, 10)
+    """)
+    done = subprocess.run([sys.executable, "-c", script, str(saved_mlp[0])], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "TVM_USE_RUNTIME_LIB": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
