@@ -4,6 +4,7 @@ any native code loads, and refuse what does not match their manifest."""
 from __future__ import annotations
 
 import io
+import os
 import json
 import pickle
 import subprocess
@@ -371,3 +372,25 @@ def test_a_runtime_only_process_never_imports_torch_even_when_installed(saved_ml
                           cwd=tmp_path, timeout=300,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "TVM_USE_RUNTIME_LIB": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (Path("/usr/bin/apt-get").exists() and Path("/usr/bin/dpkg").exists()),
+                    reason="scripts/aarch64_emulation.sh prepares its root from Debian packages")
+def test_aarch64_build_runs_under_emulation_like_the_x86_64_build(tmp_path: Path) -> None:
+    """The CNN exported for aarch64 runs under qemu-user (scripts/aarch64_emulation.sh: arm64
+    Python, aarch64 TVM wheels, no torch) and gives the x86-64 build's outputs."""
+    pytest.importorskip("ziglang")
+    torch.manual_seed(0)
+    graph = ModuleGraph(SmallCNN().eval())
+    x = torch.randn(2, 3, 16, 16)
+    tvmgraph.save(graph, tmp_path / "a64", example_args=(x,), target="aarch64")
+    tvmgraph.save(graph, tmp_path / "x86", example_args=(x,), target="x86_64")
+    np.save(tmp_path / "x.npy", x.numpy())
+    done = subprocess.run([str(REPO / "scripts" / "aarch64_emulation.sh"), "run", str(tmp_path / "a64"),
+                           str(tmp_path / "x.npy"), str(tmp_path / "out.npy")],
+                          capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = tvmgraph.load(tmp_path / "x86")(x)
+    assert_close(torch.from_numpy(np.load(tmp_path / "out.npy")), expected)
