@@ -15,6 +15,7 @@ directory that loads.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -78,9 +79,8 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
     device = traced.signature.leaves[0].device if traced.signature.leaves else torch.device("cpu")
     tvm_target, needs = resolve_target(obj.name, target, arch, device, traced.signature.options)
     optimized, executable = lowered.build(tvm_target, traced.signature.options, PIPELINE)
-    binder = TensorBinder(lowered.signature.inputs, modules, {})
-    state = {name: t for name, t in binder.named().items()
-             if name not in lowered.signature.constants}
+    binder = TensorBinder(lowered.signature.inputs, modules, lowered.signature.constants)
+    state = {s.target: t for s, t in zip(binder.sources, binder.tensors()) if s.kind != "constant"}
     manifest = _manifest(obj, traced, lowered, optimized, tvm_target, needs)
     _write_atomically(path, manifest, executable, state, lowered, tvm_target)
     logger.info("%s: saved the %s program for %s to %s", obj.name, program, tvm_target, path)
@@ -218,14 +218,12 @@ def _write_atomically(path: Path, manifest: dict[str, Any], executable: Any, sta
         export(executable, tmp / LIBRARY, target)
         meta_doc, data = artifact.encode_meta({"signature": lowered.signature, "train_layout": None,
                                                "target": str(target)})
-        arrays = {name: _numpy(t) for name, t in state.items()}
+        arrays = {name: _numpy(manifest["graph"], name, t) for name, t in state.items()}
         data = {**data, PARAMETERS: save_safetensors(arrays, metadata={"graph": manifest["graph"]})}
         for name, blob in data.items():
             write_file(tmp / name, blob)
         manifest = {**manifest, "meta": meta_doc, "files": files_table(tmp, [LIBRARY, *data])}
         manifest["sha256"] = document_digest(manifest)
-        import json
-
         write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         if path.exists():  # replace an older save: move it away first, then rename ours in
             old = path.parent / f".{path.name}.old-{os.getpid()}"
@@ -239,9 +237,10 @@ def _write_atomically(path: Path, manifest: dict[str, Any], executable: Any, sta
         raise
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    if t.dtype == torch.bfloat16:
-        raise SaveError(f"a bfloat16 tensor cannot be saved through numpy yet; cast the model to float32 first")
+def _numpy(graph: str, name: str, t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16, and the loader reads through numpy
+        raise SaveError(f"{graph}: '{name}' is bfloat16, which tvmgraph.save cannot store yet; save a float32 "
+                        f"copy of the model (model.float())")
     return t.detach().to("cpu").contiguous().numpy()
 
 

@@ -394,3 +394,30 @@ def test_aarch64_build_runs_under_emulation_like_the_x86_64_build(tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
     expected = tvmgraph.load(tmp_path / "x86")(x)
     assert_close(torch.from_numpy(np.load(tmp_path / "out.npy")), expected)
+
+
+class _WithConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        offset = torch.tensor([1.0, 2.0, 3.0, 4.0])  # a lifted constant: saved in constants.bin
+        return self.linear(x) * self.scale + offset, [x.sum(), None]
+
+
+def test_buffers_constants_and_nested_outputs_survive_a_save(tmp_path: Path) -> None:
+    """Buffers (safetensors), lifted constants (constants.bin) and a nested output structure
+    with None come back as eager computes them."""
+    model = _WithConstant()
+    graph = ModuleGraph(model)
+    x = torch.randn(3, 4)
+    graph(x)
+    tvmgraph.save(graph, tmp_path / "g")
+    assert (tmp_path / "g" / "constants.bin").is_file()
+    out, (total, none) = tvmgraph.load(tmp_path / "g")(x)
+    expected, (expected_total, _) = model(x)
+    assert_close(out, expected.detach())
+    assert_close(total, expected_total)
+    assert none is None
