@@ -154,6 +154,9 @@ class TreeSpec:
 class SavedGraph:
     """A graph loaded by `tvmgraph.load`: call it with the arguments of the original `build()`."""
 
+    __slots__ = ("path", "manifest", "name", "inputs", "outputs", "_args", "_outs", "_dev", "_sources",
+                 "_mutations", "_num_user_outputs", "_state", "_vm", "_entry")
+
     def __init__(self, path: Path, manifest: dict[str, Any], files: Mapping[str, bytes], device: Any):
         import tvm
         from tvm.runtime.vm import VirtualMachine  # not tvm.relax: a runtime-only process has no compiler
@@ -194,7 +197,7 @@ class SavedGraph:
         for i, (child, arg) in enumerate(zip(self._args.children, args)):
             child.flatten(arg, f"{self.name}: argument {i}", leaves)
         use_torch = any(type(v).__module__.startswith("torch") for _, v in leaves)
-        flat = [self._check(i, where, value, use_torch) for i, (where, value) in enumerate(leaves)]
+        flat = [self._check(i, value, use_torch) for i, (_, value) in enumerate(leaves)]
         rng = [self._seed()] if any(k == "rng" for k, _ in self._sources) else []
         state = [self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant")]
         results = self._entry(*flat, *rng, *state)
@@ -207,7 +210,7 @@ class SavedGraph:
         outs = [_as(value, use_torch) for value in results[n_mut:n_mut + self._num_user_outputs]]
         return self._outs.unflatten(iter(outs))
 
-    def _check(self, index: int, where: str, value: Any, use_torch: bool) -> Any:
+    def _check(self, index: int, value: Any, use_torch: bool) -> Any:
         spec = self.inputs[index]
         where = f"{self.name}: input '{spec['name']}'"
         want = f"{spec['dtype']}{spec['shape']}"
