@@ -25,11 +25,9 @@ loaded library by path, so a rebuilt entry must not reuse the old name.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -39,12 +37,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tvmgraph.artifact_format import ArtifactFormatError, document_digest, files_table, read_document, \
+    verify_files, write_file
+from tvmgraph.artifact_format import FILE_NAME as _FILE_NAME
+from tvmgraph.artifact_format import document_digest as _document_digest  # noqa: F401 (tests build documents)
+
 logger = logging.getLogger("tvmgraph.cache")
 
 FORMAT = 1  # bump when entry.json changes meaning; other versions are misses
 ENTRY = "entry.json"
 STALE_TEMP_SECONDS = 3600
-_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # no paths, no hidden files
 
 # meta -> (JSON-able document, data files by name) and back; the data files come back verified.
 Encode = Callable[[Any], tuple[Any, Mapping[str, bytes]]]
@@ -76,27 +78,6 @@ class EntryInfo:
     path: Path
     size: int
     last_used: float  # seconds since the epoch
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _document_digest(doc: Mapping[str, Any]) -> str:
-    """sha256 of the document without its own "sha256" field, in a canonical JSON form."""
-    body = {k: v for k, v in doc.items() if k != "sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _tree_size(path: Path) -> int:
@@ -150,34 +131,22 @@ class CompiledCache:
     def _verify(self, path: Path, key: str) -> tuple[dict[str, Any], dict[str, bytes]]:
         """The entry's document and its data files, after checking every file against it."""
         try:
-            doc = json.loads((path / ENTRY).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptEntryError(f"{ENTRY} is unreadable ({e})") from None
-        if not isinstance(doc, dict):
-            raise CorruptEntryError(f"{ENTRY} is not a JSON object")
+            doc = read_document(path / ENTRY)
+        except ArtifactFormatError as e:
+            raise CorruptEntryError(str(e)) from None
         if type(doc.get("format")) is not int or doc["format"] != FORMAT:
             raise UnknownFormatError(f"format {doc.get('format')!r} is not the format this tvmgraph "
                                      f"reads ({FORMAT})")
-        if doc.get("sha256") != _document_digest(doc):
+        if doc.get("sha256") != document_digest(doc):
             raise CorruptEntryError(f"{ENTRY} does not match its recorded checksum")
         if doc.get("key") != key:
             raise CorruptEntryError(f"{ENTRY} was written for key {doc.get('key')!r}")
-        files, library = doc.get("files"), doc.get("library")
-        if not isinstance(files, dict) or library not in files:
-            raise CorruptEntryError(f"{ENTRY} does not list the library")
-        data = {}
-        for name, info in files.items():
-            if not _FILE_NAME.fullmatch(name) or name == ENTRY or not isinstance(info, dict):
-                raise CorruptEntryError(f"{ENTRY} lists a file named {name!r}")
-            try:
-                blob = (path / name).read_bytes() if name != library else None
-                digest = hashlib.sha256(blob).hexdigest() if blob is not None else _sha256(path / name)
-            except OSError as e:
-                raise CorruptEntryError(f"{name} is unreadable ({e})") from None
-            if digest != info.get("sha256"):
-                raise CorruptEntryError(f"{name} does not match its recorded checksum")
-            if blob is not None:
-                data[name] = blob
+        files = doc.get("files")
+        data_files = [n for n in files if n != doc.get("library")] if isinstance(files, dict) else []
+        try:
+            data = verify_files(path, doc, ENTRY, read=data_files)
+        except ArtifactFormatError as e:
+            raise CorruptEntryError(str(e)) from None
         return doc, data
 
     def entries(self) -> list[EntryInfo]:
@@ -213,16 +182,14 @@ class CompiledCache:
             with open(tmp / lib_name, "rb+") as f:
                 os.fsync(f.fileno())
             meta_doc, data = self.encode(meta)
-            files = {}
             for name, blob in data.items():
                 if not _FILE_NAME.fullmatch(name) or name in (ENTRY, lib_name):
                     raise ValueError(f"data file name {name!r} is not a plain file name")
-                _write(tmp / name, blob)
-            for name in [lib_name, *data]:
-                files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+                write_file(tmp / name, blob)
+            files = files_table(tmp, [lib_name, *data])
             doc = {"format": FORMAT, "key": key, "library": lib_name, "files": files, "meta": meta_doc}
-            doc["sha256"] = _document_digest(doc)
-            _write(tmp / ENTRY, json.dumps(doc, indent=1, sort_keys=True).encode())
+            doc["sha256"] = document_digest(doc)
+            write_file(tmp / ENTRY, json.dumps(doc, indent=1, sort_keys=True).encode())
             result = self._publish(tmp, final, key) or final / lib_name
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

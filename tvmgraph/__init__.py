@@ -6,15 +6,36 @@
             self.model = model
         def build(self, x):
             return self.model(x)
+
+`import tvmgraph` imports neither torch nor TVM: a process that only runs saved graphs
+(`tvmgraph.load`) never needs torch. The rest loads on first use.
 """
 
-from . import nn as nn
-from .config import GraphConfig as GraphConfig
+import importlib
+from typing import Any
+
+from .deploy_runtime import load as load
 from .errors import TvmGraphError as TvmGraphError
-from .stages import CompiledGraph as CompiledGraph
-from .stages import LoweredGraph as LoweredGraph
-from .stages import TracedGraph as TracedGraph
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "GraphConfig", "TvmGraphError", "TracedGraph", "LoweredGraph", "CompiledGraph"]
+__all__ = ["nn", "GraphConfig", "TvmGraphError", "TracedGraph", "LoweredGraph", "CompiledGraph", "save", "load"]
+
+_LAZY = {"GraphConfig": "config", "TracedGraph": "stages", "LoweredGraph": "stages", "CompiledGraph": "stages",
+         "save": "deploy"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    elif name.startswith("_"):
+        raise AttributeError(f"module 'tvmgraph' has no attribute {name!r}")
+    else:
+        try:
+            value = importlib.import_module(f".{name}", __name__)  # submodules: tvmgraph.nn, tvmgraph.config
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'tvmgraph' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value

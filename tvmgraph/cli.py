@@ -3,6 +3,9 @@
     tvmgraph info          versions of the stack, the detected target, the cache directory
     tvmgraph cache list    the compiled cache's entries: key, size, last use, graph class
     tvmgraph cache clear   remove every entry of the compiled cache
+    tvmgraph export SCRIPT.py:FACTORY --target {host,x86_64,aarch64,cuda} [--arch sm_90] -o DIR
+                           save FACTORY()'s graph (FACTORY returns (graph, example_args)) for a
+                           target machine, as tvmgraph.save does (docs/deploy.md)
 """
 
 from __future__ import annotations
@@ -83,6 +86,42 @@ def _cache_clear(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import tvmgraph
+    from tvmgraph.errors import SaveError
+
+    script, sep, factory = args.factory.rpartition(":")
+    if not sep or not script.endswith(".py") or not Path(script).is_file():
+        raise SaveError(f"tvmgraph export: {args.factory!r} is not SCRIPT.py:FACTORY naming an existing script")
+    spec = importlib.util.spec_from_file_location(Path(script).stem, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(script).resolve().parent))  # the script's own imports, as `python SCRIPT.py`
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    made = getattr(module, factory, None)
+    if not callable(made):
+        raise SaveError(f"tvmgraph export: {script} has no function {factory}()")
+    result = made()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise SaveError(f"tvmgraph export: {factory}() must return (graph, example_args), got "
+                        f"{type(result).__name__}")
+    graph, example_args = result
+    path = tvmgraph.save(graph, args.output, example_args=example_args, target=args.target, arch=args.arch)
+    manifest = json.loads((path / "manifest.json").read_text())
+    size = sum(p.stat().st_size for p in path.iterdir())
+    print(f"saved {manifest['graph']} for {manifest['target']['os']} {manifest['target']['machine']} "
+          f"({manifest['target']['device']}) to {path} ({_size(size)})")
+    for need in manifest["target"]["needs"]:
+        print(f"  needs: {need}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tvmgraph` console script."""
     parser = argparse.ArgumentParser(prog="tvmgraph", description=__doc__.split("\n")[0])
@@ -92,8 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache_commands = cache.add_subparsers(dest="cache_command", required=True)
     cache_commands.add_parser("list", help="one line per entry: key, size, last used, graph class")
     cache_commands.add_parser("clear", help="remove every entry")
+    export = commands.add_parser("export", help="save a graph for a target machine (docs/deploy.md)")
+    export.add_argument("factory", metavar="SCRIPT.py:FACTORY",
+                        help="a function returning (graph, example_args)")
+    export.add_argument("--target", choices=["host", "x86_64", "aarch64", "cuda"], default="host")
+    export.add_argument("--arch", help="CUDA architecture for --target cuda (default sm_90)")
+    export.add_argument("-o", "--output", required=True, help="the directory to write")
     args = parser.parse_args(argv)
-    handlers = {"info": _info, "cache list": _cache_list, "cache clear": _cache_clear}
+    handlers = {"info": _info, "cache list": _cache_list, "cache clear": _cache_clear, "export": _export}
     command = args.command if args.command != "cache" else f"cache {args.cache_command}"
     return handlers[command](args)
 

@@ -101,3 +101,21 @@ class PassError(TvmGraphError, RuntimeError):
 
 class IndexOutOfRangeError(TvmGraphError, IndexError):
     """An index input (token ids, labels, gather/scatter indices) holds a value out of range."""
+
+
+class GraphPickleError(TvmGraphError, TypeError):
+    """A graph was pickled (`pickle.dumps`, `torch.save`): use `tvmgraph.save(graph, path)`."""
+
+
+class SaveError(TvmGraphError, ValueError):
+    """`tvmgraph.save` cannot save this graph as asked (never called, unknown target, no linker)."""
+
+
+class SavedGraphError(TvmGraphError, ValueError):
+    """`tvmgraph.load` refused a saved graph: a file is missing or changed, or the graph was
+    built for another format, platform or TVM version."""
+
+
+class SavedGraphInputError(TvmGraphError, ValueError):
+    """A loaded graph was called with inputs that do not match its manifest (count, type,
+    dtype, shape or device)."""

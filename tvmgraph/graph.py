@@ -269,6 +269,16 @@ class Graph:
         st = self._state()
         return graph_repr(self, st.last.traced if st.last else None)
 
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # A graph holds compiled native code and live modules; neither pickles.
+        from .errors import GraphPickleError
+
+        raise GraphPickleError(
+            f"{self._state().name}: a Graph cannot be pickled (pickle, torch.save, copy.deepcopy). Save the "
+            f"compiled graph with tvmgraph.save(graph, path) and run it with tvmgraph.load(path), or save "
+            f"its weights with tvmgraph.save(graph.state_dict(), path)."
+        )
+
     # ---- calling ----
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,312 @@
+"""Running a saved graph (`tvmgraph.load`) without torch and without the model's code.
+
+Loading trusts nothing until it is checked: the manifest's format, platform and TVM version,
+then the sha256 of the manifest and of every file it lists. Only then is the library loaded,
+which runs native code from it (like unpickling: load only what you trust). The checksums catch
+corruption and partial copies; they do not tell who wrote the directory.
+
+This module imports neither torch nor the model's code; numpy arrays in give numpy arrays out.
+torch tensors in give torch tensors out (torch is then imported, since the caller has it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .artifact_format import ArtifactFormatError, read_document, verify_files
+from .errors import SavedGraphError, SavedGraphInputError
+
+logger = logging.getLogger("tvmgraph.deploy")
+
+MANIFEST = "manifest.json"
+FORMAT = 1  # bump when manifest.json changes meaning; newer ones are refused
+KIND = "tvmgraph-saved-graph"
+
+_MACHINES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}
+
+
+def host_machine() -> str:
+    """This machine's architecture in the manifest's words (`x86_64`, `aarch64`)."""
+    return _MACHINES.get(platform.machine().lower(), platform.machine().lower())
+
+
+class _HideTorch:
+    """A meta-path finder under which `import torch` fails (see `_import_tvm`)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("tvmgraph.load imports TVM without torch")
+
+
+def _import_tvm() -> Any:
+    """`import tvm`; in a runtime-only process (TVM_USE_RUNTIME_LIB=1) that has not imported
+    torch, without torch.
+
+    tvm-ffi imports torch on its own import when torch is installed, which takes seconds that a
+    process serving saved graphs on numpy arrays does not need. Hidden, torch tensors still pass
+    through DLPack, but tvm-ffi no longer converts torch dtypes, which compiling needs: hence
+    only where TVM's compiler is not loaded anyway.
+    """
+    if "tvm" in sys.modules or "torch" in sys.modules or os.environ.get("TVM_USE_RUNTIME_LIB") != "1":
+        import tvm
+
+        return tvm
+    hide = _HideTorch()
+    sys.meta_path.insert(0, hide)
+    try:
+        import tvm
+    finally:
+        sys.meta_path.remove(hide)
+    return tvm
+
+
+def _refuse(path: Path, file: str, reason: str, fix: str) -> SavedGraphError:
+    return SavedGraphError(f"{path}: cannot load the saved graph: {file}: {reason}. {fix}")
+
+
+def _check_manifest(path: Path, doc: Mapping[str, Any]) -> None:
+    """Format, kind, platform and versions: what can be refused before hashing anything."""
+    fmt = doc.get("format")
+    if type(fmt) is not int:
+        raise _refuse(path, MANIFEST, f"format {fmt!r} is not a format version", "Save the graph again.")
+    if fmt > FORMAT:
+        raise _refuse(path, MANIFEST, f"format {fmt} is newer than the format this tvmgraph reads ({FORMAT}); "
+                      f"it was written by tvmgraph {doc.get('versions', {}).get('tvmgraph')}",
+                      "Upgrade tvmgraph on this machine, or save the graph with this machine's version.")
+    if fmt != FORMAT or doc.get("kind") != KIND:
+        raise _refuse(path, MANIFEST, f"format {fmt!r} ({doc.get('kind')!r}) is not a saved graph this tvmgraph "
+                      f"reads", "Save the graph again with this version of tvmgraph.")
+    target = doc.get("target")
+    if not isinstance(target, dict):
+        raise _refuse(path, MANIFEST, "has no target", "Save the graph again.")
+    machine, system = target.get("machine"), target.get("os")
+    if machine != host_machine() or system != sys.platform:
+        raise _refuse(path, MANIFEST, f"the graph was built for {system} {machine} ({target.get('string')}) but "
+                      f"this machine is {sys.platform} {host_machine()}",
+                      f"Export it for this machine: tvmgraph.save(graph, path, target={host_machine()!r}).")
+    tvm = _import_tvm()
+
+    built, here = str(doc.get("versions", {}).get("tvm")), tvm.__version__
+    if built.split(".")[:2] != here.split(".")[:2]:
+        raise _refuse(path, MANIFEST, f"the library was built with TVM {built}, this process has TVM {here}",
+                      f"Install apache-tvm {built} here, or save the graph again with TVM {here}.")
+
+
+def _device(target: Mapping[str, Any], device: Any):
+    import tvm
+
+    name = str(device) if device is not None else target["device"]
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda"):
+        raise SavedGraphInputError(f"tvmgraph.load: device {name!r} is not 'cpu' or 'cuda[:N]'")
+    if kind != target["device"]:
+        raise SavedGraphInputError(f"tvmgraph.load: the graph was built for {target['device']} "
+                                   f"({target['string']}), not for {name!r}; save it with target={kind!r}")
+    dev = tvm.cpu(0) if kind == "cpu" else tvm.cuda(int(index or 0))
+    if not dev.exist:
+        raise SavedGraphError(f"tvmgraph.load: cannot load the saved graph: it runs on {name}, which this "
+                              f"machine does not have. The target machine needs: "
+                              f"{'; '.join(target.get('needs', []))}.")
+    return dev
+
+
+class TreeSpec:
+    """An argument or output structure from the manifest: tensor, none, list or tuple."""
+
+    __slots__ = ("kind", "children")
+
+    def __init__(self, doc: Any):
+        self.kind = doc["kind"]
+        if self.kind not in ("tensor", "none", "list", "tuple"):
+            raise ValueError(f"unknown tree kind {self.kind!r}")
+        self.children = [TreeSpec(c) for c in doc.get("children", [])]
+
+    def flatten(self, value: Any, where: str, out: list) -> None:
+        if self.kind == "tensor":
+            out.append((where, value))
+        elif self.kind == "none":
+            if value is not None:
+                raise SavedGraphInputError(f"{where} must be None, got {type(value).__name__}")
+        else:
+            if not isinstance(value, (list, tuple)) or len(value) != len(self.children):
+                raise SavedGraphInputError(f"{where} must be a {self.kind} of {len(self.children)} items, got "
+                                           f"{type(value).__name__}{'' if not hasattr(value, '__len__') else f' of {len(value)}'}")
+            for i, (child, item) in enumerate(zip(self.children, value)):
+                child.flatten(item, f"{where}[{i}]", out)
+
+    def unflatten(self, leaves: Any) -> Any:
+        if self.kind == "tensor":
+            return next(leaves)
+        if self.kind == "none":
+            return None
+        items = [c.unflatten(leaves) for c in self.children]
+        return items if self.kind == "list" else tuple(items)
+
+
+class SavedGraph:
+    """A graph loaded by `tvmgraph.load`: call it with the arguments of the original `build()`."""
+
+    __slots__ = ("path", "manifest", "name", "inputs", "outputs", "_args", "_outs", "_dev", "_sources",
+                 "_mutations", "_num_user_outputs", "_state", "_vm", "_entry")
+
+    def __init__(self, path: Path, manifest: dict[str, Any], files: Mapping[str, bytes], device: Any):
+        import tvm
+        from tvm.runtime.vm import VirtualMachine  # not tvm.relax: a runtime-only process has no compiler
+
+        self.path = path
+        self.manifest = manifest
+        self.name = manifest["graph"]
+        self.inputs: list[dict[str, Any]] = manifest["inputs"]
+        self.outputs: list[dict[str, Any]] = manifest["outputs"]
+        self._args = TreeSpec(manifest["input_tree"])
+        self._outs = TreeSpec(manifest["output_tree"])
+        self._dev = _device(manifest["target"], device)
+        sig = manifest["meta"]["signature"]
+        self._sources = [tuple(s) for s in sig["inputs"]]
+        self._mutations = [tuple(s) for s in sig["mutations"]]
+        self._num_user_outputs = sig["num_user_outputs"]
+        state = _read_state(files.get(manifest["parameters"], b""), sig["constants"], files.get("constants.bin", b""))
+        self._state = {name: tvm.runtime.tensor(value, self._dev) for name, value in state.items()}
+        missing = [t for k, t in self._sources if k in ("parameter", "buffer", "constant") and t not in self._state]
+        if missing:
+            raise _refuse(path, manifest["parameters"], f"has no tensor {missing[0]!r}", "Save the graph again.")
+        lib = tvm.runtime.load_module(str(path / manifest["library"]))  # native code runs from here on
+        self._vm = VirtualMachine(lib, self._dev)
+        self._entry = self._vm[manifest["entry"]]
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}" for s in self.inputs)
+        return f"SavedGraph({self.name}({ins}), target={self.manifest['target']['string']!r}, path='{self.path}')"
+
+    def __call__(self, *args: Any) -> Any:
+        """Run the program once; outputs come back in the graph's output structure, as numpy
+        arrays for numpy inputs and torch tensors for torch inputs."""
+        if len(args) != len(self._args.children):
+            ins = ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}" for s in self.inputs)
+            raise SavedGraphInputError(f"{self.name} takes {len(self._args.children)} argument(s) but {len(args)} "
+                                       f"were given; call it with the arguments of build() ({ins})")
+        leaves: list = []
+        for i, (child, arg) in enumerate(zip(self._args.children, args)):
+            child.flatten(arg, f"{self.name}: argument {i}", leaves)
+        use_torch = any(type(v).__module__.startswith("torch") for _, v in leaves)
+        flat = [self._check(i, value, use_torch) for i, (_, value) in enumerate(leaves)]
+        rng = [self._seed()] if any(k == "rng" for k, _ in self._sources) else []
+        state = [self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant")]
+        results = self._entry(*flat, *rng, *state)
+        n_mut = len(self._mutations)
+        for (kind, target), value in zip(self._mutations, results[:n_mut]):
+            if kind == "user":
+                _copy_into(leaves[int(target)][1], value)
+            else:
+                self._state[target] = value
+        outs = [_as(value, use_torch) for value in results[n_mut:n_mut + self._num_user_outputs]]
+        return self._outs.unflatten(iter(outs))
+
+    def _check(self, index: int, value: Any, use_torch: bool) -> Any:
+        spec = self.inputs[index]
+        where = f"{self.name}: input '{spec['name']}'"
+        want = f"{spec['dtype']}{spec['shape']}"
+        if use_torch:
+            import torch
+
+            if not isinstance(value, torch.Tensor):
+                raise SavedGraphInputError(f"{where} is a {type(value).__name__}; pass torch tensors for every "
+                                           f"input, or numpy arrays for every input (expected {want})")
+            dtype, shape = str(value.dtype).removeprefix("torch."), list(value.shape)
+            if value.device.type != self._dev_type():
+                raise SavedGraphInputError(f"{where} is on {value.device} but the graph runs on "
+                                           f"{self._dev_type()}; move it with .to({self._dev_type()!r})")
+        else:
+            if not isinstance(value, np.ndarray):
+                raise SavedGraphInputError(f"{where} is a {type(value).__name__}, not a numpy array or torch tensor "
+                                           f"(expected {want}); pass np.asarray(value, dtype={spec['dtype']!r})")
+            dtype, shape = str(value.dtype), list(value.shape)
+        if dtype != spec["dtype"] or shape != spec["shape"]:
+            raise SavedGraphInputError(f"{where} is {dtype}{shape} but the graph was saved for {want}; a saved graph "
+                                       f"runs only the shapes and dtypes it was compiled for (save one per shape)")
+        if use_torch:
+            return value if value.is_contiguous() else value.contiguous()
+        import tvm
+
+        return tvm.runtime.tensor(np.ascontiguousarray(value), self._dev)
+
+    def _dev_type(self) -> str:
+        return "cpu" if self._dev.dlpack_device_type() == 1 else "cuda"
+
+    def _seed(self):
+        import tvm
+
+        return tvm.runtime.tensor(np.random.randint(0, 2**31 - 1, size=(2,), dtype=np.int64), self._dev)
+
+
+def _as(value: Any, use_torch: bool) -> Any:
+    if use_torch:
+        import torch
+
+        return value if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
+    return value.numpy() if not isinstance(value, np.ndarray) else value
+
+
+def _copy_into(dest: Any, value: Any) -> None:
+    if isinstance(dest, np.ndarray):
+        np.copyto(dest, _as(value, False))
+    else:
+        dest.copy_(_as(value, True))
+
+
+def _read_state(params: bytes, constants: Sequence[Mapping[str, Any]], blob: bytes) -> dict[str, np.ndarray]:
+    """Parameters and buffers from safetensors, constants from their raw-bytes table."""
+    state = {}
+    if params:
+        from safetensors.numpy import load as load_safetensors
+
+        state.update(load_safetensors(params))
+    for row in constants:
+        dtype, shape = np.dtype(row["dtype"]), tuple(row["shape"])
+        offset, size = row["offset"], row["bytes"]
+        if size != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or offset < 0 or offset + size > len(blob):
+            raise ValueError(f"constant {row['name']!r}: {size} bytes at {offset} do not hold {dtype}{list(shape)}")
+        state[row["name"]] = np.frombuffer(blob, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)),
+                                           offset=offset).reshape(shape).copy()
+    return state
+
+
+def load(path: str | Path, device: Any = None) -> SavedGraph:
+    """Load a graph saved by `tvmgraph.save`: check its manifest and every file's sha256, then
+    load its library onto `device` (default: the device it was built for, `cpu` or `cuda:0`).
+
+    Loading runs native code from the directory, like unpickling: load only what you trust.
+    Raises `SavedGraphError` naming the file and the reason when anything does not check out.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise _refuse(path, "directory", "does not exist" if not path.exists() else "is not a directory",
+                      "Pass the directory that tvmgraph.save wrote.")
+    try:
+        doc = read_document(path / MANIFEST)
+    except ArtifactFormatError as e:
+        raise _refuse(path, MANIFEST, str(e).removeprefix(f"{MANIFEST} "),
+                      "Pass the directory that tvmgraph.save wrote, copied whole.") from None
+    _check_manifest(path, doc)
+    listed = doc.get("files") if isinstance(doc.get("files"), dict) else {}
+    try:
+        files = verify_files(path, doc, MANIFEST, read=[n for n in (doc.get("parameters"), "constants.bin")
+                                                        if n in listed])
+    except ArtifactFormatError as e:
+        name, _, reason = str(e).partition(" ")
+        raise _refuse(path, name, reason, "The directory is damaged or was changed after saving: copy it again "
+                      "from where it was saved.") from None
+    try:
+        return SavedGraph(path, doc, files, device)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, SavedGraphError | SavedGraphInputError):
+            raise
+        raise _refuse(path, MANIFEST, f"is malformed ({type(e).__name__}: {e})", "Save the graph again.") from None
