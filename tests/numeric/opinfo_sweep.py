@@ -85,7 +85,8 @@ RANDOM = {
     "rand_like", "randint", "randint_like", "randn", "randn_like", "nn.functional.dropout",
     "nn.functional.dropout2d", "nn.functional.dropout3d", "nn.functional.alpha_dropout",
     "nn.functional.feature_alpha_dropout", "nn.functional.fractional_max_pool2d",
-    "nn.functional.fractional_max_pool3d", "nn.functional.rrelu", "nn.functional.scaled_dot_product_attention",
+    "nn.functional.fractional_max_pool3d", "nn.functional.rrelu",
+    "nn.functional.scaled_dot_product_attention",
     "nn.functional.multi_head_attention_forward",
 }
 DATA_DEPENDENT_SHAPE = {
@@ -95,7 +96,8 @@ DATA_DEPENDENT_SHAPE = {
 UNINITIALIZED = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
 COMPLEX = {"complex", "polar", "view_as_complex", "cfloat", "cdouble", "chalf", "stft", "istft"}
 NO_TENSOR_RESULT = {"item", "equal", "allclose", "broadcast_shapes", "tolist"}
-MUTATING = {"resize_", "resize_as_", "zero_", "fill", "put", "index_put", "_unsafe_masked_index_put_accumulate"}
+MUTATING = {"resize_", "resize_as_", "zero_", "fill", "put", "index_put",
+            "_unsafe_masked_index_put_accumulate"}
 
 
 def out_of_scope(op: Any) -> str | None:
@@ -199,7 +201,8 @@ def prepare(op: Any, dtype: torch.dtype, index: int, sample: Any) -> Case | str:
         return "complex output"
     if any(t.layout != torch.strided for t in first):
         return "sparse output"
-    if not all(a.shape == b.shape and torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(first, second)):
+    same = (a.shape == b.shape and torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(first, second))
+    if not all(same):
         return "random: two eager runs differ"
     case.expected = [t.clone() for t in first]
     if not op.supports_autograd:
@@ -246,7 +249,8 @@ def cases_for(op: Any, mode: str) -> Iterator[Case | tuple[str, str]]:
     for dtype in dtypes:
         torch.manual_seed(0)
         try:
-            samples = list(op.sample_inputs("cpu", dtype, requires_grad=op.supports_autograd and dtype.is_floating_point))
+            grad = op.supports_autograd and dtype.is_floating_point
+            samples = list(op.sample_inputs("cpu", dtype, requires_grad=grad))
         except Exception as e:  # noqa: BLE001
             yield f"{op_key(op)}|{_name(dtype)}|-", f"sample_inputs raises {type(e).__name__}"
             continue
@@ -424,7 +428,8 @@ def _run(run_graph, graph_cls: type, cases: list[Case], phase: str) -> dict[str,
         if len(cases) == 1:
             return {cases[0].id: classify(e)}
         half = len(cases) // 2
-        return {**_run(run_graph, graph_cls, cases[:half], phase), **_run(run_graph, graph_cls, cases[half:], phase)}
+        first = _run(run_graph, graph_cls, cases[:half], phase)
+        return {**first, **_run(run_graph, graph_cls, cases[half:], phase)}
     finally:
         gc.collect()
 
@@ -457,7 +462,8 @@ def worker(job_path: str) -> None:
         for batch in _batches(pending, solo):
             forward = _run(_forward, forward_cls, batch, "forward")
             for c in batch:
-                _emit(event="result", id=c.id, phase="forward", status=forward[c.id][0], reason=forward[c.id][1])
+                status, reason = forward[c.id]
+                _emit(event="result", id=c.id, phase="forward", status=status, reason=reason)
             trainable = [c for c in batch if c.param_at and forward[c.id][0] in ("ok", "mismatch")]
             gradient = _run(_gradient, train_cls, trainable, "gradient") if trainable else {}
             for c in batch:
@@ -493,7 +499,8 @@ class Result:
         return self.id.split("|")[0]
 
 
-def sweep(ops: list[str], mode: str = MODE, timeout_s: float = TIMEOUT_S) -> tuple[list[Result], dict[str, str]]:
+def sweep(ops: list[str], mode: str = MODE,
+          timeout_s: float = TIMEOUT_S) -> tuple[list[Result], dict[str, str]]:
     """Run the worker over `ops` until every case has a result; return the results and the
     unusable samples ({id: reason})."""
     results: dict[tuple[str, str], Result] = {}
@@ -513,7 +520,8 @@ def sweep(ops: list[str], mode: str = MODE, timeout_s: float = TIMEOUT_S) -> tup
             if len(ids) > 1:
                 solo.update(ids)  # rerun that graph's cases alone to find the one that crashes
                 continue
-            reason = f"worker died in this graph ({_signal_name(rc)}): {stderr.strip().splitlines()[-1:] or ''}"
+            last = (stderr.strip().splitlines() or [""])[-1]
+            reason = f"worker died in this graph ({_signal_name(rc)}): {last}"
             results[(ids[0], phase)] = Result(ids[0], phase, "crash", _one_line(reason))
             if phase == "forward":
                 results[(ids[0], "gradient")] = Result(ids[0], "gradient", "-", "forward crash")
@@ -630,28 +638,35 @@ def render(table: list[Row], skipped: dict[str, str], mode: str) -> str:
     lines = [
         "# Op coverage: PyTorch OpInfo samples through tvmgraph",
         "",
-        "Generated by `tests/numeric/opinfo_sweep.py`; do not edit by hand. Regenerate (from the repository",
-        f"root, ~15 min on 2 cores): `PYTHONPATH=. {command}`.",
+        "Generated by `tests/numeric/opinfo_sweep.py`; do not edit by hand. Regenerate from the repository",
+        f"root with `PYTHONPATH=. {command}` (12-25 min on 2 cores), or with the test:",
+        "`TVMGRAPH_TEST_OPINFO_DOCS=1 python -m pytest tests/numeric/test_opinfo.py`.",
         "",
-        "Each op of PyTorch's OpInfo database (`torch.testing._internal.common_methods_invocations.op_db`)",
-        "that is in scope runs " + ("its first usable float32 sample" if mode == "ci" else
-                                    "every sample in float32, float64, bfloat16, int64, int32 and bool where supported")
+        "Each in-scope op of PyTorch's OpInfo database",
+        "(`torch.testing._internal.common_methods_invocations.op_db`) runs "
+        + ("its first usable float32 sample" if mode == "ci" else
+           "every sample in each of float32, float64, bfloat16, int64, int32 and bool it supports")
         + " through two tvmgraph graphs, compared with eager:",
         "",
-        "- **forward**: an inference graph returning the op's outputs (tolerances: `TOLERANCES` in the sweep).",
-        "- **gradient**: a training graph where the differentiable inputs are parameters of a registered module,",
-        "  loss = sum(output * fixed random tensor), `SGD(lr=1, momentum=0)`: `before - after` is the gradient,",
-        "  compared with `torch.autograd.grad` in eager.",
+        "- **forward**: an inference graph returning the op's outputs (per-dtype `TOLERANCES` in the",
+        "  sweep).",
+        "- **gradient**: a training graph where the inputs OpInfo marks differentiable are parameters of a",
+        "  registered module, loss = sum(output * fixed random tensor) over the outputs eager",
+        "  differentiates, `SGD(lr=1, momentum=0)`: `before - after` is the gradient, compared with",
+        "  `torch.autograd.grad` in eager. (These graphs turn FuseModelUpdate off: it fails on one-result",
+        "  update kernels, a bug of its own that would hide the ops' results.)",
         "",
-        "Status: `ok`; `unsupported` (tvmgraph refused with its own error, e.g. `UnsupportedOpError`: acceptable);",
-        "`mismatch` (a wrong number: the worst); `raw` (an exception that is not a tvmgraph error, or a",
-        "`CompileError`/`ExecutionError`: a tvmgraph bug); `crash` (the process died); `-` (not checked: the",
-        "reason says why). Out of scope, and listed at the end with the reason: random ops, in-place ops,",
-        "sparse, linear algebra, complex results, data-dependent output shapes, ops returning Python values.",
+        "Status: `ok`; `unsupported` (tvmgraph refused with its own error, e.g. `UnsupportedOpError`:",
+        "acceptable); `mismatch` (a wrong number, dtype or shape: the worst); `raw` (an exception that is",
+        "not a tvmgraph error, or a `CompileError`/`ExecutionError`: a tvmgraph bug); `crash` (the process",
+        "died); `-` (not checked: the reason says why). Several samples (all mode): the worst, with the",
+        "count of `ok`. Out of scope, listed at the end with the reason: random ops, in-place ops, sparse,",
+        "linear algebra, complex results, data-dependent output shapes, ops returning Python values.",
         "",
-        "`python -m pytest tests/numeric/test_opinfo.py` runs the same sweep and fails on any mismatch, raw",
-        "error or crash missing from its `KNOWN_FAILURES` table, and on a known failure that now passes.",
-        "`TVMGRAPH_TEST_OPINFO=all` runs every sample and dtype (about an hour).",
+        "`python -m pytest tests/numeric/test_opinfo.py` runs the same sweep and fails on any mismatch,",
+        "raw error or crash missing from its `KNOWN_FAILURES` table, and on a known failure that no",
+        "longer happens. To run everything: `TVMGRAPH_TEST_OPINFO=all` (every sample and dtype: hours);",
+        "`TVMGRAPH_TEST_OPINFO_OPS=abs,nn.functional.relu` sweeps only those ops.",
         "",
         "## Summary",
         "",
@@ -686,7 +701,8 @@ def main() -> None:
     results, unusable = sweep(keys)
     table = rows(results, keys, unusable)
     DOCS.write_text(render(table, skipped, MODE))
-    log.info("swept %d ops in %.0f s: %s; wrote %s", len(keys), time.monotonic() - started, summary(table), DOCS)
+    log.info("swept %d ops in %.0f s: %s; wrote %s", len(keys), time.monotonic() - started, summary(table),
+             DOCS)
 
 
 if __name__ == "__main__":
