@@ -467,7 +467,8 @@ def worker(job_path: str) -> None:
             trainable = [c for c in batch if c.param_at and forward[c.id][0] in ("ok", "mismatch")]
             gradient = _run(_gradient, train_cls, trainable, "gradient") if trainable else {}
             for c in batch:
-                status, reason = gradient.get(c.id, ("-", c.grad_note or f"forward {forward[c.id][0]}"))
+                not_run = c.grad_note or f"not run: forward {forward[c.id][0]}"
+                status, reason = gradient.get(c.id, ("-", not_run))
                 _emit(event="result", id=c.id, phase="gradient", status=status, reason=reason)
         pending.clear()
 
@@ -524,7 +525,7 @@ def sweep(ops: list[str], mode: str = MODE,
             reason = f"worker died in this graph ({_signal_name(rc)}): {last}"
             results[(ids[0], phase)] = Result(ids[0], phase, "crash", _one_line(reason))
             if phase == "forward":
-                results[(ids[0], "gradient")] = Result(ids[0], "gradient", "-", "forward crash")
+                results[(ids[0], "gradient")] = Result(ids[0], "gradient", "-", "not run: forward crash")
     return sorted(results.values(), key=lambda r: (r.id, r.phase)), unusable
 
 
