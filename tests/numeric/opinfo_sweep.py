@@ -406,7 +406,7 @@ def _one_line(text: str) -> str:
         text = text.removesuffix(")")
     text = re.sub(r"Check failed: \(.*?\) is false: ", "", text)
     text = re.sub(r'ir\.Op\(span=None.*?name="([\w.]+)".*?support_level=\d+\)', r"\1", text)  # an Op's repr
-    return text[:200]
+    return text[:200].rstrip()
 
 
 # ---- the worker: runs cases, one JSON line per event ----
