@@ -272,8 +272,29 @@ def dropout(seed_node: torch.fx.Node | None, salts: dict[torch.fx.Node, int]) ->
     return convert
 
 
+def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """aten.elu(x, alpha, scale, input_scale) = scale * (x if x > 0 else alpha * (exp(x * input_scale) - 1)).
+
+    SELU and CELU decompose into it with scale 1.0507... and input_scale 1/alpha; the stock
+    converter reads alpha only, so both came out silently wrong."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    dtype = x.ty.dtype.dtype
+    alpha, scale, input_scale = (float(node.args[i]) if len(node.args) > i else float(node.kwargs.get(k, 1.0))
+                                 for i, k in ((1, "alpha"), (2, "scale"), (3, "input_scale")))
+
+    def const(v: float) -> relax.Expr:
+        return relax.const(v, dtype)
+
+    scaled = x if input_scale == 1.0 else relax.op.multiply(x, const(input_scale))
+    negative = relax.op.multiply(const(alpha * scale), relax.op.subtract(relax.op.exp(scaled), const(1.0)))
+    positive = x if scale == 1.0 else relax.op.multiply(x, const(scale))
+    return bb.emit(relax.op.where(relax.op.greater(x, const(0.0)), positive, negative))
+
+
 CONVERTERS: dict[str, Converter] = {
     "_native_batch_norm_legit_functional.default": batch_norm_train,
+    "elu.default": elu,
     "mm.default": matmul,
     "bmm.default": matmul,
     "matmul.default": matmul,

@@ -220,7 +220,9 @@ class CompiledGraph:
         n_mut, n_user = self._num_mutations, self._num_user_outputs
         if n_mut:
             self._write_back(flat_inputs, state, results[:n_mut])
-        user = list(results[n_mut:n_mut + n_user])
+        # tvm-ffi hands results back as torch tensors when a torch tensor went in; a program with
+        # no tensor argument at all (build() returning torch.zeros(3)) gets TVM's own tensors.
+        user = [r if isinstance(r, torch.Tensor) else torch.from_dlpack(r) for r in results[n_mut:n_mut + n_user]]
         loss = results[n_mut + n_user] if self.signature.has_loss else None
         if self.training is not None:
             self.training.write_back(results[n_mut + n_user + 1:], {id(state[i]) for i in copied})

@@ -113,6 +113,10 @@ FORWARD = [
                  lambda: (torch.randn(2, 4, 7, 9),), id="native_group_norm-no_affine"),
     pytest.param(lambda x: F.scaled_dot_product_attention(x, x * 0.5, x, attn_mask=_bool_mask()),
                  lambda: (torch.randn(1, 2, 4, 8),), id="_safe_softmax-sdpa-masked_row"),
+    # selu and celu decompose into elu(x, alpha, scale, input_scale); scale was dropped
+    pytest.param(F.selu, lambda: (torch.randn(4, 9),), id="selu"),
+    pytest.param(lambda x: F.celu(x, 0.5), lambda: (torch.randn(4, 9),), id="celu-alpha"),
+    pytest.param(lambda x: F.elu(x, 0.7), lambda: (torch.randn(4, 9),), id="elu-alpha"),
 ]
 
 
@@ -196,6 +200,8 @@ class SGDStep(tvmgraph.nn.Graph):
 
 
 GRADIENTS = [
+    pytest.param(F.selu, lambda: torch.randn(4, 9), id="selu"),
+    pytest.param(lambda x: F.celu(x, 0.5), lambda: torch.randn(4, 9), id="celu-alpha"),
     pytest.param(lambda x: F.avg_pool2d(x, 2, stride=2, ceil_mode=True), x4, id="avg_pool2d-ceil"),
     pytest.param(lambda x: F.avg_pool2d(x, 3, stride=3, padding=1, ceil_mode=True), x4, id="avg_pool2d-ceil-padding"),
     pytest.param(lambda x: F.avg_pool2d(x, 3, stride=2, padding=1, divisor_override=2), x4,

@@ -253,3 +253,16 @@ def test_empty_build_is_a_graph_output_error() -> None:
 
     with pytest.raises(errors.GraphOutputError, match=r"build\(\) returned None; a graph must return at least one tensor"):
         Empty()(torch.ones(1, 2))
+
+
+def test_graph_without_tensor_arguments_returns_torch_tensors() -> None:
+    """build() that only creates tensors: the outputs are torch tensors like eager's (they were
+    TVM runtime tensors)."""
+
+    class Constant(tvmgraph.nn.Graph):
+        def build(self):
+            return torch.zeros(3), torch.eye(2)
+
+    zeros, eye = Constant()()
+    assert_close(zeros, torch.zeros(3))
+    assert_close(eye, torch.eye(2))
