@@ -310,11 +310,6 @@ def _make_graphs():
             super().__init__()
             self.calls = torch.nn.ModuleList([OpCall(c, train=True) for c in cases])
             self.add_optimizer(torch.optim.SGD(self.calls.parameters(), lr=1.0, momentum=0.0))
-            # The sweep checks each op's lowering and gradient, not the fused update kernel (its
-            # own tests are in tests/passes). FuseModelUpdate fails on an update kernel with one
-            # result (one parameter, SGD without momentum: "The type of Tuple must be TupleType"),
-            # which would hide the real result of every op with one differentiable input.
-            self.config.allow_fuse_model_update_ops(False)
 
         def build(self, *flat: torch.Tensor) -> torch.Tensor:
             loss, at = None, 0
