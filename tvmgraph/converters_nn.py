@@ -114,8 +114,13 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
     unbatched = x.ty.ndim == rank + 1
     data = bb.emit(relax.op.expand_dims(x, axis=0)) if unbatched else x
     pool = relax.op.nn.max_pool2d if rank == 2 else relax.op.nn.max_pool3d
-    values = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=padding, dilation=dilation,
-                          ceil_mode=ceil_mode, layout="NCHW" if rank == 2 else "NCDHW"))
+    # ceil_mode becomes extra padding at the end (max pooling pads with the lowest value): TVM's
+    # ceil-mode gradient read past the input (garbage like 7e22 in max_pool1d's gradient).
+    size = _static_shape(data, f"max_pool{rank}d")[-rank:] if ceil_mode else []
+    end = [_ceil_extra(n, k, s, p, d) for n, k, s, p, d in zip(size, kernel, stride, padding, dilation)] \
+        if ceil_mode else [0] * rank
+    values = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=[*padding, *(p + e for p, e in zip(padding, end))],
+                          dilation=dilation, ceil_mode=False, layout="NCHW" if rank == 2 else "NCDHW"))
     indices = None
     if _output_used(node, 1):
         _static_shape(data, f"max_pool{rank}d indices")
@@ -125,6 +130,15 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
         indices = bb.emit(relax.op.squeeze(indices, axis=[0])) if indices is not None else None
     # Unused indices are never computed; the tuple still needs a second field.
     return bb.emit(relax.Tuple([values, indices if indices is not None else values]))
+
+
+def _ceil_extra(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
+    """Padding to add at the end so that a floor-mode pool has torch's ceil-mode windows."""
+    span = dilation * (kernel - 1) + 1
+    out = -(-(size + 2 * pad - span) // stride) + 1
+    if (out - 1) * stride >= size + pad:  # torch drops a last window that starts in the padding
+        out -= 1
+    return max(0, (out - 1) * stride + span - (size + 2 * pad))
 
 
 def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
