@@ -119,8 +119,15 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
     size = _static_shape(data, f"max_pool{rank}d")[-rank:] if ceil_mode else []
     end = [_ceil_extra(n, k, s, p, d) for n, k, s, p, d in zip(size, kernel, stride, padding, dilation)] \
         if ceil_mode else [0] * rank
-    values = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=[*padding, *(p + e for p, e in zip(padding, end))],
-                          dilation=dilation, ceil_mode=False, layout="NCHW" if rank == 2 else "NCDHW"))
+    spatial = _static_shape(data, f"max_pool{rank}d")[-rank:]
+    if not any(padding) and all(d == 1 and k == n for d, k, n in zip(dilation, kernel, spatial)):
+        # One window over the whole plane: a max reduction. TVM's pool gradient was wrong for a
+        # 1x1 output with several channels (max_pool1d over its whole width).
+        values = bb.emit(relax.op.max(data, axis=list(range(-rank, 0)), keepdims=True))
+    else:
+        values = bb.emit(pool(data, pool_size=kernel, strides=stride,
+                              padding=[*padding, *(p + e for p, e in zip(padding, end))],
+                              dilation=dilation, ceil_mode=False, layout="NCHW" if rank == 2 else "NCDHW"))
     indices = None
     if _output_used(node, 1):
         _static_shape(data, f"max_pool{rank}d indices")

@@ -205,6 +205,8 @@ GRADIENTS = [
                  id="max_pool1d-ceil-partial_window"),
     pytest.param(lambda x: F.max_pool2d(x, 3, stride=2, ceil_mode=True), lambda: torch.randn(1, 2, 6, 7),
                  id="max_pool2d-ceil"),
+    # one window over the whole width, several channels: TVM's pool gradient was wrong
+    pytest.param(lambda x: F.max_pool1d(x, 3, stride=1), lambda: torch.randn(1, 3, 3), id="max_pool1d-whole_width"),
     pytest.param(F.selu, lambda: torch.randn(4, 9), id="selu"),
     pytest.param(lambda x: F.celu(x, 0.5), lambda: torch.randn(4, 9), id="celu-alpha"),
     pytest.param(lambda x: F.avg_pool2d(x, 2, stride=2, ceil_mode=True), x4, id="avg_pool2d-ceil"),
