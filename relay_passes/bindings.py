@@ -1,7 +1,8 @@
-"""What a binding reads: the one helper the passes that walk bindings share."""
+"""What a binding reads, and whether a fused group would read itself: helpers the passes that walk bindings share."""
 
 from __future__ import annotations
 
+import tvm
 from tvm import relax
 
 
@@ -10,3 +11,89 @@ def vars_in(expr: relax.Expr) -> list[relax.Var]:
     found: list[relax.Var] = []
     relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)
     return found
+
+
+class Acyclic:
+    """A FuseOpsByPattern check: accepts a match only if its group would not depend on itself,
+    given the groups this pattern has already formed in `mod` (groups of earlier patterns are
+    calls in `mod` by now). FuseOpsByPattern does not check this itself; a group that reads its
+    own output leaves a variable used before it is defined (`Var lv36 is not defined`).
+
+    A group depends on itself when one of its inputs is computed from one of its members. The
+    search walks back from the inputs; a member of an earlier group stands for all of them
+    (their group is one call). Bindings are numbered in program order: a plain binding before
+    `low` cannot reach the match, where `low` is the first member of the match or of any
+    earlier group straddling it, so the search stops there.
+    """
+
+    def __init__(self, mod: tvm.IRModule) -> None:
+        self.mod = mod
+        self.position: dict[relax.Var, int] = {}  # filled at the first match (most patterns match none)
+        self.reads: dict[relax.Var, list[relax.Var]] = {}
+        self.group_of: dict[relax.Var, frozenset[relax.Var]] = {}
+
+    def _number_bindings(self) -> None:
+        for _, func in self.mod.functions_items():
+            if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
+                for block in func.body.blocks:
+                    for binding in block.bindings:
+                        self.position[binding.var] = len(self.position)
+                        self.reads[binding.var] = _reads(binding.value)
+
+    def __call__(self, context: PatternCheckContext) -> bool:
+        if not self.position:
+            self._number_bindings()
+        members = set(context.matched_bindings.keys())
+        for var in list(members):  # a match that takes in an earlier group merges with it
+            members |= self.group_of.get(var, frozenset())
+        if not members <= self.position.keys():
+            return False
+        if self._reaches_itself(members):
+            return False
+        group = frozenset(members)
+        for var in group:
+            self.group_of[var] = group
+        return True
+
+    def _reaches_itself(self, members: set[relax.Var]) -> bool:
+        low = min(self.position[v] for v in members)
+        changed = True
+        while changed:
+            changed = False
+            for group in set(self.group_of.values()):
+                first, last = (f(self.position[v] for v in group) for f in (min, max))
+                if first < low <= last:
+                    low, changed = first, True
+        seen: set[relax.Var] = set(members)
+        pending = [v for m in members for v in self.reads[m] if v not in members]
+        while pending:
+            var = pending.pop()
+            if var in members:
+                return True
+            if var in seen or var not in self.position:  # a parameter
+                continue
+            group = self.group_of.get(var)
+            if group is not None:
+                seen |= group
+                pending.extend(v for g in group for v in self.reads[g])
+            elif self.position[var] >= low:
+                seen.add(var)
+                pending.extend(self.reads[var])
+        return False
+
+
+def _reads(expr: relax.Expr) -> list[relax.Var]:
+    """The variables a binding's value reads; `vars_in` (a visitor) for anything but the
+    common shapes, which are walked here (several times faster)."""
+    if isinstance(expr, relax.Var):
+        return [expr]
+    if isinstance(expr, relax.Call):
+        op = [expr.op] if isinstance(expr.op, relax.Var) else []
+        return op + [v for a in expr.args for v in _reads(a)]
+    if isinstance(expr, relax.Tuple):
+        return [v for f in expr.fields for v in _reads(f)]
+    if isinstance(expr, relax.TupleGetItem):
+        return _reads(expr.tuple_value)
+    if isinstance(expr, (tvm.ir.Constant, relax.ShapeExpr)):  # tensors, numbers, strings, shapes
+        return []
+    return vars_in(expr)

@@ -30,6 +30,8 @@ from tvm.relax.transform import FusionPattern, PatternCheckContext
 
 from tvmgraph.debug import logger
 
+from .bindings import Acyclic
+
 PATTERN_NAME = "tvmgraph.fuse_cast_scale"
 
 
@@ -67,7 +69,13 @@ class FuseCastScale:
         if not self.enabled:
             return mod
         before = {gv.name_hint for gv, _ in mod.functions_items()}
-        mod = relax.transform.FuseOpsByPattern([pattern()], bind_constants=False)(mod)
+        base = pattern()
+        # A scale computed from the cast itself (relax's max gradient: astype(mask) * (g / sum(mask)))
+        # would make the group read its own output.
+        acyclic = Acyclic(mod)
+        checked = FusionPattern(PATTERN_NAME, base.pattern, base.annotation_patterns,
+                                lambda context: _check(context) and acyclic(context))
+        mod = relax.transform.FuseOpsByPattern([checked], bind_constants=False)(mod)
         fused = sum(1 for gv, f in mod.functions_items()
                     if gv.name_hint not in before and isinstance(f, relax.Function))
         if fused:

@@ -32,7 +32,7 @@ keeps for the backward pass) becomes a second output of the group. A chain is no
 the group would depend on itself: in `x = x + a(x); y = x + b(x)` the first matmul's chain
 must end at the first residual add, since `b(x)`, which the second add reads, needs that sum
 (one group with both adds would be computed from its own output). FuseOpsByPattern does not
-check this, so `_Acyclic` does, for the groups of each pattern in turn.
+check this, so `bindings.Acyclic` does, for the groups of each pattern in turn.
 
 Limits: a chain ends at the first op that is not listed (batch_norm, softmax, ...) or that
 broadcasts the result to a larger shape; a transpose or regrouping whose result is also used
@@ -48,7 +48,7 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
 
-from .bindings import vars_in
+from .bindings import Acyclic
 
 PATTERN_NAME = "tvmgraph.fuse_epilogue"
 MAX_EPILOGUE = 4
@@ -167,90 +167,6 @@ def patterns() -> list[tuple[DFPattern, dict[str, DFPattern], Check]]:
     return result
 
 
-class _Acyclic:
-    """Accepts a match only if its group would not depend on itself, given the groups this
-    pattern has already formed in `mod` (groups of earlier patterns are calls in `mod` by now).
-
-    A group depends on itself when one of its inputs is computed from one of its members. The
-    search walks back from the inputs; a member of an earlier group stands for all of them
-    (their group is one call). Bindings are numbered in program order: a plain binding before
-    `low` cannot reach the match, where `low` is the first member of the match or of any
-    earlier group straddling it, so the search stops there.
-    """
-
-    def __init__(self, mod: tvm.IRModule) -> None:
-        self.mod = mod
-        self.position: dict[relax.Var, int] = {}  # filled at the first match (most patterns match none)
-        self.reads: dict[relax.Var, list[relax.Var]] = {}
-        self.group_of: dict[relax.Var, frozenset[relax.Var]] = {}
-
-    def _number_bindings(self) -> None:
-        for _, func in self.mod.functions_items():
-            if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
-                for block in func.body.blocks:
-                    for binding in block.bindings:
-                        self.position[binding.var] = len(self.position)
-                        self.reads[binding.var] = _reads(binding.value)
-
-    def __call__(self, context: PatternCheckContext) -> bool:
-        if not self.position:
-            self._number_bindings()
-        members = set(context.matched_bindings.keys())
-        for var in list(members):  # a match that takes in an earlier group merges with it
-            members |= self.group_of.get(var, frozenset())
-        if not members <= self.position.keys():
-            return False
-        if self._reaches_itself(members):
-            return False
-        group = frozenset(members)
-        for var in group:
-            self.group_of[var] = group
-        return True
-
-    def _reaches_itself(self, members: set[relax.Var]) -> bool:
-        low = min(self.position[v] for v in members)
-        changed = True
-        while changed:
-            changed = False
-            for group in set(self.group_of.values()):
-                first, last = (f(self.position[v] for v in group) for f in (min, max))
-                if first < low <= last:
-                    low, changed = first, True
-        seen: set[relax.Var] = set(members)
-        pending = [v for m in members for v in self.reads[m] if v not in members]
-        while pending:
-            var = pending.pop()
-            if var in members:
-                return True
-            if var in seen or var not in self.position:  # a parameter
-                continue
-            group = self.group_of.get(var)
-            if group is not None:
-                seen |= group
-                pending.extend(v for g in group for v in self.reads[g])
-            elif self.position[var] >= low:
-                seen.add(var)
-                pending.extend(self.reads[var])
-        return False
-
-
-def _reads(expr: relax.Expr) -> list[relax.Var]:
-    """The variables a binding's value reads; `vars_in` (a visitor) for anything but the
-    common shapes, which are walked here (several times faster)."""
-    if isinstance(expr, relax.Var):
-        return [expr]
-    if isinstance(expr, relax.Call):
-        op = [expr.op] if isinstance(expr.op, relax.Var) else []
-        return op + [v for a in expr.args for v in _reads(a)]
-    if isinstance(expr, relax.Tuple):
-        return [v for f in expr.fields for v in _reads(f)]
-    if isinstance(expr, relax.TupleGetItem):
-        return _reads(expr.tuple_value)
-    if isinstance(expr, (tvm.ir.Constant, relax.ShapeExpr)):  # tensors, numbers, strings, shapes
-        return []
-    return vars_in(expr)
-
-
 @tvm.transform.module_pass(opt_level=0, name="FuseEpilogue")
 class FuseEpilogue:
     """Group each matmul/conv2d with its operand transposes and element-wise epilogue."""
@@ -266,7 +182,7 @@ class FuseEpilogue:
         # NOTE: one pattern at a time (as FuseOpsByPattern itself does), so that each check
         # sees the groups of the patterns before it as calls.
         for pattern, annotations, check in patterns():
-            acyclic = _Acyclic(mod)
+            acyclic = Acyclic(mod)
             fusion = FusionPattern(PATTERN_NAME, pattern, annotations,
                                    lambda context, check=check, acyclic=acyclic:
                                    check(context) and acyclic(context))

@@ -126,3 +126,23 @@ def test_scale_that_broadcasts_or_is_a_tensor_is_left_alone() -> None:
 def test_kill_switch() -> None:
     """Disabled, the pass returns its input."""
     assert FuseCastScale(enabled=False)(Before).same_as(Before)
+
+
+def test_scale_computed_from_the_cast_is_not_grouped() -> None:
+    """relax's max gradient: `m = astype(mask); m * (g / sum(m))`. Grouping the cast with the
+    multiply would make the group read its own output (`DataflowVar lv4 is not defined`)."""
+
+    @I.ir_module
+    class SelfScaled:
+        @R.function
+        def main(mask: R.Tensor((1, 3), "bool"), g: R.Tensor((1, 1), "float32")):
+            with R.dataflow():
+                m = R.astype(mask, "float32")
+                total = R.sum(m, axis=[1], keepdims=True)
+                scale = R.divide(g, total)
+                out = R.multiply(m, scale)
+                R.output(out)
+            return out
+
+    after = FuseCastScale()(SelfScaled)
+    tvm.ir.assert_structural_equal(after, SelfScaled)
