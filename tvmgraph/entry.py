@@ -20,7 +20,7 @@ from . import artifact, codegen
 from . import lower as lowering
 from .config import CompileOptions
 from .debug import GraphLog
-from .errors import BackwardError, CompileError, OptimizerError, TvmGraphError, UnsupportedOpError
+from .errors import BackwardError, CompileError, OptimizerError, TvmGraphError, UnsupportedOpError, reason_of
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .target import target_for
 from .training.plan import TrainingPlan
@@ -60,7 +60,6 @@ def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | 
                     build: Any) -> CompiledGraph:
     """Load the program from the persistent compiled cache, or lower and compile it (and store
     it there). A failure inside TVM becomes a `CompileError` naming the graph and the stage."""
-    stage = "lowering to Relax"
     try:
         return _compile_or_load(graph_class, traced, plan, device, options, modules, log, build)
     except TvmGraphError:
@@ -77,7 +76,7 @@ def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | 
             ) from None
         raise CompileError(
             f"{traced.graph_name}: compiling build() failed inside TVM ({type(e).__name__}: "
-            f"{_first_lines(str(e))}). This is a tvmgraph bug: please report it with the model. To work "
+            f"{reason_of(e, lines=3)}). This is a tvmgraph bug: please report it with the model. To work "
             f"around it, turn off tvmgraph's passes one at a time (graph.config.allow_fuse_add_to_output"
             f"(False), allow_fuse_model_update_ops(False), enable_compress_memory(False)), or run the "
             f"failing module eagerly outside the graph; graph.debug(1) shows the stages."
@@ -85,11 +84,6 @@ def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | 
 
 
 _NO_GRADIENT = re.compile(r"FPrimalGradient has not been registered for (relax\.[\w.]+)")
-
-
-def _first_lines(text: str, count: int = 3) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return " / ".join(lines[-count:])[:400]
 
 
 def _compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | None, device: torch.device,

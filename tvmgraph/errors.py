@@ -11,6 +11,13 @@ from __future__ import annotations
 DOCS = "docs/errors.md"
 
 
+def reason_of(e: BaseException, lines: int = 1) -> str:
+    """The last `lines` non-blank lines of an error's message: TVM's errors put the traceback
+    first and the reason last."""
+    found = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return " / ".join(found[-lines:])[:400] if found else type(e).__name__
+
+
 class TvmGraphError(Exception):
     """Base class of every error tvmgraph raises on purpose."""
 

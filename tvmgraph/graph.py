@@ -41,6 +41,7 @@ from .errors import (
     StateDictError,
     TvmGraphError,
     UnsupportedOptionError,
+    reason_of,
 )
 from .guards import StructureGuard, modules_of
 from .graph_repr import graph_repr
@@ -320,9 +321,8 @@ class Graph:
         except TvmGraphError:
             raise
         except Exception as e:  # the VM raises plain TVM errors
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else ""
             raise ExecutionError(f"{st.name}: the compiled program failed while running: "
-                                 f"{type(e).__name__}: {reason}") from e
+                                 f"{type(e).__name__}: {reason_of(e)}") from e
 
     def trace(self, *args: Any) -> TracedGraph:
         """Stage 1 alone: trace `build(*args)` without lowering or compiling it."""

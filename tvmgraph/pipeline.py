@@ -19,7 +19,7 @@ from tvm import relax
 
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .debug import logger
-from .errors import PassError
+from .errors import PassError, reason_of
 
 Report = Callable[[str], None]  # where passes say what they did (graph.debug(1))
 PipelineFn = Callable[[tvm.target.Target, CompileOptions, Report], list[tvm.transform.Pass]]
@@ -102,7 +102,7 @@ def run_pass(p: tvm.transform.Pass, mod: tvm.IRModule, graph: str, check: bool) 
     try:
         out = tvm.transform.Sequential([p])(mod)
     except Exception as e:  # a pass may raise anything; TVM's errors come as several types
-        problem, cause = f"raised {type(e).__name__}: {_reason(e)}", e
+        problem, cause = f"raised {type(e).__name__}: {reason_of(e)}", e
     else:
         problem, cause = _ill_formed(out), None
         if problem is None:
@@ -122,14 +122,10 @@ def _ill_formed(mod: tvm.IRModule) -> str | None:
     try:
         relax.analysis.well_formed(mod)  # raises ValueError at the first violation
     except Exception as e:  # noqa: BLE001  (TVM's FFI errors come as several types)
-        return f"left an ill-formed module ({_reason(e)})"
+        return f"left an ill-formed module ({reason_of(e)})"
     return None
 
 
-def _reason(e: BaseException) -> str:
-    """The last line of an error's message (TVM's errors put the traceback first)."""
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(e).__name__
 
 
 def _gpu_schedules() -> list[tvm.transform.Pass]:
