@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,cross]"
+	$(BIN)/python -m pip install -q -e ".[dev,cross,plot]"
 	touch $(STAMP)
 
 clean:

@@ -19,15 +19,16 @@ from .errors import TvmGraphError as TvmGraphError
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "GraphConfig", "TvmGraphError", "TracedGraph", "LoweredGraph", "CompiledGraph", "save", "load"]
+__all__ = ["nn", "GraphConfig", "TvmGraphError", "TracedGraph", "LoweredGraph", "CompiledGraph", "save", "load",
+           "tune"]
 
-_LAZY = {"GraphConfig": "config", "TracedGraph": "stages", "LoweredGraph": "stages", "CompiledGraph": "stages",
-         "save": "deploy"}
+_LAZY = {"GraphConfig": "tvmgraph.config", "TracedGraph": "tvmgraph.stages", "LoweredGraph": "tvmgraph.stages",
+         "CompiledGraph": "tvmgraph.stages", "save": "tvmgraph.deploy", "tune": "autotune.tuner"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
     elif name.startswith("_"):
         raise AttributeError(f"module 'tvmgraph' has no attribute {name!r}")
     else:

@@ -1,7 +1,7 @@
 """Compiled graphs as persistent artifacts: the cache key of a traced graph, and loading and
-storing entries of the compiled cache (autotune/compiled_cache.py).
+storing entries of the compiled cache (tvmgraph/compiled_cache.py).
 
-The key is made of named parts (autotune/cache_key.py): the traced program (every FX node with
+The key is made of named parts (tvmgraph/cache_key.py): the traced program (every FX node with
 its shapes and dtypes), the lifted constants' values, the call signature, the training plan,
 the graph config, the target, the pass pipeline, the versions of torch/TVM/tvm-ffi, and a hash
 of tvmgraph's own source. What the key ignores cannot change the compiled code: the graph's
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import tvm
 
-from autotune.cache_key import Part, cache_key
-from autotune.compiled_cache import CompiledCache
+from .cache_key import Part, cache_key
+from .compiled_cache import CompiledCache
 
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .lower import InputSource, LoweredSignature
@@ -78,7 +78,9 @@ def _constants(exported: torch.export.ExportedProgram) -> bytes:
 
 
 def key_parts(traced: TracedGraph, plan: TrainingPlan | None, config: CompileOptions | GraphConfig,
-              target: tvm.target.Target, pipeline: str) -> list[Part]:
+              target: tvm.target.Target, pipeline: str, tuning: str = "none") -> list[Part]:
+    """The named parts of a compiled-cache key; `tuning` is the digest of the tuning-log records
+    the compile applies (a changed log is a new key)."""
     import tvm_ffi
 
     sig = traced.signature
@@ -92,15 +94,16 @@ def key_parts(traced: TracedGraph, plan: TrainingPlan | None, config: CompileOpt
         ("options", repr(compile_options(config))),
         ("target", str(target)),
         ("pipeline", pipeline),
+        ("tuning", tuning),
         ("versions", f"torch {torch.__version__}; tvm {tvm.__version__}; tvm-ffi {tvm_ffi.__version__}"),
         ("tvmgraph", source_fingerprint()),
     ]
 
 
 def graph_key(graph_class: str, traced: TracedGraph, plan: TrainingPlan | None, config: CompileOptions | GraphConfig,
-              target: tvm.target.Target, pipeline: str) -> str:
+              target: tvm.target.Target, pipeline: str, tuning: str = "none") -> str:
     """The compiled-cache key of `traced` compiled with these settings."""
-    return cache_key(graph_class, key_parts(traced, plan, config, target, pipeline))
+    return cache_key(graph_class, key_parts(traced, plan, config, target, pipeline, tuning))
 
 
 # ---- metadata as JSON: each codec written out, each reader checking every type ----

@@ -8,7 +8,7 @@ lists every other file with its sha256 and size, and carries the sha256 of its o
     <dir>/<library>.so      the VM executable exported as a shared library
     <dir>/<data files>      raw bytes (constant tensors, parameters in safetensors)
 
-The cache writes `entry.json` (autotune/compiled_cache.py), `tvmgraph.save` writes
+The cache writes `entry.json` (tvmgraph/compiled_cache.py), `tvmgraph.save` writes
 `manifest.json` (tvmgraph/deploy.py); both describe the compiled program with the codecs of
 tvmgraph/artifact.py. This module imports neither torch nor TVM: a saved graph is checked
 before anything native is loaded.

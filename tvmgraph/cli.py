@@ -6,6 +6,10 @@
     tvmgraph export SCRIPT.py:FACTORY --target {host,x86_64,aarch64,cuda} [--arch sm_90] -o DIR
                            save FACTORY()'s graph (FACTORY returns (graph, example_args)) for a
                            target machine, as tvmgraph.save does (docs/deploy.md)
+    tvmgraph tune SCRIPT.py:FACTORY [--trials N] [--minutes M] [--target {host,cuda}] [--log-dir DIR]
+                           [--rpc HOST:PORT --rpc-key KEY] [--plot tuning.png]
+                           tune the graph's kernels into its tuning log, which every later
+                           compile of that graph name applies (docs/autotune.md)
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from autotune.compiled_cache import CompiledCache
+    from tvmgraph.compiled_cache import CompiledCache
 
 
 def _info(_args: argparse.Namespace) -> int:
@@ -58,7 +62,7 @@ def _count(n: int) -> str:
 
 
 def _compiled_cache() -> CompiledCache:
-    from autotune.compiled_cache import CompiledCache
+    from tvmgraph.compiled_cache import CompiledCache
     from tvmgraph.config import settings
 
     return CompiledCache(settings.cache_dir / "compiled", settings.cache_max_bytes)
@@ -86,17 +90,14 @@ def _cache_clear(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
+def _from_factory(command: str, spec_text: str, error: type[Exception]) -> tuple[Any, tuple]:
+    """(graph, example_args) from `SCRIPT.py:FACTORY`, the script run as `python SCRIPT.py` would."""
     import importlib.util
-    import json
     from pathlib import Path
 
-    import tvmgraph
-    from tvmgraph.errors import SaveError
-
-    script, sep, factory = args.factory.rpartition(":")
+    script, sep, factory = spec_text.rpartition(":")
     if not sep or not script.endswith(".py") or not Path(script).is_file():
-        raise SaveError(f"tvmgraph export: {args.factory!r} is not SCRIPT.py:FACTORY naming an existing script")
+        raise error(f"tvmgraph {command}: {spec_text!r} is not SCRIPT.py:FACTORY naming an existing script")
     spec = importlib.util.spec_from_file_location(Path(script).stem, script)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(Path(script).resolve().parent))  # the script's own imports, as `python SCRIPT.py`
@@ -106,12 +107,22 @@ def _export(args: argparse.Namespace) -> int:
         sys.path.pop(0)
     made = getattr(module, factory, None)
     if not callable(made):
-        raise SaveError(f"tvmgraph export: {script} has no function {factory}()")
+        raise error(f"tvmgraph {command}: {script} has no function {factory}()")
     result = made()
     if not (isinstance(result, tuple) and len(result) == 2):
-        raise SaveError(f"tvmgraph export: {factory}() must return (graph, example_args), got "
-                        f"{type(result).__name__}")
+        raise error(f"tvmgraph {command}: {factory}() must return (graph, example_args), got "
+                    f"{type(result).__name__}")
     graph, example_args = result
+    return graph, example_args if isinstance(example_args, tuple) else (example_args,)
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+
+    import tvmgraph
+    from tvmgraph.errors import SaveError
+
+    graph, example_args = _from_factory("export", args.factory, SaveError)
     path = tvmgraph.save(graph, args.output, example_args=example_args, target=args.target, arch=args.arch)
     manifest = json.loads((path / "manifest.json").read_text())
     size = sum(p.stat().st_size for p in path.iterdir())
@@ -119,6 +130,33 @@ def _export(args: argparse.Namespace) -> int:
           f"({manifest['target']['device']}) to {path} ({_size(size)})")
     for need in manifest["target"]["needs"]:
         print(f"  needs: {need}")
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import tvm
+
+    from autotune import RPCTarget, tune
+    from tvmgraph.errors import TuningError
+
+    graph, example_args = _from_factory("tune", args.factory, TuningError)
+    target = None
+    if args.target == "cuda":
+        target = tvm.target.Target({"kind": "cuda", "arch": args.arch or "sm_90"})
+    elif args.arch is not None:
+        raise TuningError(f"tvmgraph tune: --arch {args.arch} is for --target cuda")
+    rpc = RPCTarget.parse(args.rpc, args.rpc_key) if args.rpc else None
+    if target is not None and target.kind.name == "cuda" and rpc is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TuningError("tvmgraph tune --target cuda: this machine has no GPU to measure on; run the "
+                              "command on a GPU machine, or measure there with --rpc HOST:PORT --rpc-key KEY")
+    report = tune(graph, *example_args, trials=args.trials, minutes=args.minutes, target=target,
+                  log_dir=args.log_dir, rpc=rpc, progress=not args.quiet, eager=rpc is None)
+    print(report.table())
+    if args.plot:
+        print(f"plot: {report.plot(args.plot)}")
     return 0
 
 
@@ -137,8 +175,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("--target", choices=["host", "x86_64", "aarch64", "cuda"], default="host")
     export.add_argument("--arch", help="CUDA architecture for --target cuda (default sm_90)")
     export.add_argument("-o", "--output", required=True, help="the directory to write")
+    tune = commands.add_parser("tune", help="auto-tune a graph's kernels into its tuning log (docs/autotune.md)")
+    tune.add_argument("factory", metavar="SCRIPT.py:FACTORY", help="a function returning (graph, example_args)")
+    tune.add_argument("--trials", type=int, help="candidates to measure in all (default: 32 per kernel tuned)")
+    tune.add_argument("--minutes", type=float, help="stop after this long (the log keeps what was measured)")
+    tune.add_argument("--target", choices=["host", "cuda"], default="host")
+    tune.add_argument("--arch", help="CUDA architecture for --target cuda (default sm_90)")
+    tune.add_argument("--log-dir", help="the tuning root (default: $TVMGRAPH_CACHE_DIR/tuning)")
+    tune.add_argument("--rpc", metavar="HOST:PORT", help="measure on a device registered with this TVM RPC tracker")
+    tune.add_argument("--rpc-key", default="default", help="the device key on the tracker")
+    tune.add_argument("--plot", metavar="PNG", help="draw the best latency against trials into this file")
+    tune.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    handlers = {"info": _info, "cache list": _cache_list, "cache clear": _cache_clear, "export": _export}
+    handlers = {"info": _info, "cache list": _cache_list, "cache clear": _cache_clear, "export": _export,
+                "tune": _tune}
     command = args.command if args.command != "cache" else f"cache {args.cache_command}"
     return handlers[command](args)
 

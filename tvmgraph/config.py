@@ -68,6 +68,8 @@ class CompileOptions:
     cpu_schedules: bool = True
     fast_math: bool = True
     llvm_opt_level: int = 1
+    tuning: bool = True
+    tuning_name: str | None = None  # the tuning log's graph name; None: the Graph subclass's name
 
     def changes_from(self, old: CompileOptions) -> list[str]:
         """`name old -> new` for each option that differs from `old`."""
@@ -90,7 +92,7 @@ class GraphConfig:
 
     _OPTIONS = ("amp", "zero", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
-                "compress_memory", "recompute_attention", "recompile_limit")
+                "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name")
 
     def __init__(self) -> None:
         self.training = False
@@ -105,6 +107,8 @@ class GraphConfig:
         self.compress_memory = True
         self.recompute_attention = True
         self.recompile_limit = DEFAULT_RECOMPILE_LIMIT
+        self.tuning = True
+        self.tuning_name = None
         self._defaults = self.options()
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -223,6 +227,21 @@ class GraphConfig:
             raise ConfigError(f"GraphConfig.set_recompile_limit(value) takes an int >= 1, got {value!r}")
         self.recompile_limit = value
 
+    def enable_tuning(self, mode: bool = True, name: str | None = None) -> None:
+        """Compile with the graph's auto-tuning log (default: on; tvmgraph's own option).
+
+        Kernels that `tvmgraph tune` measured faster than the default schedules get their
+        tuned schedule, from `$TVMGRAPH_CACHE_DIR/tuning/<name>/<target>/` (docs/autotune.md).
+        `name` picks the log: by default the Graph subclass's name. Off (or the environment
+        variable TVMGRAPH_TUNING=off): every kernel gets the default schedule.
+        """
+        self.tuning = _flag("enable_tuning", mode)
+        if name is not None:
+            from autotune.log import check_log_name
+
+            check_log_name(name)
+        self.tuning_name = name
+
     # ---- reading the options ----
 
     def options(self) -> dict[str, object]:
@@ -240,7 +259,8 @@ class GraphConfig:
                 straighten_algorithm=self.straighten_algorithm != "Disable",
                 compress_memory=self.compress_memory, recompute_attention=self.recompute_attention,
                 cpu_schedules=settings.cpu_schedules, fast_math=settings.fast_math,
-                llvm_opt_level=settings.llvm_opt_level,
+                llvm_opt_level=settings.llvm_opt_level, tuning=self.tuning and settings.tuning,
+                tuning_name=self.tuning_name,
             )
             object.__setattr__(self, "_snapshot", snap)
         return snap
@@ -301,7 +321,7 @@ def _env_path(name: str, default: Path) -> Path:
 # Every TVMGRAPH_* variable tvmgraph reads; any other one is most likely a typo and is reported.
 KNOWN_VARIABLES = ("TVMGRAPH_CACHE_DIR", "TVMGRAPH_VM_ALLOCATOR", "TVMGRAPH_CPU_SCHEDULES", "TVMGRAPH_FAST_MATH",
                    "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE", "TVMGRAPH_CACHE_MAX_BYTES",
-                   "TVMGRAPH_CHECK_PASSES")
+                   "TVMGRAPH_CHECK_PASSES", "TVMGRAPH_TUNING")
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -345,6 +365,10 @@ class Settings:
     # an optional pass that breaks it (tvmgraph/pipeline.py). TVMGRAPH_CHECK_PASSES=1: always (the
     # tests set it); otherwise at graph.debug(1) and when a compile fails (it is then rerun).
     check_passes: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_CHECK_PASSES", False))
+    # Compiles apply the graph's tuning log (autotune/); TVMGRAPH_TUNING=0 compiles every graph
+    # with the default schedules (on/off or 1/0).
+    tuning: bool = field(default_factory=lambda: _env_choice("TVMGRAPH_TUNING", "on", ("on", "off", "1", "0"))
+                         in ("on", "1"))
 
     def __post_init__(self) -> None:
         # TVMGRAPH_TEST_* belong to tvmgraph's own test suite.

@@ -91,7 +91,9 @@ def _compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan |
                      build: Any) -> CompiledGraph:
     cache = artifact.compiled_cache()
     target = target_for(device, options)
-    key = artifact.graph_key(graph_class, traced, plan, options, target, PIPELINE)
+    tuning = applied_tuning_log(graph_class, options, target, log)
+    key = artifact.graph_key(graph_class, traced, plan, options, target, PIPELINE,
+                             tuning.digest if tuning is not None else "none")
     if cache is not None:
         compiled = artifact.load(cache, key, traced, plan, device, modules)
         if compiled is not None:
@@ -108,7 +110,24 @@ def _compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan |
     with log.stage(f"compiling for {device}"):
         # At debug(1) every pass's result is checked (tvmgraph/pipeline.py).
         return lowered.compile(device, options, modules, PIPELINE, store=store,
-                               report=lambda msg: log.info(1, msg), checks=True if log.on(1) else None)
+                               report=lambda msg: log.info(1, msg), checks=True if log.on(1) else None,
+                               tuning=tuning)
+
+
+def applied_tuning_log(graph_class: str, options: CompileOptions, target: Any, log: GraphLog) -> Any:
+    """The records of the graph's tuning log that this compile applies (autotune/log.py), or
+    None: tuning off, no log, or a log that selects nothing."""
+    if not options.tuning:
+        return None
+    from autotune.log import TuningLog
+
+    tuning_log = TuningLog.for_graph(options.tuning_name or graph_class, target)
+    applied = tuning_log.applied()
+    if applied is None:
+        log.info(1, f"no tuned kernels for this graph at {tuning_log.directory} (`tvmgraph tune` makes them)")
+    else:
+        log.info(1, f"tuning log {applied.directory}: {applied.kernels} tuned kernel(s)")
+    return applied
 
 
 def log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:

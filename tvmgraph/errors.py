@@ -118,6 +118,11 @@ class SaveError(TvmGraphError, ValueError):
     """`tvmgraph.save` cannot save this graph as asked (never called, unknown target, no linker)."""
 
 
+class TuningError(TvmGraphError, RuntimeError):
+    """`tvmgraph.tune` cannot tune this graph: never called and no inputs given, or nothing to
+    tune in its program."""
+
+
 class SavedGraphError(TvmGraphError, ValueError):
     """`tvmgraph.load` refused a saved graph: a file is missing or changed, or the graph was
     built for another format, platform or TVM version."""

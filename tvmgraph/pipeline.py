@@ -13,6 +13,7 @@ warning naming the option that turns it off; any other pass that fails raises `P
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import tvm
 from tvm import relax
@@ -21,8 +22,12 @@ from .config import CompileOptions, GraphConfig, compile_options, settings
 from .debug import logger
 from .errors import PassError, reason_of
 
+if TYPE_CHECKING:
+    from autotune.log import AppliedLog
+
 Report = Callable[[str], None]  # where passes say what they did (graph.debug(1))
-PipelineFn = Callable[[tvm.target.Target, CompileOptions, Report], list[tvm.transform.Pass]]
+# (target, options, report, tuning log or None) -> passes
+PipelineFn = Callable[..., list[tvm.transform.Pass]]
 PIPELINE_MAP: dict[str, PipelineFn] = {}
 
 # tvmgraph's own optimization passes: one that fails is left out of the graph's compile (the
@@ -34,6 +39,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "SimplifyPower": None,
     "FuseEpilogue": "graph.config.allow_fuse_add_to_output(False)",
     "FuseCastScale": "graph.config.allow_fuse_cast_scale(False)",
+    "tvmgraph.ApplyTuningLog": "graph.config.enable_tuning(False) or TVMGRAPH_TUNING=off",
     "tvmgraph.ApplyCPUSchedules": "the environment variable TVMGRAPH_CPU_SCHEDULES=0",
     "StraightenBindings": "graph.config.enable_straighten_algorithm(False)",
     "CompressMemory": "graph.config.enable_compress_memory(False)",
@@ -53,15 +59,17 @@ def register_pipeline(name: str) -> Callable[[PipelineFn], PipelineFn]:
 
 
 def get_pipeline(target: tvm.target.Target, config: CompileOptions | GraphConfig, name: str = "default",
-                 report: Report | None = None, graph: str = "graph", checks: bool | None = None) -> Pipeline:
+                 report: Report | None = None, graph: str = "graph", checks: bool | None = None,
+                 tuning: AppliedLog | None = None) -> Pipeline:
     """The pass pipeline `name` for `target` and the compile options (a GraphConfig is read
     through its snapshot); an unknown name lists the registered ones.
     Passes report what they did through `report` (the graph's debug log at v_level 1); with
     `checks` (default: `settings.check_passes`) every pass's result must be well formed.
-    `graph` names the graph in warnings and errors."""
+    `graph` names the graph in warnings and errors. `tuning`: the records of the graph's
+    tuning log that the tuning stage applies (autotune/log.py), None for none."""
     if name not in PIPELINE_MAP:
         raise ValueError(f"unknown pipeline {name!r}; registered pipelines: {sorted(PIPELINE_MAP)}")
-    passes = PIPELINE_MAP[name](target, compile_options(config), report or (lambda msg: None))
+    passes = PIPELINE_MAP[name](target, compile_options(config), report or (lambda msg: None), tuning)
     return Pipeline(name, passes, target, graph, settings.check_passes if checks is None else checks)
 
 
@@ -77,6 +85,14 @@ class Pipeline:
     def __init__(self, name: str, passes: list[tvm.transform.Pass], target: tvm.target.Target,
                  graph: str, check: bool):
         self.name, self.passes, self.target, self.graph, self.check = name, passes, target, graph, check
+
+    def until(self, pass_name: str) -> Pipeline:
+        """The passes before the one named `pass_name` (the tuner runs the pipeline up to its
+        tuning stage to see the kernels that stage would schedule)."""
+        names = [p.info.name for p in self.passes]
+        if pass_name not in names:
+            raise ValueError(f"pipeline {self.name!r} has no pass {pass_name!r}")
+        return Pipeline(self.name, self.passes[:names.index(pass_name)], self.target, self.graph, self.check)
 
     def __call__(self, mod: tvm.IRModule) -> tvm.IRModule:
         problem = _ill_formed(mod) if self.check else None
@@ -128,29 +144,29 @@ def _ill_formed(mod: tvm.IRModule) -> str | None:
 
 
 
-def _gpu_schedules() -> list[tvm.transform.Pass]:
-    from tvm.s_tir import dlight as dl
+def default_schedules(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:
+    """The passes that give each kernel without a schedule its default one: dlight's rules on
+    GPU (every GPU kernel needs thread bindings), tvmgraph's CPU rules on LLVM."""
+    if target.kind.name == "cuda":
+        from tvm.s_tir import dlight as dl
 
-    # Every GPU kernel needs thread bindings; dlight's rules give each PrimFunc a default one.
-    return [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
-
-
-def _cpu_schedules(options: CompileOptions) -> list[tvm.transform.Pass]:
+        return [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                        dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
     from .schedules import ApplyCPUSchedules
 
     return [ApplyCPUSchedules(fast_math=options.fast_math)] if options.cpu_schedules else []
 
 
 @register_pipeline("default")
-def default_pipeline(target: tvm.target.Target, config: CompileOptions,
-                     report: Report) -> list[tvm.transform.Pass]:
+def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: Report,
+                     tuning: AppliedLog | None = None) -> list[tvm.transform.Pass]:
     """Legalize, fuse, schedule and lower a Relax module to VM code for `target`.
 
     The same steps as TVM's per-target pipelines (relax/backend/*/pipeline.py), listed here so
     that tvmgraph's own passes have visible places to go.
     """
-    # NOTE: relay_passes import tvmgraph, so they are imported here, not at module level.
+    # NOTE: relay_passes and autotune import tvmgraph, so they are imported here, not at module level.
+    from autotune.apply import ApplyTuningLog
     from relay_passes.compress_memory import CompressMemory
     from relay_passes.fuse_cast_scale import FuseCastScale
     from relay_passes.fuse_epilogue import FuseEpilogue
@@ -188,8 +204,11 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions,
         T.AnnotateTIROpPattern(),
         T.FuseOps(),
         T.FuseTIR(),
-        # 5. Schedules for the kernels: dlight on GPU, tvmgraph's CPU rules on LLVM.
-        *(_gpu_schedules() if is_gpu else _cpu_schedules(config)),
+        # 5. The tuning stage: kernels the graph's tuning log has a faster schedule for get
+        #    it (autotune/); then default schedules for the rest: dlight on GPU, tvmgraph's
+        #    CPU rules on LLVM.
+        ApplyTuningLog(tuning, report),
+        *default_schedules(target, config),
         #    The kernels run in an order with fewer tensors live at once
         #    (enable_straighten_algorithm). NOTE: needs dataflow blocks, so before ToNonDataflow.
         StraightenBindings(config.straighten_algorithm, report),

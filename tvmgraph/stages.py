@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import tvm
@@ -38,6 +38,9 @@ from .training.plan import TrainingPlan
 from .training.runtime import TrainingBinding
 from .training.train_step import FUNC_NAME as TRAIN_STEP
 from .training.train_step import TrainStepLayout, append_train_step
+
+if TYPE_CHECKING:
+    from autotune.log import AppliedLog
 
 
 class TracedGraph:
@@ -105,9 +108,10 @@ class LoweredGraph:
         return self.mod.script(show_meta=False)
 
     def build(self, target: tvm.target.Target, config: CompileOptions | GraphConfig, pipeline: str = "default",
-              report: Callable[[str], None] | None = None,
-              checks: bool | None = None) -> tuple[tvm.IRModule, relax.VMExecutable]:
+              report: Callable[[str], None] | None = None, checks: bool | None = None,
+              tuning: AppliedLog | None = None) -> tuple[tvm.IRModule, relax.VMExecutable]:
         """Run the pass pipeline for `target` and generate code; needs no device (cross-compiles).
+        `tuning`: the records of the graph's tuning log to apply (autotune/log.py).
 
         With `checks` (default: `settings.check_passes`) every pass's result is checked and an
         optional pass that breaks the module is left out (tvmgraph/pipeline.py). Without, a
@@ -116,7 +120,7 @@ class LoweredGraph:
         graph = self.traced.graph_name
 
         def attempt(check: bool) -> tuple[tvm.IRModule, relax.VMExecutable]:
-            optimized = get_pipeline(target, config, pipeline, report, graph, check)(self.mod)
+            optimized = get_pipeline(target, config, pipeline, report, graph, check, tuning)(self.mod)
             return optimized, codegen.build_executable(optimized, target)
 
         if settings.check_passes if checks is None else checks:
@@ -130,14 +134,15 @@ class LoweredGraph:
 
     def compile(self, device: torch.device, config: CompileOptions | GraphConfig, modules: Mapping[str, torch.nn.Module],
                 pipeline: str = "default", store: Callable[[relax.VMExecutable], Path] | None = None,
-                report: Callable[[str], None] | None = None, checks: bool | None = None) -> CompiledGraph:
+                report: Callable[[str], None] | None = None, checks: bool | None = None,
+                tuning: AppliedLog | None = None) -> CompiledGraph:
         """Build for `device`'s target and load the program onto `device`, bound to `modules`.
 
         With `store` (the compiled cache's writer, returning the library's path) the program is
         exported as a shared library and loaded from there; without it, it runs from memory.
         """
         target = target_for(device, compile_options(config))
-        optimized, executable = self.build(target, config, pipeline, report, checks)
+        optimized, executable = self.build(target, config, pipeline, report, checks, tuning)
         lib = executable
         if store is not None:
             try:

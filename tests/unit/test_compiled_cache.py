@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import tvmgraph
-from autotune import compiled_cache
-from autotune.compiled_cache import ENTRY, FORMAT, CompiledCache
+from tvmgraph import compiled_cache
+from tvmgraph.compiled_cache import ENTRY, FORMAT, CompiledCache
 from tvmgraph import artifact, cli, errors
 from tvmgraph.config import Settings
 from tvmgraph.lower import InputSource, LoweredSignature
@@ -234,11 +234,11 @@ def test_malformed_metadata_is_rejected(field: str, value: object) -> None:
 
 
 def test_no_pickle_in_the_cache_code() -> None:
-    """Nothing on the cache's read path can unpickle: no torch.load/pickle in autotune/ or the
-    artifact glue, and numpy never loads with allow_pickle=True."""
+    """Nothing on the cache's read path can unpickle: no torch.load/pickle in the compiled cache, its key or
+    the artifact glue, and numpy never loads with allow_pickle=True."""
     banned = re.compile(r"\b(c?pickle|cloudpickle|dill|marshal|shelve)\b|torch\.(load|save)\b|allow_pickle\s*=\s*True"
                         r"|weights_only|np\.load\b")
-    for path in [*sorted((REPO / "autotune").glob("*.py")), REPO / "tvmgraph" / "artifact.py"]:
+    for path in [REPO / "tvmgraph" / name for name in ("compiled_cache.py", "cache_key.py", "artifact.py")]:
         code = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
         prose = re.compile(r'""".*?"""', re.S)  # docstrings may explain why there is no pickle
         text = prose.sub("", "\n".join(code))
@@ -472,7 +472,7 @@ def test_cli_lists_and_clears_the_cache(tmp_path: Path, monkeypatch: pytest.Monk
 STORE_SCRIPT = """
     import os, sys, time
     from pathlib import Path
-    from autotune.compiled_cache import CompiledCache
+    from tvmgraph.compiled_cache import CompiledCache
     root, key, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 
     def export(executable, path):

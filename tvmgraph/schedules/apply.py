@@ -77,9 +77,10 @@ class ApplyCPUSchedules:
             if scheduled is not None:
                 updates[gvar] = scheduled
                 used[rule_name] += 1
-        for gvar, func in updates.items():
-            mod[gvar] = func
         if updates:
+            # NOTE: a new module: `mod[gvar] = func` would change the caller's module in place.
+            mod = tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs,
+                               global_infos=mod.global_infos)
             summary = ", ".join(f"{name} {n}" for name, n in sorted(used.items()))
             logger.debug("ApplyCPUSchedules: scheduled %d PrimFuncs (%s)", len(updates), summary)
         return mod

@@ -85,7 +85,7 @@ def _tree_size(path: Path) -> int:
 
 
 class CompiledCache:
-    """Compiled graphs on disk under `root`, keyed by `autotune.cache_key.cache_key`.
+    """Compiled graphs on disk under `root`, keyed by `tvmgraph.cache_key.cache_key`.
 
     `encode`/`decode` turn the caller's metadata into a JSON document plus raw data files and
     back (default: the metadata is JSON already). `max_bytes=None` never evicts.

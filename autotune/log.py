@@ -1,0 +1,298 @@
+"""Tuning logs: one directory per graph name and target, read defensively, written under a lock.
+
+    $TVMGRAPH_CACHE_DIR/tuning/<graph name>/<target key>/
+        database_workload.json        MetaSchedule's JSON database: one kernel (workload) per line
+        database_tuning_record.json   one measured candidate per line: [workload index, record]
+        choices.json                  per kernel: default and tuned latency, and which one compiles
+        .lock                         held by the tuner that is writing the log
+
+The two database files are MetaSchedule's own format, so a log can be read, extended or
+pruned with MetaSchedule's tools. They are appended to while a tuner runs; a process killed
+mid-write leaves a truncated last line, which MetaSchedule's own reader refuses (the whole
+database fails to load). Here every line is parsed on its own: an unreadable line is dropped
+with one warning and the others are kept. `choices.json` is written whole and renamed into
+place, so it is either the old or the new version, never a mix.
+
+A compile reads the log through `TuningLog.applied()`: the best record of every kernel whose
+tuned schedule measured faster than tvmgraph's default one, and a digest of exactly those
+records, which is part of the compiled-cache key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tvm
+
+from tvmgraph.config import settings
+from tvmgraph.errors import ConfigError
+
+logger = logging.getLogger("tvmgraph.autotune")
+
+WORKLOADS = "database_workload.json"
+RECORDS = "database_tuning_record.json"
+CHOICES = "choices.json"
+CHOICES_FORMAT = 1
+FAILED_RUN_S = 1e9  # MetaSchedule records a candidate that failed to build or run with 1e10 s
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def tuning_root() -> Path:
+    """Where all tuning logs live (under TVMGRAPH_CACHE_DIR)."""
+    return settings.cache_dir / "tuning"
+
+
+def check_log_name(name: str) -> str:
+    """A graph name used as a directory: letters, digits, `_`, `.` and `-`."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", ".."):
+        raise ConfigError(f"tuning log name {name!r}: use 1-128 letters, digits, '_', '.' or '-' "
+                          f"(it names a directory under {tuning_root()})")
+    return name
+
+
+def target_key(target: tvm.target.Target) -> str:
+    """A directory name for `target`: what decides the speed of a kernel (kind, CPU or GPU
+    architecture, triple, features) and the TVM version. MetaSchedule's lookup ignores the
+    target, so a log must never be shared between two of these."""
+    spec = target.export()
+    parts = [spec["kind"]]
+    for name in ("mtriple", "mcpu", "arch"):
+        if spec.get(name):
+            parts.append(str(spec[name]))
+    features = ",".join(sorted(spec.get("mattr") or []))
+    digest = hashlib.sha256(features.encode()).hexdigest()[:8] if features else ""
+    parts += [digest] if digest else []
+    parts.append(f"tvm{tvm.__version__}")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(parts))
+
+
+@dataclass
+class KernelChoice:
+    """What tuning measured for one kernel, and whether compiles use its tuned schedule."""
+
+    workload: str          # MetaSchedule's structural hash of the kernel (its workload key)
+    name: str
+    flops: float
+    calls: int             # how many times the graph's program calls it
+    default_us: float | None
+    tuned_us: float | None
+    trials: int
+    use_tuned: bool
+
+    @staticmethod
+    def from_json(doc: dict[str, Any]) -> KernelChoice:
+        choice = KernelChoice(**doc)
+        if not isinstance(choice.workload, str) or not isinstance(choice.use_tuned, bool):
+            raise ValueError("bad kernel entry")
+        return choice
+
+
+@dataclass
+class Choices:
+    """`choices.json`: the tuner's verdict per kernel, and for the graph as a whole."""
+
+    kernels: list[KernelChoice] = field(default_factory=list)
+    graph_untuned_ms: float | None = None
+    graph_tuned_ms: float | None = None
+    enabled: bool = True  # False: the tuned graph measured slower, so compiles use no record
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": CHOICES_FORMAT, **asdict(self)}
+
+    @staticmethod
+    def from_json(doc: Any) -> Choices:
+        if not isinstance(doc, dict) or doc.get("format") != CHOICES_FORMAT:
+            raise ValueError(f"not a format-{CHOICES_FORMAT} choices file")
+        kernels = [KernelChoice.from_json(k) for k in doc["kernels"]]
+        return Choices(kernels, doc.get("graph_untuned_ms"), doc.get("graph_tuned_ms"), bool(doc["enabled"]))
+
+
+@dataclass(frozen=True)
+class AppliedLog:
+    """The records a compile applies, in a database that MetaScheduleApplyDatabase reads."""
+
+    directory: Path
+    kernels: int       # kernels with a record in it
+    digest: str        # sha256 of those records: part of the compiled-cache key
+    database: Any = field(repr=False)  # ms.database.MemoryDatabase
+
+
+class TuningLog:
+    """The tuning log of one graph name on one target."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    @staticmethod
+    def for_graph(name: str, target: tvm.target.Target, root: Path | None = None) -> TuningLog:
+        return TuningLog((root or tuning_root()) / check_log_name(name) / target_key(target))
+
+    def __repr__(self) -> str:
+        return f"TuningLog({str(self.directory)!r})"
+
+    @property
+    def workloads_path(self) -> Path:
+        return self.directory / WORKLOADS
+
+    @property
+    def records_path(self) -> Path:
+        return self.directory / RECORDS
+
+    def exists(self) -> bool:
+        return self.records_path.exists()
+
+    # ---- reading ----
+
+    def read(self, warn: bool = True) -> tuple[list[Any], list[tuple[int, Any]], int]:
+        """(workloads, [(workload index, record)], number of lines dropped). Each line is parsed
+        on its own; one that does not parse, or names a workload that is not there, is dropped."""
+        from tvm.s_tir import meta_schedule as ms
+
+        workload_docs, dropped_workloads = _json_lines(self.workloads_path)
+        record_docs, dropped = _json_lines(self.records_path)
+        dropped += dropped_workloads
+        workloads = []
+        for doc in workload_docs:
+            try:
+                workloads.append(ms.database.Workload.from_json(doc))
+            except Exception:  # noqa: BLE001  (TVM raises several error types for bad JSON)
+                workloads.append(None)
+                dropped += 1
+        records = []
+        for doc in record_docs:
+            try:
+                index, body = doc
+                workload = workloads[index] if isinstance(index, int) and 0 <= index < len(workloads) else None
+                if workload is None:
+                    raise ValueError("record of an unknown workload")
+                records.append((index, ms.database.TuningRecord.from_json(body, workload)))
+            except Exception:  # noqa: BLE001
+                dropped += 1
+        if dropped and warn:
+            logger.warning("tuning log %s: dropped %d unreadable line(s) (truncated or corrupt), kept %d "
+                           "record(s); `tvmgraph tune` rewrites the log without them", self.directory,
+                           dropped, len(records))
+        return workloads, records, dropped
+
+    def read_choices(self) -> Choices | None:
+        path = self.directory / CHOICES
+        if not path.exists():
+            return None
+        try:
+            return Choices.from_json(json.loads(path.read_text()))
+        except Exception as e:  # noqa: BLE001  (any damage: the choices are not trusted)
+            logger.warning("tuning log %s: %s is unreadable (%s: %s); compiling with the default schedules "
+                           "until `tvmgraph tune` measures again", self.directory, CHOICES, type(e).__name__, e)
+            return None
+
+    def applied(self) -> AppliedLog | None:
+        """The records a compile uses, or None when the log selects none."""
+        from tvm.s_tir import meta_schedule as ms
+
+        choices = self.read_choices() if self.exists() else None
+        if choices is None or not choices.enabled:
+            return None
+        chosen = {k.workload for k in choices.kernels if k.use_tuned}
+        workloads, records, _ = self.read()
+        best: dict[str, Any] = {}
+        for _, record in records:
+            shash = record.workload.as_json()[0]
+            if shash in chosen and (shash not in best or _seconds(record) < _seconds(best[shash])):
+                best[shash] = record
+        best = {shash: r for shash, r in best.items() if math.isfinite(_seconds(r))}
+        if not best:
+            return None
+        database = ms.database.MemoryDatabase()
+        digest = hashlib.sha256()
+        for shash in sorted(best):
+            record = best[shash]
+            database.commit_workload(record.workload.mod)
+            database.commit_tuning_record(record)
+            digest.update(json.dumps(record.as_json(), sort_keys=True, default=str).encode())
+        return AppliedLog(self.directory, len(best), digest.hexdigest(), database)
+
+    # ---- writing (the tuner, under `lock()`) ----
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the log's lock: one tuner writes a log at a time. A second one waits here."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / ".lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.warning("tuning log %s is being written by another tuner; waiting for it", self.directory)
+                fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def repair(self) -> int:
+        """Rewrite the database files without their unreadable lines (before MetaSchedule opens
+        them: one bad line would make it refuse the whole log). Returns the lines dropped."""
+        workloads, records, dropped = self.read()
+        if not dropped:
+            return 0
+        keep = [i for i, w in enumerate(workloads) if w is not None]
+        new_index = {old: new for new, old in enumerate(keep)}
+        _write_atomic(self.workloads_path, "".join(json.dumps(workloads[i].as_json()) + "\n" for i in keep))
+        _write_atomic(self.records_path, "".join(json.dumps([new_index[i], r.as_json()]) + "\n"
+                                                 for i, r in records))
+        return dropped
+
+    def write_choices(self, choices: Choices) -> None:
+        _write_atomic(self.directory / CHOICES, json.dumps(choices.to_json(), indent=1) + "\n")
+
+
+def _seconds(record: Any) -> float:
+    """A record's mean run time; failed builds and runs count as never faster."""
+    secs = [float(s) for s in (record.run_secs or [])]
+    mean = sum(secs) / len(secs) if secs else float("inf")
+    return float("inf") if mean >= FAILED_RUN_S else mean
+
+
+def best_seconds(records: list[Any]) -> float:
+    return min((_seconds(r) for r in records), default=float("inf"))
+
+
+def _json_lines(path: Path) -> tuple[list[Any], int]:
+    """The JSON documents of a file, one per line, and how many lines were not JSON."""
+    if not path.exists():
+        return [], 0
+    docs, bad = [], 0
+    for line in path.read_bytes().splitlines():
+        if line.strip():
+            try:
+                docs.append(json.loads(line))
+            except ValueError:
+                bad += 1
+    return docs, bad
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

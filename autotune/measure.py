@@ -1,0 +1,140 @@
+"""How candidates are built and timed: MetaSchedule's builder and runner, set up for this machine.
+
+- Builder: MetaSchedule's default build function imports `tvm.s_tir.tensor_intrin` in every
+  worker process (hundreds of TVMScript functions: 23-60 s on 2 cores), so with its 30 s
+  timeout every candidate timed out and nothing was measured. `build_candidate` skips that
+  import (the llvm and cuda rules used here need no tensor intrinsics) and builds in ~0.3 s.
+- Runner: a `LocalRunner` on this machine, or an `RPCRunner` through a tracker
+  (`RPCTarget`), e.g. a board or a GPU machine running `python -m tvm.exec.rpc_server`.
+
+`measure_seconds` times modules that are not tuning candidates (tvmgraph's default schedule
+of each kernel) through the same builder and runner, so that default and tuned latencies are
+measured the same way, on the same device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import tvm
+
+BUILD_TIMEOUT_S = 120.0  # a 2-core machine under load builds a big kernel in tens of seconds
+RUN_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RPCTarget:
+    """Where candidates run when not on this machine: a TVM RPC tracker and a device key."""
+
+    host: str
+    port: int
+    key: str
+
+    @staticmethod
+    def parse(address: str, key: str) -> RPCTarget:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--rpc takes HOST:PORT of a TVM RPC tracker, got {address!r}")
+        return RPCTarget(host, int(port), key)
+
+
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: object = None) -> tvm.runtime.Module:
+    """MetaSchedule's default build without importing tvm.s_tir.tensor_intrin (see above)."""
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    return tvm.tirx.build(mod, target=target)
+
+
+def builder(workers: int | None = None):
+    from tvm.s_tir import meta_schedule as ms
+
+    return ms.builder.LocalBuilder(max_workers=workers, timeout_sec=BUILD_TIMEOUT_S, f_build=build_candidate)
+
+
+def runner(rpc: RPCTarget | None = None):
+    """Each candidate runs at least 50 ms of repeats (short kernels vary a lot on a shared
+    machine), 3 times; the record keeps the 3 means."""
+    from tvm.s_tir import meta_schedule as ms
+
+    evaluator = ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=50, enable_cpu_cache_flush=False)
+    if rpc is None:
+        return ms.runner.LocalRunner(timeout_sec=RUN_TIMEOUT_S, evaluator_config=evaluator)
+    config = ms.runner.RPCConfig(tracker_host=rpc.host, tracker_port=rpc.port, tracker_key=rpc.key,
+                                 session_timeout_sec=RUN_TIMEOUT_S)
+    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=evaluator)
+
+
+def measure_seconds(mods: list[tvm.IRModule], target: tvm.target.Target, build, run) -> list[float | None]:
+    """The median run time of each module's `main` (None where it failed to build or run)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    built = build.build([ms.builder.BuilderInput(mod, target) for mod in mods])
+    inputs, where = [], []
+    for i, (mod, result) in enumerate(zip(mods, built)):
+        if result.error_msg is None:
+            args = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
+            device = "cuda" if target.kind.name == "cuda" else "cpu"
+            inputs.append(ms.runner.RunnerInput(result.artifact_path, device, args))
+            where.append(i)
+    times: list[float | None] = [None] * len(mods)
+    for i, future in zip(where, run.run(inputs)):
+        result = future.result()
+        if result.error_msg is None and result.run_secs:
+            times[i] = statistics.median(float(s) for s in result.run_secs)
+    return times
+
+
+# What MetaSchedule's CUDA rules read from a target; a plain {"kind": "cuda", "arch": ...} lacks
+# them. The values hold for every NVIDIA GPU since Kepler (48 KiB is the static shared-memory limit).
+CUDA_LIMITS = {"max_threads_per_block": 1024, "max_shared_memory_per_block": 49152, "thread_warp_size": 32,
+               "max_num_threads": 1024}
+
+
+def tuning_target(target: tvm.target.Target) -> tvm.target.Target:
+    """`target` with what MetaSchedule's rules require: the core count of a CPU ("num-cores"),
+    the thread and shared-memory limits of a GPU."""
+    spec = target.export()
+    if target.kind.name == "llvm" and "num-cores" not in spec:
+        return tvm.target.Target({**spec, "num-cores": os.cpu_count() or 1})
+    if target.kind.name == "cuda":
+        missing = {k: v for k, v in CUDA_LIMITS.items() if spec.get(k) in (None, -1, 0)}
+        if missing:
+            return tvm.target.Target({**spec, **missing})
+    return target
+
+
+def search_space(target: tvm.target.Target):
+    """MetaSchedule's generic rules for the target's kind. Its per-CPU defaults ("from-target")
+    add tensor-intrinsic rules on x86 CPUs with VNNI (int8 dot products), which need
+    tvm.s_tir.tensor_intrin; tvmgraph's kernels are floating point and never match them."""
+    from tvm.s_tir import meta_schedule as ms
+
+    kind = "cuda" if target.kind.name == "cuda" else "llvm"
+    return ms.space_generator.PostOrderApply(sch_rules=ms.schedule_rule.ScheduleRule.create(kind),
+                                             postprocs=ms.postproc.Postproc.create(kind),
+                                             mutator_probs=ms.mutator.Mutator.create(kind))
+
+
+@contextlib.contextmanager
+def without_tensor_intrin() -> Iterator[None]:
+    """Let MetaSchedule's TuneContext skip its import of tvm.s_tir.tensor_intrin (25-60 s here):
+    it registers tensor intrinsics (VNNI, tensor cores, ...) that only the "-vnni"/"-tensorcore"
+    rule sets use, not the default llvm and cuda rules tuning runs with. A real import later in
+    the process still works: the stand-in is removed on exit."""
+    name = "tvm.s_tir.tensor_intrin"
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        if isinstance(sys.modules.get(name), types.ModuleType) and not hasattr(sys.modules[name], "__file__"):
+            del sys.modules[name]

@@ -1,0 +1,295 @@
+"""`tune(graph, *example_args)`: MetaSchedule over a graph's kernels, into its tuning log.
+
+    1. lower the graph as its compile does and run the pipeline up to the tuning stage;
+    2. give each kernel tvmgraph's default schedule and time it (autotune/tasks.py);
+    3. tune the kernels that take most of that time: evolutionary search guided by the XGBoost
+       cost model, every measured candidate appended to the log. Trials already in the log
+       count, so a run that was killed continues where it stopped;
+    4. per kernel, the tuned schedule is used only where it measured faster than the default;
+    5. the whole program is timed with and without the tuned kernels; if tuned is slower, the
+       log is disabled and compiles keep the default schedules.
+Compiles of any graph with the same name and target then apply the log (autotune/apply.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import tvm
+from tvm import relax
+
+from tvmgraph.errors import ConfigError, TuningError
+
+from . import measure
+from .log import Choices, KernelChoice, TuningLog, best_seconds, check_log_name
+from .measure import RPCTarget
+from .report import TuningReport
+from .tasks import Kernel, extract_kernels, worth_tuning
+
+logger = logging.getLogger("tvmgraph.autotune")
+
+TRIALS_PER_KERNEL = 32   # the default budget: enough for the search to beat a default schedule
+TRIALS_PER_ROUND = 16    # candidates measured per kernel per round
+FASTER = 0.98            # a tuned kernel must beat the default by 2% (timing noise) to be used
+
+
+def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: float | None = None,
+         target: Any = None, name: str | None = None, log_dir: str | os.PathLike | None = None,
+         rpc: RPCTarget | None = None, progress: bool = False, check_graph: bool = True,
+         eager: bool = False) -> TuningReport:
+    """Tune `graph`'s kernels for `target` (default: the device of the inputs) and write its
+    tuning log, which every later compile of a graph of that name applies.
+
+    `example_args`: the inputs to tune for; none: those of the graph's last call. `trials`:
+    candidates measured in all (default: 32 per kernel worth tuning); `minutes`: stop after
+    that long. `name`: the log's graph name (default: graph.config's, else the Graph subclass's
+    name). `log_dir`: a tuning root other than $TVMGRAPH_CACHE_DIR/tuning. `rpc`: measure on a
+    remote device through a TVM RPC tracker. `check_graph`: time the whole program with and
+    without the tuned kernels (local targets). `eager`: also time build() in eager PyTorch.
+    """
+    started = time.monotonic()
+    lowered, options, device, args = _lowered(graph, example_args)
+    graph_class = type(graph).__name__
+    log_name = check_log_name(name or options.tuning_name or graph_class)
+    tvm_target = _target(target, device, options)
+    log = TuningLog.for_graph(log_name, tvm_target, Path(log_dir) if log_dir is not None else None)
+    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 0):
+        raise ConfigError(f"tune({graph.name}): trials={trials!r}; pass an int >= 0")
+
+    from tvmgraph.pipeline import get_pipeline
+
+    fused = get_pipeline(tvm_target, options, graph=graph.name, checks=False).until("tvmgraph.ApplyTuningLog")(
+        lowered.mod)
+    kernels = extract_kernels(fused, measure.tuning_target(tvm_target), options)
+    if not kernels:
+        raise TuningError(f"tune({graph.name}): the program has no kernel to tune")
+    build, run = measure.builder(), measure.runner(rpc)
+    measured_target = measure.tuning_target(tvm_target)
+    for kernel, seconds in zip(kernels, measure.measure_seconds([k.default for k in kernels], measured_target,
+                                                                build, run)):
+        kernel.default_s = seconds
+    chosen = worth_tuning(kernels)
+    budget = trials if trials is not None else TRIALS_PER_KERNEL * len(chosen)
+
+    history: list[tuple[int, float]] = []
+    with log.lock():
+        dropped = log.repair()
+        if dropped:
+            logger.warning("tuning log %s: rewrote it without %d unreadable line(s)", log.directory, dropped)
+        database = _open_database(log)
+        done = {k.workload: _records(database, k) for k in chosen}
+        remaining = budget - sum(len(r) for r in done.values())
+        measured = 0
+        if remaining > 0 and chosen:
+            measured = _search(chosen, measured_target, database, build, run, remaining, minutes, progress, history)
+        choices = _choose(kernels, chosen, database)
+        if check_graph and rpc is None:
+            choices.graph_untuned_ms, choices.graph_tuned_ms = _time_graph(lowered, tvm_target, options, log, choices)
+            choices.enabled = bool(choices.graph_tuned_ms <= choices.graph_untuned_ms)
+        log.write_choices(choices)
+    report = TuningReport(log_name, str(tvm_target.export().get("mcpu") or tvm_target.kind.name), log.directory,
+                          [k for k in choices.kernels], len(kernels) - len(chosen), measured,
+                          time.monotonic() - started, choices.graph_untuned_ms, choices.graph_tuned_ms,
+                          enabled=choices.enabled, history=history)
+    if eager and args is not None:
+        report.eager_ms = _eager_ms(graph, args)
+    return report
+
+
+# ---- 1. the program, lowered as a compile would ----
+
+def _lowered(graph: Any, example_args: tuple) -> tuple[Any, Any, torch.device, tuple | None]:
+    """(LoweredGraph, CompileOptions, device, the example inputs) for the inputs given, or the
+    last call's."""
+    from tvmgraph import entry
+
+    if example_args:
+        traced = graph.trace(*example_args)
+        st = graph._state("tuning the graph")  # the optimizers decide train_step vs main
+        plan = entry.training_plan(st.name, st.optimizers, traced, graph.named_parameters, traced.signature.options)
+        flat = [a for a in example_args if isinstance(a, torch.Tensor)]
+        device = flat[0].device if flat else torch.device("cpu")
+        return traced.lower(plan), traced.signature.options, device, example_args
+    compiled = graph.compiled
+    if compiled is None:
+        raise TuningError(f"tune({graph.name}): the graph has not been called; call it once or pass example "
+                          f"inputs: tvmgraph.tune(graph, x)")
+    leaves = [torch.zeros(s.shape, dtype=s.dtype, device=s.device) for s in compiled.traced.signature.leaves]
+    args = tuple(compiled.traced.args_tree.unflatten(leaves))
+    return compiled.lowered, compiled.traced.signature.options, compiled.device, args
+
+
+def _target(target: Any, device: torch.device, options: Any) -> tvm.target.Target:
+    from tvmgraph.target import host_cpu, target_for
+
+    if target is None or target == "host":
+        return target_for(device, options)
+    if isinstance(target, tvm.target.Target):
+        return target
+    if isinstance(target, dict):
+        return tvm.target.Target(target)
+    if target == "cuda":
+        return tvm.target.Target({"kind": "cuda", "arch": "sm_90"},
+                                 host={"kind": "llvm", "mcpu": host_cpu()})
+    raise ConfigError(f"tune: target={target!r}; use 'host', 'cuda', a dict or a tvm.target.Target")
+
+
+# ---- 3. the search ----
+
+def _open_database(log: TuningLog):
+    from tvm.s_tir import meta_schedule as ms
+
+    return ms.database.JSONDatabase(path_workload=str(log.workloads_path),
+                                    path_tuning_record=str(log.records_path), allow_missing=True)
+
+
+def _records(database: Any, kernel: Kernel) -> list[Any]:
+    if not database.has_workload(kernel.mod):
+        return []
+    return list(database.get_top_k(database.commit_workload(kernel.mod), 1 << 30))
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, build: Any, run: Any,
+            trials: int, minutes: float | None, progress: bool, history: list[tuple[int, float]]) -> int:
+    """Run MetaSchedule on `kernels` for `trials` candidates (or `minutes`); returns how many
+    were measured. Every measured candidate is in `database` (the log) when this returns."""
+    from tvm.s_tir import meta_schedule as ms
+
+    quiet = logging.getLogger("tvmgraph.autotune.metaschedule")
+    quiet.setLevel(logging.WARNING)
+    threads = os.cpu_count() or 1
+    with measure.without_tensor_intrin():
+        contexts = [ms.TuneContext(mod=k.mod, target=target, space_generator=measure.search_space(target),
+                                   search_strategy="evolutionary", task_name=k.name, logger=quiet,
+                                   num_threads=threads).clone() for k in kernels]
+    deadline = time.monotonic() + 60 * minutes if minutes else None
+    watcher = _progress_callback(kernels, database, trials, deadline, progress, history)
+    callbacks = [*ms.measure_callback.MeasureCallback.create("default"), watcher]
+    cost_model = ms.cost_model.XGBModel(num_tuning_cores=threads)
+    with tempfile.TemporaryDirectory(prefix="tvmgraph-tune-") as work_dir:
+        try:
+            ms.tune_tasks(tasks=contexts, task_weights=[float(k.calls) for k in kernels], work_dir=work_dir,
+                          max_trials_global=trials, num_trials_per_iter=TRIALS_PER_ROUND, builder=build,
+                          runner=run, database=database, cost_model=cost_model, measure_callbacks=callbacks)
+        except Exception:
+            if not watcher.out_of_time:  # the time budget stops the search by raising in the callback
+                raise
+        finally:
+            watcher.close()
+    return watcher.measured
+
+
+def _progress_callback(kernels, database, trials, deadline, show, history):
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.ir.utils import derived_object
+
+    @derived_object
+    class Progress(ms.measure_callback.PyMeasureCallback):
+        """Counts trials, tracks the best latency per kernel, draws the bar, enforces `minutes`."""
+
+        def __init__(self) -> None:
+            self.measured = 0
+            self.out_of_time = False
+            self.best = [min(k.default_s or math.inf, best_seconds(_records(database, k))) for k in kernels]
+            self.bar = None
+            if show:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=trials, unit="trial", desc="tuning", dynamic_ncols=True)
+
+        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
+            for result in runner_results:
+                if result.error_msg is None and result.run_secs:
+                    self.best[task_id] = min(self.best[task_id], statistics.mean(float(s) for s in result.run_secs))
+            self.measured += len(measure_candidates)
+            estimate = sum(k.calls * b for k, b in zip(kernels, self.best) if math.isfinite(b)) * 1e6
+            history.append((self.measured, estimate))
+            if self.bar is not None:
+                self.bar.update(len(measure_candidates))
+                self.bar.set_postfix_str(f"tuned kernels {estimate:.0f} µs")
+            if deadline is not None and time.monotonic() > deadline:
+                self.out_of_time = True
+                raise _OutOfTime("the tuning time budget is spent")
+
+        def close(self) -> None:
+            if self.bar is not None:
+                self.bar.close()
+
+    return Progress()
+
+
+# ---- 4. per kernel: tuned or default ----
+
+def _choose(kernels: list[Kernel], chosen: list[Kernel], database: Any) -> Choices:
+    result = []
+    for k in chosen:
+        records = _records(database, k)
+        tuned = best_seconds(records)
+        tuned_s = tuned if math.isfinite(tuned) else None
+        use = tuned_s is not None and (k.default_s is None or tuned_s < FASTER * k.default_s)
+        result.append(KernelChoice(k.workload, k.name, k.flops, k.calls,
+                                   k.default_s * 1e6 if k.default_s is not None else None,
+                                   tuned_s * 1e6 if tuned_s is not None else None, len(records), use))
+    return Choices(sorted(result, key=lambda c: -(c.calls * (c.default_us or 0))))
+
+
+# ---- 5. the whole program, untuned vs tuned ----
+
+def _time_graph(lowered: Any, target: tvm.target.Target, options: Any, log: TuningLog,
+                choices: Choices) -> tuple[float, float]:
+    """Median ms of the program without and with the kernels `choices` selects, interleaved."""
+    log.write_choices(Choices(choices.kernels))  # what applied() reads, before the graph verdict
+    applied = log.applied()
+    programs = []
+    for tuning in (None, applied):
+        _, executable = lowered.build(target, options, tuning=tuning, checks=False)
+        programs.append(relax.VirtualMachine(executable, tvm.cpu(0)))
+    args = _random_args(lowered.mod[lowered.entry])
+    times: list[list[float]] = [[], []]
+    for _ in range(5):
+        for i, vm in enumerate(programs):
+            timer = vm.time_evaluator(lowered.entry, tvm.cpu(0), number=1, repeat=3, min_repeat_ms=100)
+            times[i].append(float(timer(*args).median) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _random_args(func: relax.Function) -> list[tvm.runtime.Tensor]:
+    """Inputs for timing: small floats, zero integers (always valid indices)."""
+    rng = np.random.default_rng(0)
+    args = []
+    for param in func.params:
+        shape = [int(d) for d in param.ty.shape]
+        dtype = param.ty.dtype.dtype
+        value = (rng.uniform(-0.1, 0.1, shape) if "float" in dtype else np.zeros(shape)).astype(dtype)
+        args.append(tvm.runtime.tensor(value, tvm.cpu(0)))
+    return args
+
+
+def _eager_ms(graph: Any, args: tuple) -> float:
+    """Median ms of build() in eager PyTorch (gradients it accumulates are put back)."""
+    params = [p for _, p in graph.named_parameters()]
+    saved = [p.grad for p in params]
+    times = []
+    try:
+        for _ in range(10):
+            start = time.perf_counter()
+            with torch.no_grad() if not graph.training else torch.enable_grad():
+                graph.build(*args)
+            times.append((time.perf_counter() - start) * 1e3)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    return statistics.median(times[2:])

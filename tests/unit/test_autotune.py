@@ -1,0 +1,269 @@
+"""Tuning logs as compiles see them: where they live, how they are applied, what invalidates a
+compiled program, and what happens to a damaged log. The logs here are written without
+measuring (tests/tuning_logs.py); tests/numeric/test_tuning.py runs the real search."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import tvm
+from torch import nn
+
+import tvmgraph
+from autotune.log import CHOICES, Choices, TuningLog, target_key
+from autotune.tuner import _choose
+from tests.conftest import assert_close
+from tests.tuning_logs import kernels_of, write_log
+from tvmgraph import artifact
+from tvmgraph.errors import ConfigError, TuningError
+from tvmgraph.target import target_for
+
+CPU = target_for(torch.device("cpu"))
+REPO = Path(__file__).resolve().parents[2]
+
+
+class TunedMLP(tvmgraph.nn.Graph):
+    """A graph class of its own: no other test's compile may find its logs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+def mlp() -> tuple[TunedMLP, tuple[torch.Tensor]]:
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 8)).eval()
+    return TunedMLP(model), (torch.randn(16, 64),)
+
+
+def _use_cache_dir(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    import autotune.log
+
+    monkeypatch.setattr(autotune.log, "tuning_root", lambda: root)
+
+
+def _messages(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+def test_log_directory_is_per_graph_name_and_target(tmp_path: Path) -> None:
+    """<root>/<graph name>/<target key>; the key names the CPU and the TVM version, and two
+    CPUs never share a log (MetaSchedule's lookup would ignore the target)."""
+    log = TuningLog.for_graph("TunedMLP", CPU, tmp_path)
+    assert log.directory.parent == tmp_path / "TunedMLP"
+    assert tvm.__version__ in log.directory.name and str(CPU.attrs["mcpu"]) in log.directory.name
+    other = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "neoverse-n1"})
+    assert target_key(other) != target_key(CPU)
+    assert target_key(tvm.target.Target({"kind": "cuda", "arch": "sm_80"})) != target_key(
+        tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
+    with pytest.raises(ConfigError, match="tuning log name '../x'"):
+        TuningLog.for_graph("../x", CPU, tmp_path)
+
+
+def test_a_log_is_applied_by_any_later_compile_of_that_graph_name(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A graph compiled in a new process applies the log of its class name with no user action,
+    says so at debug(1), and computes what eager computes."""
+    graph, args = mlp()
+    log = write_log(graph, args, "TunedMLP", CPU, tmp_path / "tuning")
+    script = (
+        "import torch, tvmgraph, logging, sys\n"
+        "from tests.unit.test_autotune import mlp\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "torch.manual_seed(0)\n"
+        "graph, args = mlp()\n"
+        "graph.debug(1)\n"
+        "print('max error', float((graph(*args) - graph.model(*args)).abs().max()))\n"
+    )
+    env = {"TVMGRAPH_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=REPO,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"tuning log {log.directory}: 2 tuned kernel(s)" in out.stdout
+    assert "ApplyTuningLog: 2 of 2 kernels scheduled from the tuning log" in out.stdout
+    assert float(out.stdout.split("max error")[1]) < 1e-5
+
+
+def test_kernels_scheduled_from_a_log_match_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    _use_cache_dir(monkeypatch, tmp_path)
+    graph, args = mlp()
+    write_log(graph, args, "TunedMLP", CPU)
+    graph.debug(1)
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        out = graph(*args)
+    assert "2 of 2 kernels scheduled from the tuning log" in _messages(caplog)
+    with torch.no_grad():
+        assert_close(out, graph.model(*args))
+
+
+def test_tuning_off_compiles_without_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """graph.config.enable_tuning(False) (or TVMGRAPH_TUNING=off, read into the same option)
+    leaves every kernel to the default schedules."""
+    _use_cache_dir(monkeypatch, tmp_path)
+    graph, args = mlp()
+    write_log(graph, args, "TunedMLP", CPU)
+    graph.config.enable_tuning(False)
+    graph.debug(1)
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        graph(*args)
+    assert "scheduled from the tuning log" not in _messages(caplog)
+    from tvmgraph.config import Settings
+
+    monkeypatch.setenv("TVMGRAPH_TUNING", "off")
+    assert Settings().tuning is False
+    monkeypatch.setenv("TVMGRAPH_TUNING", "maybe")
+    with pytest.raises(ConfigError, match="TVMGRAPH_TUNING='maybe'"):
+        Settings()
+
+
+def test_a_named_log_is_used_instead_of_the_class_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    _use_cache_dir(monkeypatch, tmp_path)
+    graph, args = mlp()
+    write_log(graph, args, "shared-mlp", CPU, kernels=1)
+    graph.config.enable_tuning(name="shared-mlp")
+    graph.debug(1)
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        graph(*args)
+    assert "1 of 2 kernels scheduled from the tuning log" in _messages(caplog)
+    with pytest.raises(ConfigError, match="tuning log name 'a/b'"):
+        graph.config.enable_tuning(name="a/b")
+
+
+def test_the_compiled_cache_key_follows_the_records_applied(tmp_path: Path) -> None:
+    """Another record set is another program: the digest of the applied records is a key part."""
+    graph, args = mlp()
+    traced = graph.trace(*args)
+    log = write_log(graph, args, "TunedMLP", CPU, tmp_path)
+
+    def key() -> str:
+        applied = log.applied()
+        return artifact.graph_key("TunedMLP", traced, None, graph.config, CPU, "default",
+                                  applied.digest if applied else "none")
+
+    first = key()
+    assert first == key()
+    write_log(graph, args, "TunedMLP", CPU, tmp_path, tuned_us=2.0)  # a second record per kernel, slower
+    assert key() == first  # the best records did not change
+    write_log(graph, args, "TunedMLP", CPU, tmp_path, tuned_us=0.5)
+    assert key() != first
+    choices = json.loads((log.directory / CHOICES).read_text())
+    for k in choices["kernels"]:
+        k["use_tuned"] = False
+    (log.directory / CHOICES).write_text(json.dumps(choices))
+    assert log.applied() is None and key() != first
+
+
+def test_a_truncated_or_corrupt_log_keeps_its_good_records(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A tuner killed mid-write leaves half a line; MetaSchedule's reader would refuse the whole
+    file. Here the line is dropped with a warning, the other records are applied, and the tuner's
+    repair() rewrites the files so that MetaSchedule reads them again."""
+    from tvm.s_tir import meta_schedule as ms
+
+    graph, args = mlp()
+    log = write_log(graph, args, "TunedMLP", CPU, tmp_path)
+    good = log.records_path.read_text()
+    with log.records_path.open("a") as f:
+        f.write('[0, [["garbage"]]]\n[1, [[["SampleCategorical"')  # a bad record, then a truncated one
+    with caplog.at_level(logging.WARNING, logger="tvmgraph.autotune"):
+        applied = log.applied()
+    assert applied is not None and applied.kernels == 2
+    assert "dropped 2 unreadable line(s) (truncated or corrupt), kept 2 record(s)" in _messages(caplog)
+    with pytest.raises(Exception):  # noqa: B017  (MetaSchedule's own reader: any error)
+        ms.database.JSONDatabase(str(log.workloads_path), str(log.records_path))
+    assert log.repair() == 2
+    assert [json.loads(line) for line in log.records_path.read_text().splitlines()] == [
+        json.loads(line) for line in good.splitlines()]
+    assert len(ms.database.JSONDatabase(str(log.workloads_path), str(log.records_path))) == 2
+
+
+def test_a_damaged_choices_file_means_default_schedules(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    graph, args = mlp()
+    log = write_log(graph, args, "TunedMLP", CPU, tmp_path)
+    (log.directory / CHOICES).write_text('{"format": 1, "kernels": [')
+    with caplog.at_level(logging.WARNING, logger="tvmgraph.autotune"):
+        assert log.applied() is None
+    assert "choices.json is unreadable" in _messages(caplog)
+
+
+def test_a_tuned_schedule_is_used_only_where_it_measured_faster() -> None:
+    """The default schedule is a candidate like the others: a kernel keeps it unless a tuned
+    record beat it by more than the timing noise; failed candidates never win."""
+    from types import SimpleNamespace
+
+    def record(us: float):
+        return SimpleNamespace(run_secs=[us * 1e-6])
+
+    kernels = [SimpleNamespace(name=n, workload=n, flops=1.0, calls=1, default_s=d * 1e-6, mod=n)
+               for n, d in (("faster", 10.0), ("slower", 10.0), ("noise", 10.0), ("failed", 10.0))]
+    records = {"faster": [record(4.0), record(7.0)], "slower": [record(12.0)], "noise": [record(9.9)],
+               "failed": [record(1e10 * 1e6)]}
+
+    class Database:
+        def has_workload(self, mod):
+            return True
+
+        def commit_workload(self, mod):
+            return mod
+
+        def get_top_k(self, workload, k):
+            return records[workload]
+
+    import autotune.tuner as tuner
+
+    choices = {c.name: c for c in _choose(kernels, kernels, Database()).kernels}
+    assert choices["faster"].use_tuned and choices["faster"].tuned_us == pytest.approx(4.0)
+    assert not choices["slower"].use_tuned and not choices["noise"].use_tuned
+    assert not choices["failed"].use_tuned and choices["failed"].tuned_us is None
+    assert tuner.FASTER < 1
+
+
+def test_a_log_disabled_by_the_graph_check_applies_nothing(tmp_path: Path) -> None:
+    graph, args = mlp()
+    log = write_log(graph, args, "TunedMLP", CPU, tmp_path)
+    choices = log.read_choices()
+    log.write_choices(Choices(choices.kernels, graph_untuned_ms=1.0, graph_tuned_ms=1.2, enabled=False))
+    assert log.applied() is None
+
+
+def test_tune_needs_inputs_or_a_call() -> None:
+    graph, _ = mlp()
+    with pytest.raises(TuningError, match=r"never been called|has not been called"):
+        tvmgraph.tune(graph)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
+def test_a_cuda_log_is_applied_at_build_without_a_gpu(tmp_path: Path) -> None:
+    """Compile-only: the records of a log for a CUDA target schedule its kernels in a CUDA build
+    made on a machine with no GPU; the kernels without a record get dlight's schedules."""
+    graph, args = mlp()
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    log = write_log(graph, args, "TunedMLP", cuda, tmp_path, kernels=1)
+    lowered = graph.trace(*args).lower()
+    messages: list[str] = []
+    _, executable = lowered.build(cuda, graph.config, report=messages.append, tuning=log.applied())
+    assert any("1 of 2 kernels scheduled from the tuning log" in m for m in messages), messages
+    host = executable.mod.imports[0]
+    kinds = [m.kind for m in host.imports]
+    assert "cuda" in kinds and "__global__" in host.imports[kinds.index("cuda")].inspect_source()
+
+
+def test_kernels_are_listed_with_default_schedules(tmp_path: Path) -> None:
+    graph, args = mlp()
+    kernels = kernels_of(graph, args, CPU)
+    assert len(kernels) == 2
+    assert all(k.default["main"].attrs["tirx.is_scheduled"] for k in kernels)
+    assert not any((k.mod["main"].attrs or {}).get("tirx.is_scheduled", False) for k in kernels)
+    assert sorted(k.flops for k in kernels)[-1] >= 2 * 16 * 64 * 96
