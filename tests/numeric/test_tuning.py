@@ -101,11 +101,20 @@ def test_a_training_graph_tunes_forward_backward_and_update_kernels(tmp_path: Pa
     assert report.trials >= 16
 
 
-def _tune_cli(*extra: str, log_dir: Path, script: Path, **popen) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "tvmgraph.cli", "tune", f"{script}:factory",
-                             "--log-dir", str(log_dir), "--quiet", *extra], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+class _Tuner:
+    """`tvmgraph tune` in a subprocess, its output in files (a pipe nobody reads would block it)."""
+
+    def __init__(self, *extra: str, log_dir: Path, script: Path, name: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.out_path, self.err_path = script.parent / f"{name}.out", script.parent / f"{name}.err"
+        with self.out_path.open("w") as out, self.err_path.open("w") as err:
+            self.process = subprocess.Popen([sys.executable, "-m", "tvmgraph.cli", "tune", f"{script}:factory",
+                                             "--log-dir", str(log_dir), "--quiet", *extra], cwd=REPO, env=env,
+                                            stdout=out, stderr=err)
+
+    def wait(self, timeout: float = 1200) -> tuple[int, str, str]:
+        rc = self.process.wait(timeout=timeout)
+        return rc, self.out_path.read_text(), self.err_path.read_text()
 
 
 def _records(log_dir: Path) -> list[str]:
@@ -120,19 +129,19 @@ def test_tune_command_resumes_after_sigkill_and_plots(tmp_path: Path) -> None:
     script = tmp_path / "model.py"
     script.write_text(FACTORY)
     log_dir = tmp_path / "tuning"
-    first = _tune_cli("--trials", "200", log_dir=log_dir, script=script)
+    first = _Tuner("--trials", "200", log_dir=log_dir, script=script, name="first")
     deadline = time.monotonic() + 900
     while len([line for line in _records(log_dir) if line.endswith("\n")]) < 8:
-        assert first.poll() is None, first.communicate()[1][-3000:]
+        assert first.process.poll() is None, first.err_path.read_text()[-3000:]
         assert time.monotonic() < deadline, "no record written in time"
         time.sleep(1)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait()
     kept = [line for line in _records(log_dir) if line.endswith("\n")]
-    second = _tune_cli("--trials", str(len(kept) + 8), "--plot", str(tmp_path / "tuning.png"),
-                       log_dir=log_dir, script=script)
-    out, err = second.communicate(timeout=900)
-    assert second.returncode == 0, err[-3000:]
+    second = _Tuner("--trials", str(len(kept) + 8), "--plot", str(tmp_path / "tuning.png"),
+                    log_dir=log_dir, script=script, name="second")
+    rc, out, err = second.wait()
+    assert rc == 0, err[-3000:]
     after = _records(log_dir)
     assert after[:len(kept)] == kept or [json.loads(a) for a in after[:len(kept)]] == [json.loads(k) for k in kept]
     measured = int(re.search(r"(\d+) trial\(s\) in", out).group(1))
@@ -147,10 +156,10 @@ def test_two_tuners_on_one_graph_name_do_not_corrupt_its_log(tmp_path: Path) -> 
     script = tmp_path / "model.py"
     script.write_text(FACTORY)
     log_dir = tmp_path / "tuning"
-    tuners = [_tune_cli("--trials", "16", log_dir=log_dir, script=script) for _ in range(2)]
-    results = [t.communicate(timeout=1200) for t in tuners]
-    assert [t.returncode for t in tuners] == [0, 0], [r[1][-2000:] for r in results]
-    assert sum("is being written by another tuner; waiting" in err for _, err in results) == 1
+    tuners = [_Tuner("--trials", "16", log_dir=log_dir, script=script, name=f"tuner{i}") for i in range(2)]
+    results = [t.wait() for t in tuners]
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    assert sum("is being written by another tuner; waiting" in err for _, _, err in results) == 1
     lines = _records(log_dir)
     assert len(lines) >= 16 and all(json.loads(line) for line in lines)
     log = TuningLog(next(log_dir.glob("CliMLP/*")))
