@@ -35,6 +35,7 @@ from . import artifact, codegen
 from .artifact_format import document_digest, files_table, write_file
 from .binding import TensorBinder
 from .deploy_runtime import FORMAT, KIND, MANIFEST, host_machine
+from .entry import tuning_log_for
 from .errors import SaveError, UnsupportedOptionError
 from .graph import Graph
 from .spec import TreeDef
@@ -78,10 +79,12 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
     lowered = traced.lower(None)
     device = traced.signature.leaves[0].device if traced.signature.leaves else torch.device("cpu")
     tvm_target, needs = resolve_target(obj.name, target, arch, device, traced.signature.options)
-    optimized, executable = lowered.build(tvm_target, traced.signature.options, PIPELINE)
+    tuning = tuning_log_for(type(obj).__name__, traced.signature.options, tvm_target)
+    optimized, executable = lowered.build(tvm_target, traced.signature.options, PIPELINE, tuning=tuning)
     binder = TensorBinder(lowered.signature.inputs, modules, lowered.signature.constants)
     state = {s.target: t for s, t in zip(binder.sources, binder.tensors()) if s.kind != "constant"}
     manifest = _manifest(obj, traced, lowered, optimized, tvm_target, needs)
+    manifest["tuning"] = {"log": str(tuning.directory), "kernels": tuning.kernels} if tuning is not None else None
     _write_atomically(path, manifest, executable, state, lowered, tvm_target)
     logger.info("%s: saved the %s program for %s to %s", obj.name, program, tvm_target, path)
     return path

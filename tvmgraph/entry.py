@@ -115,19 +115,25 @@ def _compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan |
 
 
 def applied_tuning_log(graph_class: str, options: CompileOptions, target: Any, log: GraphLog) -> Any:
-    """The records of the graph's tuning log that this compile applies (autotune/log.py), or
-    None: tuning off, no log, or a log that selects nothing."""
+    """The records of the graph's tuning log that this compile applies, or None; debug(1) says
+    which log."""
+    applied = tuning_log_for(graph_class, options, target)
+    if applied is None:
+        if options.tuning:
+            log.info(1, "no tuned kernels for this graph and target (`tvmgraph tune` makes them)")
+    else:
+        log.info(1, f"tuning log {applied.directory}: {applied.kernels} tuned kernel(s)")
+    return applied
+
+
+def tuning_log_for(graph_class: str, options: CompileOptions, target: Any) -> Any:
+    """The records of the tuning log of the graph's name and `target` that a compile applies
+    (autotune/log.py), or None: tuning off, no log, or a log that selects nothing."""
     if not options.tuning:
         return None
     from autotune.log import TuningLog
 
-    tuning_log = TuningLog.for_graph(options.tuning_name or graph_class, target)
-    applied = tuning_log.applied()
-    if applied is None:
-        log.info(1, f"no tuned kernels for this graph at {tuning_log.directory} (`tvmgraph tune` makes them)")
-    else:
-        log.info(1, f"tuning log {applied.directory}: {applied.kernels} tuned kernel(s)")
-    return applied
+    return TuningLog.for_graph(options.tuning_name or graph_class, target).applied()
 
 
 def log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:

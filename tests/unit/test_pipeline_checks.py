@@ -66,7 +66,7 @@ def toy_tvm_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 
 register_pipeline("test_broken_tvm_pass")(
-    lambda target, config, report: [toy_tvm_pass, *default_pipeline(target, config, report)])
+    lambda target, config, report, tuning: [toy_tvm_pass, *default_pipeline(target, config, report, tuning)])
 
 
 def _mlp() -> nn.Module:
