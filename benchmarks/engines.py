@@ -1,7 +1,9 @@
-"""The three ways of running a case: torch eager, torch.compile, tvmgraph.
+"""The ways of running a case: torch eager, torch.compile, tvmgraph untuned and tuned.
 
 Each engine owns its copy of the model (same initial weights) and, for training, an
 SGD-with-momentum optimizer; `step()` runs one inference call or one training step.
+`tvmgraph` compiles with the default schedules only (tuning off); `tuned` first tunes the
+graph (`tvmgraph.tune`, `TUNE` sets the budget), then compiles with its log.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ import tvmgraph
 from .suite import Case
 
 LR, MOMENTUM = 0.01, 0.9
-ENGINES = ("eager", "compile", "tvmgraph")
+ENGINES = ("eager", "compile", "tvmgraph", "tuned")
+# `tuned`: None uses the tuning log as it is (the memory probe's subprocess), else
+# {"trials": N or None (the default budget), "minutes": M or None}; tuning reports are kept here.
+TUNE: dict | None = None
+TUNE_REPORTS: dict[str, object] = {}
 
 
 class _InferGraph(tvmgraph.nn.Graph):
@@ -48,8 +54,9 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
     loss_fn = case.loss_fn()
     if mode == "infer":
         model.eval()
-        if engine == "tvmgraph":
+        if engine in ("tvmgraph", "tuned"):
             graph = _InferGraph(model)
+            _tuning(graph, engine, case, mode, case.inputs()[:1])
             return lambda x, y: graph(x)
         fn = torch.compile(model) if engine == "compile" else model
 
@@ -61,8 +68,10 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
 
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    if engine == "tvmgraph":
-        return _TrainGraph(model, loss_fn, optimizer)
+    if engine in ("tvmgraph", "tuned"):
+        graph = _TrainGraph(model, loss_fn, optimizer)
+        _tuning(graph, engine, case, mode, case.inputs())
+        return graph
     fn = torch.compile(model) if engine == "compile" else model
 
     def train(x, y):
@@ -73,3 +82,13 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
         return loss
 
     return train
+
+
+def _tuning(graph: tvmgraph.nn.Graph, engine: str, case: Case, mode: str, example_args: tuple) -> None:
+    """`tvmgraph`: no tuning log; `tuned`: tune first (per TUNE), then compile with the log."""
+    if engine == "tvmgraph":
+        graph.config.enable_tuning(False)
+        return
+    if TUNE is not None:
+        report = tvmgraph.tune(graph, *example_args, trials=TUNE.get("trials"), minutes=TUNE.get("minutes"))
+        TUNE_REPORTS[f"{case.name} {mode}"] = report

@@ -1,9 +1,12 @@
 """Run the reference suite: torch eager, torch.compile and tvmgraph, interleaved in one run.
 
     python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer] [--modes infer,train]
-                             [--engines eager,compile,tvmgraph] [--rounds 15] [--seconds 0.2]
+                             [--engines eager,compile,tvmgraph,tuned] [--rounds 15] [--seconds 0.2]
+                             [--tune-trials N] [--tune-minutes M]
                              [--no-memory] [--warm-caches] [--json results.json]
 
+`tvmgraph` is untuned (default schedules); `tuned` tunes each graph first (`tvmgraph.tune`,
+default budget: 32 trials per kernel worth tuning) and prints the trials and tuning minutes.
 For every case and mode it prints the median time per call of each engine, its ratio to eager
 (below 1.00 is faster than eager), the first-call (compile) time, and the peak memory of the
 steady-state step. Timing rounds rotate through the engines so that all three see the same
@@ -32,6 +35,7 @@ if __name__ == "__main__" and "--warm-caches" not in sys.argv:
 
 import torch  # noqa: E402  (after the cache directories are chosen)
 
+from . import engines as engine_setup  # noqa: E402
 from .engines import ENGINES, make_step  # noqa: E402
 from .memory import measure_peak_memory  # noqa: E402
 from .suite import CASES  # noqa: E402
@@ -95,8 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm-caches", action="store_true",
                         help="keep tvmgraph's and TorchInductor's usual cache directories (first calls may hit them)")
     parser.add_argument("--json", help="also write all results to this file")
+    parser.add_argument("--tune-trials", type=int, help="trials per graph for the tuned engine (default: 32 per kernel)")
+    parser.add_argument("--tune-minutes", type=float, help="tuning time budget per graph")
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
+    engine_setup.TUNE = {"trials": args.tune_trials, "minutes": args.tune_minutes}
     print(f"machine: {machine()}")
     header = f"{'case':<12} {'mode':<6} {'engine':<9} {'median':>10} {'x eager':>8} {'first call':>11} {'peak MiB':>9}"
     print(header)
@@ -116,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
                 peak_text = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
                 print(f"{case_name:<12} {mode:<6} {engine:<9} {median * 1e3:8.3f}ms {ratio} "
                       f"{result['compile_s'][engine]:10.2f}s {peak_text}", flush=True)
+            report = engine_setup.TUNE_REPORTS.get(f"{case_name} {mode}")
+            if report is not None:
+                print(f"{'':<12} {'':<6} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "
+                      f"{sum(k.use_tuned for k in report.kernels)} kernel(s) from the log", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "results": results}, f, indent=1)
