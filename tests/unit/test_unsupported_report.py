@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import tvmgraph
+from tests.numeric import opinfo_sweep
 from tvmgraph import errors
 from tvmgraph.training import gradient_check
 
@@ -29,12 +30,16 @@ def listed(message: str, head: str, where: str) -> bool:
                for line in message.splitlines())
 
 
-class Kth(nn.Module):
+class Orthonormal(nn.Module):
+    """Linear algebra (QR) is out of scope: it has no lowering by design."""
+
     def forward(self, x):
-        return torch.kthvalue(x, 2, dim=-1).values
+        return torch.linalg.qr(x).Q
 
 
 class Noisy(nn.Module):
+    """Random draws are out of scope: eager and graph would draw different numbers."""
+
     def forward(self, x):
         return x + torch.rand(x.shape)
 
@@ -43,7 +48,7 @@ class TwoUnsupported(tvmgraph.nn.Graph):
     def __init__(self):
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(4, 4), Noisy())
-        self.head = Kth()
+        self.head = Orthonormal()
 
     def build(self, x):
         return self.head(self.encoder(x))
@@ -52,13 +57,15 @@ class TwoUnsupported(tvmgraph.nn.Graph):
 def test_forward_ops_without_lowering_are_listed_in_one_error() -> None:
     graph = TwoUnsupported()
     with pytest.raises(errors.UnsupportedOpError) as info:
-        graph(torch.randn(2, 4))
+        graph(torch.randn(4, 4))
     message = str(info.value)
     assert f"{graph.name}: 2 op(s) used in build() have no lowering to TVM Relax:" in message
     rand = line_of(Noisy.forward, "torch.rand")
-    kth = line_of(Kth.forward, "torch.kthvalue")
+    qr = line_of(Orthonormal.forward, "torch.linalg.qr")
     assert listed(message, "  * aten.rand.default from 'encoder.1' (Noisy)", rand)
-    assert listed(message, "  * aten.kthvalue.default from 'head' (Kth)", kth)
+    assert listed(message, "  * aten.linalg_qr.default from 'head' (Orthonormal)", qr)
+    assert message.count("  * ") == 2
+    assert opinfo_sweep.classify(info.value) == ("unsupported", "no lowering: aten.linalg_qr.default, aten.rand.default")
 
 
 def test_op_written_in_build_names_the_line_of_build() -> None:
@@ -109,9 +116,9 @@ class Train(tvmgraph.nn.Graph):
 
 
 def test_ops_without_gradients_are_listed_in_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """exp and tanh have gradients; pretend they do not. argmax has none (it is integer-valued
-    and read only as an index) and must not be listed."""
-    lacking = {"relax.exp", "relax.tanh"}
+    """Pretend that exp, tanh and argmax have no gradient: argmax, integer-valued and read only
+    as an index, needs none and is not listed."""
+    lacking = {"relax.exp", "relax.tanh", "relax.argmax"}
     real = gradient_check.has_gradient
     monkeypatch.setattr(gradient_check, "has_gradient", lambda op: op not in lacking and real(op))
     graph = Train(Scale(), Squash())
@@ -128,9 +135,10 @@ def test_ops_without_gradients_are_listed_in_one_error(monkeypatch: pytest.Monke
     assert message.count("  * ") == 2
 
 
-def test_integer_index_path_needs_no_gradient() -> None:
-    """argmax has no gradient in TVM, but read as an index it needs none: the graph trains."""
-    assert not gradient_check.has_gradient("relax.argmax")
+def test_integer_index_path_needs_no_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """argmax read as an index needs no gradient, with one or without: the graph trains."""
+    real = gradient_check.has_gradient
+    monkeypatch.setattr(gradient_check, "has_gradient", lambda op: op != "relax.argmax" and real(op))
     model, x = Squash(), torch.randn(4, 3)
     expected = model(x).sum().detach()  # before the graph's step changes the weights
     torch.testing.assert_close(Train(model)(x), expected, atol=1e-5, rtol=1e-4)
@@ -146,13 +154,15 @@ class CumProd(nn.Module):
 
 
 def test_op_really_without_gradient_is_named_with_its_line() -> None:
-    """cumprod has no gradient today (when it gets one, pick another op without)."""
+    """cumprod has no gradient today (when it gets one, pick another op without, here and in
+    test_training_errors.py)."""
     assert not gradient_check.has_gradient("relax.cumprod")
     graph = Train(nn.Linear(3, 3), CumProd())
     with pytest.raises(errors.UnsupportedOpError) as info:
         graph(torch.randn(4, 3))
     where = line_of(CumProd.forward, "torch.cumprod")
     assert listed(str(info.value), "  * relax.cumprod: aten.cumprod.default from 'blocks.1' (CumProd)", where)
+    assert opinfo_sweep.classify(info.value) == ("unsupported", "no gradient: relax.cumprod")
 
 
 def test_op_on_an_input_alone_is_listed_too() -> None:

@@ -20,8 +20,13 @@ from tvm import relax
 
 from ..errors import UnsupportedOpError
 
-#: Gradient refuses call_tir outright (it has no FPrimalGradient to look up).
-_NEVER_DIFFERENTIATED = {"relax.call_tir"}
+#: Ops Gradient treats apart from their FPrimalGradient (they have none): whether it gets through.
+_SPECIAL = {
+    "relax.call_tir_with_grad": True,  # differentiated by the TE gradient its attributes name (dropout)
+    "relax.call_tir": False,  # refused outright
+    "relax.grad.start_checkpoint": True,  # recomputation markers (relay_passes/recompute_attention.py),
+    "relax.grad.end_checkpoint": True,  # removed before differentiating
+}
 
 #: What to do about a missing gradient (shared with the error raised when autodiff itself fails).
 ADVICE = ("Rewrite that code with ops that have gradients (docs/gradients.md lists them), or compute it "
@@ -31,7 +36,9 @@ ADVICE = ("Rewrite that code with ops that have gradients (docs/gradients.md lis
 
 def has_gradient(op_name: str) -> bool:
     """Whether relax.transform.Gradient can differentiate calls of `op_name`."""
-    return op_name not in _NEVER_DIFFERENTIATED and tvm.ir.Op.get(op_name).get_attr("FPrimalGradient") is not None
+    if op_name in _SPECIAL:
+        return _SPECIAL[op_name]
+    return tvm.ir.Op.get(op_name).get_attr("FPrimalGradient") is not None
 
 
 def check_gradients(func: relax.Function, loss_index: int, origins: Mapping[str, str], graph_name: str) -> None:
