@@ -97,10 +97,11 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, converters))
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in ')
 
 
 def source_line(node: torch.fx.Node) -> str | None:
-    """`model.py:12: return torch.kthvalue(x, 2).values`: the innermost frame of the node's
+    """`model.py:12: return torch.linalg.qr(x).Q`: the innermost frame of the node's
     recorded stack trace that is the user's code (not torch's or tvmgraph's), None if none is.
 
     torch.export records the frames of `forward()` methods, and of `build()` (trace.py
@@ -116,9 +117,6 @@ def source_line(node: torch.fx.Node) -> str | None:
     return found
 
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in ')
-
-
 def _short_path(file: str) -> str:
     """Relative to the working directory when the file lies under it."""
     relative = os.path.relpath(file) if os.path.isabs(file) else file
@@ -126,7 +124,7 @@ def _short_path(file: str) -> str:
 
 
 def describe(node: torch.fx.Node) -> str:
-    """`aten.kthvalue.default from 'model.1' (Kth) at model.py:12: return ...`"""
+    """`aten.linalg_qr.default from 'head' (Orthonormal) at model.py:12: return ...`"""
     where = source_line(node)
     return f"aten.{op_key(node)} from {module_path(node)}" + (f" at {where}" if where else "")
 

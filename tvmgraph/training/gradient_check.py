@@ -8,7 +8,11 @@ What it walks is what Gradient differentiates (checked on TVM 0.27): every bindi
 depends on through floating-point values, whether a trained parameter feeds it or not (an op
 applied to an input alone fails autodiff too). Integer and boolean values are not walked: the
 ops that consume them as indices or conditions (take, index_tensor, where, ...) give them no
-gradient, so their producers (argmax used as an index) are never differentiated.
+gradient, so their producers (argmax used as an index) are never differentiated. One exception:
+TVM's `astype` passes its gradient back to an integer input, so Gradient does differentiate an
+integer value cast to float (`argmax(x).float()`); that producer is not listed here, and if it
+has no gradient (an integer-valued op should have a no-gradient one), autodiff fails on it and
+tvmgraph/entry.py names it alone.
 """
 
 from __future__ import annotations
