@@ -23,6 +23,7 @@ from .debug import GraphLog
 from .errors import BackwardError, CompileError, OptimizerError, TvmGraphError, UnsupportedOpError, reason_of
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .target import target_for
+from .training import gradient_check
 from .training.plan import TrainingPlan
 
 PIPELINE = "default"
@@ -70,9 +71,7 @@ def compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan | 
             ops = ", ".join(sorted(set(missing)))
             raise UnsupportedOpError(
                 f"{traced.graph_name}: build() needs the gradient of {ops}, which tvmgraph cannot compute "
-                f"yet (docs/gradients.md lists what is covered). Rewrite that part with ops that have "
-                f"gradients, freeze the parameters that feed it (requires_grad_(False)), or run it "
-                f"outside the graph."
+                f"yet. {gradient_check.ADVICE}"
             ) from None
         raise CompileError(
             f"{traced.graph_name}: compiling build() failed inside TVM ({type(e).__name__}: "
@@ -155,8 +154,8 @@ def log_ops(log: GraphLog, lowered: LoweredGraph, build: Any) -> None:
 
 
 def source_of(stack_trace: str, build: Any) -> str:
-    """The innermost recorded frame that is not tvmgraph's own. torch records frames inside
-    module forward() methods only, so an op written directly in build() gets build's location."""
+    """The innermost recorded frame that is not tvmgraph's own. torch records the frames of
+    forward() methods and of build() (trace.py asks it to); without any, build's location."""
     frames = [line.strip() for line in stack_trace.splitlines() if line.strip().startswith("File ")]
     outside = [f for f in frames if os.sep + "tvmgraph" + os.sep not in f]
     if outside:

@@ -2,8 +2,8 @@
 
 Steps, in order:
   1. decompose to core ATen (`ExportedProgram.run_decompositions`);
-  2. check every op against the importer's table, naming the module each unsupported op came
-     from (all of them at once, not the first only);
+  2. check every op against the importer's table, naming the module and the source line each
+     unsupported op came from (all of them at once, not the first only);
   3. turn every input into a plain function parameter and every output into a plain result.
      TVM's importer would otherwise bind buffers and lifted constants into the module as copies
      (stale as soon as the eager module changes them) and would drop buffer mutations such as
@@ -13,12 +13,16 @@ Steps, in order:
      registered twice) is one input, named by its first path: torch.export lifts it once per
      path, and as separate inputs its gradient would be split between them;
   4. import with `from_exported_program`, using tvmgraph's own converters where the stock ones
-     are wrong for training (see converters.py).
+     are wrong for training (see converters.py), and note on each node the Relax variable that
+     holds its result, so that a later check can name the node a Relax binding came from
+     (`relax_origins`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +38,6 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 from tvm import relax
-from tvm.relax.frontend.torch import from_exported_program
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import converters
@@ -93,17 +96,49 @@ def module_path(node: torch.fx.Node) -> str:
     return f"'{path}' ({cls.rsplit('.', 1)[-1] if isinstance(cls, str) else cls.__name__})"
 
 
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, converters))
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in ')
+
+
+def source_line(node: torch.fx.Node) -> str | None:
+    """`model.py:12: return torch.linalg.qr(x).Q`: the innermost frame of the node's
+    recorded stack trace that is the user's code (not torch's or tvmgraph's), None if none is.
+
+    torch.export records the frames of `forward()` methods, and of `build()` (trace.py
+    registers it), so an op in a helper function gets the line that called the helper.
+    """
+    found = None
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    for i, line in enumerate(lines):
+        match = _FRAME.match(line.strip())
+        if match and not match["file"].startswith(_LIBRARY_DIRS):
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1].strip()) else ""
+            found = f"{_short_path(match['file'])}:{match['line']}" + (f": {code}" if code else "")
+    return found
+
+
+def _short_path(file: str) -> str:
+    """Relative to the working directory when the file lies under it."""
+    relative = os.path.relpath(file) if os.path.isabs(file) else file
+    return file if relative.startswith("..") else relative
+
+
+def describe(node: torch.fx.Node) -> str:
+    """`aten.linalg_qr.default from 'head' (Orthonormal) at model.py:12: return ...`"""
+    where = source_line(node)
+    return f"aten.{op_key(node)} from {module_path(node)}" + (f" at {where}" if where else "")
+
+
 def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> None:
-    """Raise UnsupportedOpError listing every op the importer cannot lower, with its module."""
+    """Raise UnsupportedOpError listing every op the importer cannot lower, each with its module
+    and source line."""
     known = set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS)
-    missing: dict[str, list[str]] = {}
-    for node in exported.graph.nodes:
-        if node.op == "call_function" and op_key(node) not in known:
-            missing.setdefault(f"aten.{op_key(node)}", []).append(module_path(node))
+    missing = [node for node in exported.graph.nodes if node.op == "call_function" and op_key(node) not in known]
     if missing:
-        lines = [f"  * {op} from {', '.join(sorted(set(paths)))}" for op, paths in missing.items()]
+        lines = dict.fromkeys(f"  * {describe(node)}" for node in missing)  # one per op and place
         raise UnsupportedOpError(
-            f"{graph_name}: {len(missing)} op(s) used in build() have no lowering to TVM Relax:\n"
+            f"{graph_name}: {len({op_key(n) for n in missing})} op(s) used in build() have no lowering "
+            f"to TVM Relax:\n"
             + "\n".join(lines)
             + "\nRewrite that code with supported torch ops, or run the module eagerly outside "
             "the graph. Supported ops are listed by `tvmgraph.lower.supported_ops()`."
@@ -208,18 +243,37 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     exported._constants = {}  # constants are inputs now; nothing is bound into the module
     convert_map = dict(converters.CONVERTERS, **{"native_dropout.default": converters.dropout(seed, salts)})
     convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
-    mod = from_exported_program(
-        exported,
-        keep_params_as_input=False,
-        run_ep_decomposition=False,
-        no_bind_return_tuple=True,
-        custom_convert_map=convert_map,
-    )
+    importer = ExportedProgramImporter()
+    mod = importer.from_exported_program(exported, keep_params_as_input=False, unwrap_unit_return_tuple=False,
+                                         no_bind_return_tuple=True, custom_convert_map=convert_map)
+    _note_relax_vars(importer)
     num_user = lowered_sig.num_user_outputs - (1 if has_loss else 0)
     types = tuple((tuple(int(d) for d in p.ty.shape), p.ty.dtype.dtype) for p in mod["main"].params)
     lowered_sig = dataclasses.replace(lowered_sig, num_user_outputs=num_user, has_loss=has_loss,
                                       input_types=types)
     return mod, lowered_sig
+
+
+RELAX_VAR = "tvmgraph_relax_var"
+
+
+def _note_relax_vars(importer: ExportedProgramImporter) -> None:
+    """Note on each node the name of the Relax variable(s) holding its result. A node whose
+    converter returned another node's variable (`clone`, `alias`) gets nothing: the variable
+    is the other node's."""
+    owned = set()
+    for node, value in importer.env.items():
+        fields = value.fields if isinstance(value, relax.Tuple) else [value]
+        names = [v.name for v in fields if isinstance(v, relax.Var) and v.name not in owned]
+        if names and node.op == "call_function":
+            node.meta[RELAX_VAR] = names
+        owned.update(v.name for v in fields if isinstance(v, relax.Var))
+
+
+def relax_origins(exported: torch.export.ExportedProgram) -> dict[str, str]:
+    """Relax variable name -> `describe(node)` of the node whose converter made it (after
+    `to_relax`). Bindings a converter made on the way to its result are not in it."""
+    return {name: describe(node) for node in exported.graph.nodes for name in node.meta.get(RELAX_VAR, ())}
 
 
 def _named_errors(fn: Callable, graph_name: str) -> Callable:

@@ -79,7 +79,8 @@ class TracedGraph:
             index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
             grad_indices = [index_of[t] for t in plan.targets]
             loss_index = len(sig.mutations) + sig.num_user_outputs
-            mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name)
+            mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name,
+                                            lowering.relax_origins(exported))
         return LoweredGraph(self, mod, sig, exported, plan, layout)
 
 

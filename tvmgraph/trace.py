@@ -164,6 +164,7 @@ def trace_build(
         if path:
             handles.append(module.register_forward_hook(_io_recorder(module_io, path), with_kwargs=True))
     _state.graph_name = graph_name
+    _record_frames_of(build)
     try:
         with warnings.catch_warnings():
             # nn.RNN/LSTM/GRU refresh their `_flat_weights` list (views of their registered
@@ -183,6 +184,14 @@ def trace_build(
             h.remove()
     assert record.out_tree is not None
     return TraceResult(exported, record.out_tree, module_io, record.backward is not None)
+
+
+def _record_frames_of(build: Callable) -> None:
+    """Make torch.export keep build()'s frames in each node's stack trace (it keeps only those
+    of `forward()` methods), so that an error names the line of build() an op came from."""
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)  # private API
+    if register is not None:
+        register(build)
 
 
 def _named_inputs(cls: type[_BuildRoot], names: list[str]) -> type[_BuildRoot]:

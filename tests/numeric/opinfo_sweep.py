@@ -389,9 +389,13 @@ def classify(error: BaseException) -> tuple[str, str]:
     from tvmgraph.errors import CompileError, ExecutionError, TvmGraphError, UnsupportedOpError
 
     text = str(error).split("\nSee docs/")[0]
-    if isinstance(error, UnsupportedOpError):
-        ops = sorted({line.split()[1] for line in text.splitlines() if line.strip().startswith("* aten.")})
-        return "unsupported", ("no lowering: " + ", ".join(ops)) if ops else _one_line(text)
+    if isinstance(error, UnsupportedOpError):  # lists `* aten.op from ...` or `* relax.op: ...`
+        listed = {line.split()[1].rstrip(":") for line in text.splitlines() if line.strip().startswith("* ")}
+        for kind, prefix in (("no lowering", "aten."), ("no gradient", "relax.")):
+            ops = sorted(op for op in listed if op.startswith(prefix))
+            if ops:
+                return "unsupported", f"{kind}: " + ", ".join(ops)
+        return "unsupported", _one_line(text)
     if isinstance(error, TvmGraphError) and not isinstance(error, (CompileError, ExecutionError)):
         return "unsupported", f"{type(error).__name__}: {_one_line(text)}"
     return "raw", f"{type(error).__name__}: {_one_line(text)}"

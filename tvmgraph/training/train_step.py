@@ -34,13 +34,14 @@ update earlier keeps it after every other reader of what it overwrites).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import tvm
 from tvm import relax
 
 from .. import gradients as _gradients  # noqa: F401  (registers the gradients TVM lacks)
+from .gradient_check import check_gradients
 from .optimizers import PARAM, UpdateRule
 from .plan import GroupPlan, TrainingPlan
 from .update_ops import RelaxUpdateOps
@@ -109,10 +110,11 @@ def _clip(bb: relax.BlockBuilder, grads: list[relax.Expr], max_norm: float, norm
 
 
 def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
-                      report: Callable[[str], None] | None = None,
-                      graph: str = "graph") -> tuple[tvm.IRModule, TrainStepLayout]:
+                      report: Callable[[str], None] | None = None, graph: str = "graph",
+                      origins: Mapping[str, str] | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
     """Replace `main` with `train_step` (see the module docstring for the contract); `graph`
-    names the graph in warnings."""
+    names the graph in warnings and errors, `origins` the torch op each Relax variable came
+    from (`tvmgraph.lower.relax_origins`) in the error listing the ops without gradients."""
     from relay_passes.recompute_attention import RecomputeAttention  # relay_passes import tvmgraph
 
     from ..pipeline import run_pass
@@ -120,6 +122,7 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     # Checked always (one check of the forward program): a broken result would fail in autodiff.
     mod = run_pass(RecomputeAttention(plan.recompute_attention, report), mod, graph, check=True)
     main = mod["main"]
+    check_gradients(main, loss_index, origins or {}, graph)
     mod = relax.transform.Gradient("main", require_grads=[main.params[i] for i in grad_indices],
                                    target_index=loss_index)(mod)
     adjoint_gv = mod.get_global_var("main_adjoint")
