@@ -9,7 +9,7 @@ as torch's does.
 - `argmax`, `argmin`, `sum` of a 0-d tensor: TVM refuses to reduce 0-d.
 - `max.dim`, `min.dim`: argmax/argmin, then a gather (the stock `max.dim` used `topk`, which
   has no gradient).
-- `var_mean`, `nanmedian`, `kthvalue`, `mode`, `cummax`, `cummin`, `logcumsumexp`: built
+- `var_mean`, `median`, `nanmedian`, `kthvalue`, `mode`, `cummax`, `cummin`, `logcumsumexp`: built
   from sorts, masks and reductions; `mode` compares every pair, the scans every prefix
   (`logcumsumexp` is a masked logsumexp of each prefix: exact for any range of values), so
   their memory is quadratic in the length of dim.
@@ -97,9 +97,13 @@ def sum_over_dims(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
     if x.ty.ndim != 0:
         return importer._sum(node)
     dtype = node.kwargs.get("dtype")
-    if dtype is None:
+    if dtype is not None:
+        dtype = str(dtype).removeprefix("torch.")
+    elif "float" not in _dtype(x):
+        dtype = "int64"  # torch sums bool and integer tensors in int64
+    if dtype is None or dtype == _dtype(x):
         return x
-    return importer.block_builder.emit(op.astype(x, str(dtype).removeprefix("torch.")))
+    return importer.block_builder.emit(op.astype(x, dtype))
 
 
 def arg_extremum(largest: bool):
@@ -159,27 +163,43 @@ def _sorted_index(bb: relax.BlockBuilder, key: relax.Expr, dim: int, position: r
     return bb.emit(op.gather_elements(order, position, axis=dim))
 
 
-def nanmedian(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """nanmedian(x, dim, keepdim): the lower median of the non-NaN values (NaN, index 0, when
-    all are NaN); nanmedian(x): the same over all values, its gradient shared among the ties."""
-    bb = importer.block_builder
-    x = importer.env[node.args[0]]
-    with_dim = node.target.__name__ == "nanmedian.dim"
-    if x.ty.ndim == 0:
-        return bb.emit(relax.Tuple([x, relax.const(0, "int64")])) if with_dim else x
-    data = x if with_dim else bb.emit(op.reshape(x, [-1]))
-    dim = int(node.args[1]) % x.ty.ndim if with_dim else 0
-    keepdim = bool(_arg(node, 2, "keepdim", False))
-    nan = bb.emit(op.isnan(data))
-    key = bb.emit(op.where(nan, relax.const(math.inf, _dtype(x)), data))  # NaN sorts last
-    count = bb.emit(op.sum(op.astype(op.logical_not(nan), "int64"), [dim], keepdims=True))
-    position = bb.emit(op.maximum(op.floor_divide(op.subtract(count, relax.const(1, "int64")),
-                                                  relax.const(2, "int64")), relax.const(0, "int64")))
-    index = _sorted_index(bb, key, dim, position)
-    index = bb.emit(op.where(op.greater(count, relax.const(0, "int64")), index, op.zeros_like(index)))
-    if with_dim:
-        return _pick(bb, x, index, dim, keepdim)
-    return _shared_by_ties(bb, data, bb.emit(op.take(data, op.reshape(index, []), axis=0)))
+def median(ignore_nan: bool):
+    """median / nanmedian, (values, indices) along dim or one value over all elements: the lower
+    median. median: NaN (at the slice's first NaN) where the slice holds one; nanmedian: of the
+    non-NaN values (NaN, index 0, where all are NaN). Over all elements, the gradient is shared
+    among the ties, as in torch."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        bb = importer.block_builder
+        x = importer.env[node.args[0]]
+        with_dim = node.target.__name__.endswith(".dim")
+        if x.ty.ndim == 0:
+            return bb.emit(relax.Tuple([x, relax.const(0, "int64")])) if with_dim else x
+        data = x if with_dim else bb.emit(op.reshape(x, [-1]))
+        dim = int(node.args[1]) % x.ty.ndim if with_dim else 0
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        length = _shape(data, node.target.__name__)[dim]
+        one, zero = relax.const(1, "int64"), relax.const(0, "int64")
+        if "float" not in _dtype(x):
+            index = _sorted_index(bb, data, dim, (length - 1) // 2)
+        elif ignore_nan:
+            nan = bb.emit(op.isnan(data))
+            key = bb.emit(op.where(nan, relax.const(math.inf, _dtype(x)), data))  # NaN sorts last
+            count = bb.emit(op.sum(op.astype(op.logical_not(nan), "int64"), [dim], keepdims=True))
+            position = bb.emit(op.maximum(op.floor_divide(op.subtract(count, one), relax.const(2, "int64")), zero))
+            index = _sorted_index(bb, key, dim, position)
+            index = bb.emit(op.where(op.greater(count, zero), index, op.zeros_like(index)))
+        else:
+            nan = bb.emit(op.astype(op.isnan(data), "int8"))
+            first_nan = bb.emit(op.astype(op.argmax(nan, dim, keepdims=True), "int64"))
+            index = _sorted_index(bb, data, dim, (length - 1) // 2)
+            index = bb.emit(op.where(op.greater(op.max(nan, [dim], keepdims=True), relax.const(0, "int8")),
+                                     first_nan, index))
+        if with_dim:
+            return _pick(bb, x, index, dim, keepdim)
+        return _shared_by_ties(bb, data, bb.emit(op.take(data, op.reshape(index, []), axis=0)))
+
+    return convert
 
 
 def _shared_by_ties(bb: relax.BlockBuilder, flat: relax.Expr, value: relax.Expr) -> relax.Expr:
@@ -632,8 +652,10 @@ CONVERTERS = {
     "max.dim": extremum_with_index(True),
     "min.dim": extremum_with_index(False),
     "var_mean.correction": var_mean,
-    "nanmedian.default": nanmedian,
-    "nanmedian.dim": nanmedian,
+    "median.default": median(ignore_nan=False),
+    "median.dim": median(ignore_nan=False),
+    "nanmedian.default": median(ignore_nan=True),
+    "nanmedian.dim": median(ignore_nan=True),
     "kthvalue.default": kthvalue,
     "mode.default": mode,
     "cummax.default": cum_extremum(True),

@@ -49,9 +49,10 @@ def reductions(x, t, n):
         torch.amax(x, 1), torch.amin(x, (0, 1), keepdim=True), torch.amax(t, 0), torch.amin(t, 1),
         torch.amax(x[0, 0]), *torch.aminmax(x, dim=0), torch.logsumexp(x, 1),
         *torch.min(x, 1), *torch.max(t, 0, keepdim=True), *torch.min(t, 1),
-        torch.argmax(x[1, 2]), torch.argmin(x[1, 2]), torch.any(t > 1), torch.any(x > 5),
+        torch.argmax(x[1, 2]), torch.argmin(x[1, 2]), torch.any(t > 1), torch.any(x > 5), torch.any(x[0, 0] > 0), torch.logsumexp(x[0, 0], 0),
         *torch.var_mean(x, 1), *torch.std_mean(x, 0, correction=0, keepdim=True),
         torch.nanmedian(n, 1).values, torch.nanmedian(n[:3], 1).indices, torch.nanmedian(n), torch.nanmedian(t),
+        *torch.median(x, 0), *torch.median(n[:3], 1), torch.median(t), torch.median(n),
         *torch.kthvalue(x, 2, 1), *torch.kthvalue(x, 4, 0, keepdim=True), *torch.mode(t, 1), *torch.mode(t, 0),
     )
 
