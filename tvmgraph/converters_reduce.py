@@ -205,8 +205,11 @@ def median(ignore_nan: bool):
 def _shared_by_ties(bb: relax.BlockBuilder, flat: relax.Expr, value: relax.Expr) -> relax.Expr:
     """`value` (an element of 1-D `flat`), with the gradient shared evenly among the elements
     equal to it (torch's evenly_distribute_backward): the max of those elements."""
+    dtype = _dtype(flat)
+    if "float" not in dtype:
+        return value
     ties = bb.emit(op.equal(flat, value))
-    masked = bb.emit(op.where(ties, flat, relax.const(-math.inf, _dtype(flat))))
+    masked = bb.emit(op.where(ties, flat, relax.const(-math.inf, dtype)))
     return bb.emit(op.where(op.isnan(value), value, op.max(masked)))
 
 
@@ -400,10 +403,12 @@ def searchsorted(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     if values is None:
         values = relax.const(node.args[1], _dtype(sequence))
     right = bool(node.kwargs.get("right", False)) or node.kwargs.get("side") == "right"
+    dtype = "int32" if node.kwargs.get("out_int32", False) else "int64"
+    if _shape(sequence, "searchsorted")[-1] == 0:  # nothing to search: every value goes first
+        return bb.emit(op.zeros(_shape(values, "searchsorted"), dtype))
     sorter = _env(importer, node.kwargs.get("sorter"))
     if sorter is not None:
         sequence = bb.emit(op.gather_elements(sequence, sorter, axis=-1))
-    dtype = "int32" if node.kwargs.get("out_int32", False) else "int64"
     squeezed = values.ty.ndim == 0
     if squeezed:
         values = bb.emit(op.reshape(values, [1]))
