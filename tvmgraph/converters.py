@@ -203,7 +203,8 @@ def index_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     bb = importer.block_builder
     x, dim, index = importer.env[node.args[0]], int(node.args[1]), importer.env[node.args[2]]
     if x.ty.ndim == 0:
-        picked = bb.emit(relax.op.take(relax.op.reshape(x, [1]), relax.op.reshape(index, [-1]), axis=0, mode="clip"))
+        flat = bb.emit(relax.op.reshape(x, [1]))
+        picked = bb.emit(relax.op.take(flat, relax.op.reshape(index, [-1]), axis=0, mode="clip"))
         return bb.emit(relax.op.reshape(picked, []))
     return bb.emit(relax.op.take(x, index, axis=dim, mode="clip"))
 

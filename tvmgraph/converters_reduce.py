@@ -347,18 +347,18 @@ def scatter_reduce(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
     """scatter_add(x, dim, index, src) and scatter_reduce(x, dim, index, src, reduce, include_self)."""
     bb = importer.block_builder
     x, index, src = importer.env[node.args[0]], importer.env[node.args[2]], importer.env[node.args[3]]
-    if x.ty.ndim == 0:
+    squeezed = x.ty.ndim == 0
+    if squeezed:
         x, index, src = (bb.emit(op.reshape(v, [1])) for v in (x, index, src))
-        return bb.emit(op.reshape(_scatter_reduce_node(bb, node, x, 0, index, src), []))
     dim = int(node.args[1]) % x.ty.ndim
     index = _clamped_index(bb, index, _shape(x, "scatter")[dim])
-    return _scatter_reduce_node(bb, node, x, dim, index, _src_like_index(bb, src, index))
-
-
-def _scatter_reduce_node(bb, node, x, dim, index, src) -> relax.Expr:
+    src = _src_like_index(bb, src, index)
     if node.target.__name__ == "scatter_add.default":
-        return _scatter_reduce(bb, x, dim, index, src, "sum", True)
-    return _scatter_reduce(bb, x, dim, index, src, str(node.args[4]), bool(_arg(node, 5, "include_self", True)))
+        reduce, include_self = "sum", True
+    else:
+        reduce, include_self = str(node.args[4]), bool(_arg(node, 5, "include_self", True))
+    out = _scatter_reduce(bb, x, dim, index, src, reduce, include_self)
+    return bb.emit(op.reshape(out, [])) if squeezed else out
 
 
 def index_reduce(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -388,8 +388,8 @@ def masked_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
     mask = bb.emit(op.broadcast_to(mask, shape)) if _shape(mask, "") != shape else mask
     flat_mask = bb.emit(op.reshape(mask, [-1]))
     position = bb.emit(op.subtract(op.cumsum(op.astype(flat_mask, "int64"), axis=0), relax.const(1, "int64")))
-    size = max(math.prod(_shape(source, "masked_scatter")), 1)
-    flat_source = bb.emit(op.reshape(source, [-1])) if size == math.prod(_shape(source, "")) else \
+    # An empty source (nothing is masked) still needs an element for take to read.
+    flat_source = bb.emit(op.reshape(source, [-1])) if math.prod(_shape(source, "masked_scatter")) else \
         bb.emit(op.zeros([1], _dtype(source)))
     picked = bb.emit(op.take(flat_source, position, axis=0, mode="clip"))
     return bb.emit(op.where(mask, op.reshape(picked, shape), x))
@@ -435,7 +435,8 @@ def nonzero_static(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
                                       relax.const(np.arange(numel), "int64")), [1], keepdims=True))
     found = bb.emit(op.max(op.astype(chosen, "int8"), [1], keepdims=True))
     strides = np.array(_contiguous_strides(shape), dtype="int64")
-    coords = bb.emit(op.mod(op.floor_divide(flat, relax.const(strides, "int64")), relax.const(np.array(shape), "int64")))
+    coords = bb.emit(op.mod(op.floor_divide(flat, relax.const(strides, "int64")),
+                            relax.const(np.array(shape), "int64")))
     return bb.emit(op.where(op.astype(found, "bool"), coords, relax.const(fill, "int64")))
 
 
@@ -630,7 +631,8 @@ def embedding_bag(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
                                     op.less(positions, op.expand_dims(ends, 1))))  # [bags, length]
     ids = bb.emit(op.astype(indices, "int64"))
     if padding_idx >= 0:
-        member = bb.emit(op.logical_and(member, op.expand_dims(op.not_equal(ids, relax.const(padding_idx, "int64")), 0)))
+        kept = bb.emit(op.not_equal(ids, relax.const(padding_idx, "int64")))
+        member = bb.emit(op.logical_and(member, op.expand_dims(kept, 0)))
     rows = bb.emit(op.take(weight, ids, axis=0, mode="clip"))  # [length, dim]
     if per_sample is not None:
         rows = bb.emit(op.multiply(rows, op.expand_dims(per_sample, 1)))

@@ -70,12 +70,11 @@ class LoweredSignature:
 
 
 # Ops that torch.export keeps whole but that torch's own decompositions rewrite into ops with a
-# lowering (and a gradient): copies of views, scatters into views, matrix-vector products, ...
+# lowering (and a gradient): copies of views, a matrix-vector product, a distance, any(x).
 _aten = torch.ops.aten
 EXTRA_DECOMPOSITIONS = [
-    _aten.any.default, _aten.addmv.default, _aten.dist.default,
-    _aten.narrow_copy.default, _aten.view_copy.default, _aten.permute_copy.default,
-    _aten.unbind_copy.int,
+    _aten.any.default, _aten.addmv.default, _aten.dist.default, _aten.narrow_copy.default,
+    _aten.view_copy.default, _aten.permute_copy.default, _aten.unbind_copy.int,
 ]
 
 

@@ -42,6 +42,6 @@ def _constant_result_grad(
     return [grad_op.no_grad(arg) for arg in orig_call.args]
 
 
-for _name in ("relax.argmax", "relax.argmin", "relax.argsort", "relax.arange", "relax.isnan", "relax.isinf", "relax.isfinite",
-              "relax.logical_and", "relax.logical_or", "relax.logical_not", "relax.logical_xor"):
+for _name in ("relax.argmax", "relax.argmin", "relax.argsort", "relax.arange", "relax.isnan", "relax.isinf",
+              "relax.isfinite", "relax.logical_and", "relax.logical_or", "relax.logical_not", "relax.logical_xor"):
     register(_name)(_constant_result_grad)
