@@ -118,6 +118,21 @@ def searches(s, v, x, w, ids, offsets, per_sample):
     )
 
 
+def scatter_ties(x, src):
+    """x, src [3, 6] of small integers: ties (amax/amin share the gradient evenly among them, x
+    included) and zeros (prod's gradient treats a single zero and several zeros apart).
+    Not amax/amin with include_self=False: there eager still counts a tie of the excluded x
+    in the share (the src's gradient halves), the graph does not."""
+    index = _index()
+    return (torch.scatter_reduce(x, 1, index, src, "amax"), torch.scatter_reduce(x, 1, index, src, "amin"),
+            torch.scatter_reduce(x, 1, index, src, "prod"),
+            torch.scatter_reduce(x, 1, index, src, "prod", include_self=False))
+
+
+def _small_integers() -> torch.Tensor:
+    return torch.randint(-1, 2, (3, 6)).float()
+
+
 def larger_sources(x, src, index):
     """src [4, 7] is larger than index [3, 6]: only its corner is read (eager's backward refuses it)."""
     return (torch.scatter_add(x, 1, index, src), torch.scatter_reduce(x, 1, index, src, "amax"),
@@ -141,6 +156,7 @@ BATCHES = {
     "reductions": (reductions, lambda: (torch.randn(4, 6), _ties(), _with_nan())),
     "scans": (scans, lambda: (torch.randn(4, 6), _ties(), _with_nan())),
     "scatters": (scatters, _scatter_inputs),
+    "scatter_ties": (scatter_ties, lambda: (_small_integers(), _small_integers())),
     "larger_sources": (larger_sources, lambda: (torch.randn(3, 6), torch.randn(4, 7), _index())),
     "scatter_into_view": (scatter_into_view, lambda: (torch.randn(4, 6), torch.randn(2, 3))),
     "views": (views, lambda: (torch.randn(4, 6), torch.randn(2, 4))),
@@ -206,6 +222,7 @@ GRADIENT_BATCHES = {
     "reductions": [0, 1],  # not the NaN input: NaN * w makes a NaN loss
     "scans": [0, 1],
     "scatters": [0, 1],
+    "scatter_ties": [0, 1],
     "views": [0, 1],
     "products": [0, 1, 2, 3, 4],
     "searches": [3, 6],
