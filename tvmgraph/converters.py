@@ -27,6 +27,7 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
+- reductions, scans, scatters, strided views, distances: see converters_reduce.py.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters_nn
+from . import converters_nn, converters_reduce
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -197,9 +198,15 @@ def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
 
 
 def index_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """x.index_select(dim, index), the index clamped into x."""
+    """x.index_select(dim, index), the index clamped into x; a 0-d x gives a 0-d result (TVM's
+    take refuses a 0-d input)."""
+    bb = importer.block_builder
     x, dim, index = importer.env[node.args[0]], int(node.args[1]), importer.env[node.args[2]]
-    return importer.block_builder.emit(relax.op.take(x, index, axis=dim, mode="clip"))
+    if x.ty.ndim == 0:
+        flat = bb.emit(relax.op.reshape(x, [1]))
+        picked = bb.emit(relax.op.take(flat, relax.op.reshape(index, [-1]), axis=0, mode="clip"))
+        return bb.emit(relax.op.reshape(picked, []))
+    return bb.emit(relax.op.take(x, index, axis=dim, mode="clip"))
 
 
 def take(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -311,3 +318,4 @@ CONVERTERS: dict[str, Converter] = {
     "scatter.value": clamped_index("_scatter_value"),
 }
 CONVERTERS.update(converters_nn.CONVERTERS)
+CONVERTERS.update(converters_reduce.CONVERTERS)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch._decomp
 import tvm
 from torch.export.graph_signature import (
     ExportGraphSignature,
@@ -71,6 +72,15 @@ class LoweredSignature:
     input_types: tuple[tuple[tuple[int, ...], str], ...] = ()  # (shape, dtype) of each input
 
 
+# Ops that torch.export keeps whole but that torch's own decompositions rewrite into ops with a
+# lowering (and a gradient): copies of views, a matrix-vector product, a distance, any(x).
+_aten = torch.ops.aten
+EXTRA_DECOMPOSITIONS = [
+    _aten.any.default, _aten.addmv.default, _aten.dist.default, _aten.narrow_copy.default,
+    _aten.view_copy.default, _aten.permute_copy.default, _aten.unbind_copy.int,
+]
+
+
 def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Rewrite the program into core ATen ops, the vocabulary the Relax importer knows."""
     with warnings.catch_warnings():
@@ -79,6 +89,7 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         table = torch.export.default_decompositions()
         # Kept whole: its decomposition has a NaN gradient on fully masked rows (converters_nn.py).
         table.pop(torch.ops.aten._safe_softmax.default)
+        table.update(torch._decomp.get_decompositions(EXTRA_DECOMPOSITIONS))
         return exported.run_decompositions(table)
 
 

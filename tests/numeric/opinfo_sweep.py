@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import unittest
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -207,11 +208,20 @@ def prepare(op: Any, dtype: torch.dtype, index: int, sample: Any) -> Case | str:
     case.expected = [t.clone() for t in first]
     if not op.supports_autograd:
         case.grad_note = "no autograd (OpInfo)"
+    elif _eager_gradient_wrong(op):
+        case.grad_note = "eager's gradient is wrong (OpInfo expects its gradcheck to fail)"
     elif not wants_grad:
         case.grad_note = "no differentiable input"
     else:
         _eager_grads(case, wants_grad)
     return case
+
+
+def _eager_gradient_wrong(op: Any) -> bool:
+    """OpInfo marks TestBwdGradients.test_fn_grad an expected failure: eager's backward fails
+    gradcheck (as_strided_scatter's gradient for self lands on the overwritten elements)."""
+    return any(getattr(d, "cls_name", None) == "TestBwdGradients" and d.test_name == "test_fn_grad"
+               and unittest.expectedFailure in d.decorators for d in op.decorators)
 
 
 def _eager_grads(case: Case, wants_grad: list[int]) -> None:

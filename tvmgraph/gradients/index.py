@@ -1,6 +1,7 @@
 """Gradients of gathers: gather_elements (``torch.gather``, cross-entropy's pick) and index_tensor
-(``x[idx]``). Each scatters the output gradient back, adding where an index repeats; the indices
-are not differentiable. (``take`` is in ``fixes.py``: TVM has one, but it fails.)
+(``x[idx]``), and of scatter_elements (``scatter``, ``scatter_add``, ``scatter_reduce``). Each gather
+scatters the output gradient back, adding where an index repeats; the indices are not
+differentiable. (``take`` is in ``fixes.py``: TVM has one, but it fails.)
 """
 
 from __future__ import annotations
@@ -59,3 +60,54 @@ def index_tensor_grad(
     x_flat = op.reshape(x, [prod(lead), *rest])
     x_grad = op.reshape(grad_op.take_backward(grad, x_flat, flat, 0), x_shape)
     return [x_grad, grad_op.no_grad(indices)]
+
+
+@register("relax.scatter_elements")
+def scatter_elements_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = scatter_elements(x, idx, src, axis, reduction)``; ``g(t) = gather_elements(t, idx)``.
+
+    * ``update``: ``dx = dy`` where nothing lands, 0 elsewhere; ``dsrc = g(dy)``;
+    * ``add``: ``dx = dy``, ``dsrc = g(dy)``;
+    * ``max``/``min``: the ties with ``y`` share ``dy`` evenly (torch's scatter_reduce amax/amin):
+      ``n = (x == y) + scatter_add(src == g(y))``, ``dx = (x == y) dy / n``,
+      ``dsrc = (src == g(y)) g(dy / n)``;
+    * ``mul``: torch's scatter_reduce prod gradient, exact where x or src hold zeros:
+      ``dx = dy * scatter_mul(x|0->1, idx, src) / (x|0->1)``; ``dsrc = g(dy * y) / src``, or for
+      the only zero src of its target, ``g(dy * scatter_mul(x, idx, src|0->1))``.
+    """
+    x, indices, src = orig_call.args
+    axis, reduction = int(orig_call.attrs.axis), str(orig_call.attrs.reduction)
+    dtype = dtype_of(x)
+    one, zero = relax.const(1, dtype), relax.const(0, dtype)
+    zeros = op.zeros(shape_of(x), dtype)
+
+    def gather(t: relax.Expr) -> relax.Expr:
+        return op.gather_elements(t, indices, axis=axis)
+
+    def scatter(base: relax.Expr, updates: relax.Expr, how: str) -> relax.Expr:
+        return op.scatter_elements(base, indices, updates, axis=axis, reduction=how)
+
+    if reduction == "add":
+        x_grad, src_grad = output_grad, gather(output_grad)
+    elif reduction == "update":
+        hit = scatter(zeros, op.ones(shape_of(src), dtype), "update")
+        x_grad, src_grad = output_grad * (one - hit), gather(output_grad)
+    elif reduction in ("max", "min"):
+        self_ties = op.astype(op.equal(x, orig_var), dtype)
+        src_ties = op.astype(op.equal(src, gather(orig_var)), dtype)
+        share = output_grad / op.maximum(self_ties + scatter(zeros, src_ties, "add"), one)
+        x_grad, src_grad = self_ties * share, src_ties * gather(share)
+    elif reduction == "mul":
+        x_nonzero = op.where(op.equal(x, zero), one, x)
+        x_grad = output_grad * scatter(x_nonzero, src, "mul") / x_nonzero
+        src_zero = op.equal(src, zero)
+        zeros_there = gather(scatter(zeros, op.astype(src_zero, dtype), "add"))
+        single_zero = op.logical_and(src_zero, op.equal(zeros_there, one))
+        without_it = scatter(x, op.where(single_zero, one, src), "mul")
+        src_grad = op.where(single_zero, gather(output_grad * without_it),
+                            gather(output_grad * orig_var) / op.where(src_zero, one, src))
+    else:
+        raise NotImplementedError(f"the gradient of scatter_elements with reduction={reduction!r}")
+    return [x_grad, grad_op.no_grad(indices), src_grad]

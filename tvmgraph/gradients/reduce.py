@@ -1,8 +1,10 @@
-"""Gradients of the max/min reductions (``torch.amax``/``amin``, the max of a stable softmax)."""
+"""Gradients of the max/min reductions (``torch.amax``/``amin``, the max of a stable softmax), and
+the zero gradients of indices and masks (argmax, argsort, isnan, logical_and, ...)."""
 
 from __future__ import annotations
 
 from tvm import relax
+from tvm.relax.op import grad as grad_op
 
 from ._common import dtype_of, normalize_axes, register, shape_of
 
@@ -30,3 +32,16 @@ def _extremum_grad(
 
 for _name in ("relax.max", "relax.min"):
     register(_name)(_extremum_grad)
+
+
+def _constant_result_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """An index or mask (argmax, argsort, isnan, logical_and, ...) is constant almost everywhere:
+    no gradient. Autodiff still asks for one when the result is cast to float and used."""
+    return [grad_op.no_grad(arg) for arg in orig_call.args]
+
+
+for _name in ("relax.argmax", "relax.argmin", "relax.argsort", "relax.arange", "relax.isnan", "relax.isinf",
+              "relax.isfinite", "relax.logical_and", "relax.logical_or", "relax.logical_not", "relax.logical_xor"):
+    register(_name)(_constant_result_grad)

@@ -1,0 +1,263 @@
+"""Reductions, scans, scatters, strided views and distances (tvmgraph/converters_reduce.py)
+against eager: forward values and indices, and gradients against torch.autograd.
+
+Each test runs one graph holding many ops (one compile). Gradients come from a training graph
+whose parameters are the ops' inputs: one SGD step with lr=1 moves each by minus the gradient of
+`sum_i sum(out_i * w_i)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tvmgraph
+from tests.conftest import ModuleGraph, assert_close
+
+
+class Fn(nn.Module):
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _ties() -> torch.Tensor:
+    return torch.randint(0, 3, (4, 6)).float()  # many repeated values
+
+
+def _with_nan() -> torch.Tensor:
+    x = torch.randn(4, 6)
+    x[0, 1] = x[2, 0] = x[2, 4] = float("nan")
+    x[3] = float("nan")  # an all-NaN row (its nanmedian index is an accident of torch's sort: not compared)
+    return x
+
+
+def _index() -> torch.Tensor:
+    return torch.tensor([[0, 2, 2, 1, 0, 3], [1, 1, 0, 3, 3, 2], [2, 0, 0, 0, 1, 1]])
+
+
+def reductions(x, t, n):
+    """x: random [4, 6]; t: ties; n: with NaN."""
+    return (
+        torch.amax(x, 1), torch.amin(x, (0, 1), keepdim=True), torch.amax(t, 0), torch.amin(t, 1),
+        torch.amax(x[0, 0]), *torch.aminmax(x, dim=0), torch.logsumexp(x, 1),
+        *torch.min(x, 1), *torch.max(t, 0, keepdim=True), *torch.min(t, 1),
+        torch.argmax(x[1, 2]), torch.argmin(x[1, 2]), torch.any(t > 1), torch.any(x > 5), torch.any(x[0, 0] > 0),
+        torch.logsumexp(x[0, 0], 0),
+        *torch.var_mean(x, 1), *torch.std_mean(x, 0, correction=0, keepdim=True),
+        torch.nanmedian(n, 1).values, torch.nanmedian(n[:3], 1).indices, torch.nanmedian(n), torch.nanmedian(t),
+        *torch.median(x, 0), *torch.median(n[:3], 1), torch.median(t), torch.median(n),
+        *torch.kthvalue(x, 2, 1), *torch.kthvalue(x, 4, 0, keepdim=True), *torch.mode(t, 1), *torch.mode(t, 0),
+    )
+
+
+def scans(x, t, n):
+    return (*torch.cummax(x, 1), *torch.cummin(x, 0), *torch.cummax(t, 1), *torch.cummin(t, 0),
+            *torch.cummax(n, 1), torch.logcumsumexp(x, 1), torch.logcumsumexp(x * 40, 0))
+
+
+def scatters(x, src, index, mask):
+    """x [3, 6], src [3, 6], index [3, 6], mask [3, 6]."""
+    row_index = torch.tensor([0, 2, 0])
+    source = src
+    out = [torch.scatter_add(x, 1, index, src), torch.masked_scatter(x, mask, src),
+           torch.scatter(x, 1, index[:, :2], src[:3, :2])]
+    for reduce in ("sum", "prod", "mean", "amax", "amin"):
+        for include_self in (True, False):
+            out.append(torch.scatter_reduce(x, 1, index, src, reduce, include_self=include_self))
+    for reduce in ("prod", "mean", "amax", "amin"):
+        for include_self in (True, False):
+            out.append(torch.index_reduce(x, 0, row_index, source, reduce, include_self=include_self))
+    return tuple(out)
+
+
+def views(x, s):
+    """x [4, 6], s [2, 4]: copies of views and scatters into views."""
+    return (
+        x.unfold(1, 3, 2), torch.unfold_copy(x, 0, 2, 1), torch.tensor(3.0).unfold(0, 1, 1) * x[0, 0],
+        torch.as_strided(x, (2, 2), (1, 2)), torch.as_strided(x, (3, 3), (7, 1), 2),
+        torch.as_strided_copy(x, (2, 3), (6, 2), 1),
+        torch.diagonal_scatter(x, s[0], 1),
+        torch.diagonal_scatter(x, s[1, :2] * 2, -2), torch.narrow_copy(x, 1, 1, 3),
+        torch.permute_copy(x, (1, 0)), torch.view_copy(x, (3, 8)), *torch.unbind_copy(x[:2], 0),
+        torch.index_select(x[2, 2], 0, torch.tensor([0])),
+    )
+
+
+def scatter_into_view(x, s):
+    """Forward and gradient checked apart: eager's gradient for x is wrong (see below)."""
+    return (torch.as_strided_scatter(x, s, (2, 3), (6, 2), 1),)
+
+
+def products(a, b, m, v, bias):
+    """a [5, 3], b [4, 3], m [2, 5, 3], v [3], bias [5]."""
+    weight = torch.arange(24.0).reshape(2, 3, 4) / 10
+    return (
+        torch.cdist(a, b), torch.cdist(a, b, p=1), torch.cdist(a, b, p=3), torch.cdist(a, b, p=float("inf")),
+        torch.cdist(a, a), F.pdist(a), F.pdist(a, p=1), torch.dist(a, a * 2), torch.dist(a, b[0], 3),
+        torch.addmv(bias, a, v, beta=0.5, alpha=2), torch.addbmm(a @ a.T, m, m.transpose(1, 2), alpha=0.5),
+        F.bilinear(a, b[:1].expand(5, 3), weight[:, :, :3], bias[:2]),
+    )
+
+
+def searches(s, v, x, w, ids, offsets, per_sample):
+    """s: sorted [3, 5]; v [3, 4]; x [2, 5]; w: table [10, 3]; ids, offsets, per_sample: bags."""
+    return (
+        torch.searchsorted(s, v), torch.searchsorted(s, v, right=True), torch.searchsorted(s[0], v),
+        torch.nonzero_static(x > 0, size=6), torch.nonzero_static(x > 0, size=12, fill_value=-3),
+        F.embedding_bag(ids, w, offsets, mode="sum"), F.embedding_bag(ids, w, offsets, mode="mean"),
+        F.embedding_bag(ids, w, offsets, mode="max"),
+        F.embedding_bag(ids, w, offsets, mode="sum", per_sample_weights=per_sample, padding_idx=2),
+    )
+
+
+def scatter_ties(x, src):
+    """x, src [3, 6] of small integers: ties (amax/amin share the gradient evenly among them, x
+    included) and zeros (prod's gradient treats a single zero and several zeros apart).
+    Not amax/amin with include_self=False: there eager still counts a tie of the excluded x
+    in the share (the src's gradient halves), the graph does not."""
+    index = _index()
+    return (torch.scatter_reduce(x, 1, index, src, "amax"), torch.scatter_reduce(x, 1, index, src, "amin"),
+            torch.scatter_reduce(x, 1, index, src, "prod"),
+            torch.scatter_reduce(x, 1, index, src, "prod", include_self=False))
+
+
+def _small_integers() -> torch.Tensor:
+    return torch.randint(-1, 2, (3, 6)).float()
+
+
+def larger_sources(x, src, index):
+    """src [4, 7] is larger than index [3, 6]: only its corner is read (eager's backward refuses it)."""
+    return (torch.scatter_add(x, 1, index, src), torch.scatter_reduce(x, 1, index, src, "amax"),
+            torch.masked_scatter(x, x > 0, src))
+
+
+def _scatter_inputs():
+    return (torch.randn(3, 6), torch.randn(3, 6), _index(), torch.rand(3, 6) > 0.5)
+
+
+def _search_inputs():
+    return (torch.sort(torch.randn(3, 5), 1)[0], torch.randn(3, 4), torch.randn(2, 5), torch.randn(10, 3),
+            torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 2, 2, 5]), torch.randn(8))
+
+
+def _product_inputs():
+    return (torch.randn(5, 3), torch.randn(4, 3), torch.randn(2, 5, 3), torch.randn(3), torch.randn(5))
+
+
+BATCHES = {
+    "reductions": (reductions, lambda: (torch.randn(4, 6), _ties(), _with_nan())),
+    "scans": (scans, lambda: (torch.randn(4, 6), _ties(), _with_nan())),
+    "scatters": (scatters, _scatter_inputs),
+    "scatter_ties": (scatter_ties, lambda: (_small_integers(), _small_integers())),
+    "larger_sources": (larger_sources, lambda: (torch.randn(3, 6), torch.randn(4, 7), _index())),
+    "scatter_into_view": (scatter_into_view, lambda: (torch.randn(4, 6), torch.randn(2, 3))),
+    "views": (views, lambda: (torch.randn(4, 6), torch.randn(2, 4))),
+    "products": (products, _product_inputs),
+    "searches": (searches, _search_inputs),
+}
+
+SLOW = {"reductions", "scatters"}  # one compile of 40-50 ops: over 5 s on 2 cores
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in BATCHES])
+def test_forward_matches_eager(name: str) -> None:
+    """Every op of the batch returns eager's values, indices, shapes and dtypes."""
+    fn, make_args = BATCHES[name]
+    torch.manual_seed(0)
+    args = make_args()
+    expected = fn(*args)
+    actual = ModuleGraph(Fn(fn))(*args)
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        try:
+            if e.dtype == torch.bool:
+                assert torch.equal(a, e)
+            else:
+                assert_close(a, e, equal_nan=True)
+        except AssertionError as error:
+            raise AssertionError(f"output {i}: {error}") from None
+
+
+class LossOfParameters(nn.Module):
+    """sum_i sum(out_i * w_i) over the floating outputs of fn(*inputs); the floating inputs at
+    `param_at` are parameters."""
+
+    def __init__(self, fn: Callable, args: tuple, param_at: list[int]):
+        super().__init__()
+        self.fn, self.args, self.param_at = fn, args, param_at
+        self.params = nn.ParameterList([nn.Parameter(args[i].clone()) for i in param_at])
+
+    def forward(self, *weights: torch.Tensor) -> torch.Tensor:
+        args = list(self.args)
+        for i, p in zip(self.param_at, self.params):
+            args[i] = p
+        outputs = [o for o in self.fn(*args) if o.is_floating_point()]
+        return sum((o * w).sum() for o, w in zip(outputs, weights))
+
+
+class SGDStep(tvmgraph.nn.Graph):
+    """One SGD step with lr=1 (momentum changes nothing on the first step; see test_silent_ops)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
+
+    def build(self, *weights):
+        loss = self.model(*weights)
+        loss.backward()
+        return loss
+
+
+GRADIENT_BATCHES = {
+    "reductions": [0, 1],  # not the NaN input: NaN * w makes a NaN loss
+    "scans": [0, 1],
+    "scatters": [0, 1],
+    "scatter_ties": [0, 1],
+    "views": [0, 1],
+    "products": [0, 1, 2, 3, 4],
+    "searches": [3, 6],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
+@pytest.mark.parametrize("name", list(GRADIENT_BATCHES))
+def test_gradient_matches_eager(name: str) -> None:
+    """The gradients of every op of the batch are torch.autograd's (ties of amax/amin/scatter
+    amax share the gradient evenly, as in torch)."""
+    fn, make_args = BATCHES[name]
+    param_at = GRADIENT_BATCHES[name]
+    torch.manual_seed(1)
+    args = make_args()
+    if name in ("reductions", "scans"):
+        args = (*args[:2], torch.nan_to_num(args[2], nan=0.5))
+    leaves = [a.clone().requires_grad_() if i in param_at else a for i, a in enumerate(args)]
+    outputs = [o for o in fn(*leaves) if o.is_floating_point()]
+    weights = [torch.randn_like(o) for o in outputs]
+    sum((o * w).sum() for o, w in zip(outputs, weights)).backward()
+    model = LossOfParameters(fn, args, param_at)
+    SGDStep(model)(*weights)
+    for i, p in zip(param_at, model.params):
+        assert_close(args[i] - p.detach(), leaves[i].grad, atol=1e-4, rtol=1e-4)
+
+
+def test_as_strided_scatter_gradient_is_the_true_one() -> None:
+    """y = as_strided_scatter(x, s, ...): dy/dx is 1 where s does not land, 0 where it does.
+    Eager's backward puts x's gradient on the overwritten elements instead (OpInfo expects its
+    gradcheck to fail); the graph gives the true gradient."""
+    x, s, w = torch.randn(4, 6), torch.randn(2, 3), torch.randn(4, 6)
+    view = ((2, 3), (6, 2), 1)
+    model = LossOfParameters(scatter_into_view, (x, s), [0, 1])
+    SGDStep(model)(w)
+    assert_close(x - model.params[0].detach(), torch.as_strided_scatter(w, torch.zeros(2, 3), *view))
+    assert_close(s - model.params[1].detach(), torch.as_strided(w, *view))

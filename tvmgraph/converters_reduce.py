@@ -1,0 +1,689 @@
+"""Converters for reductions, scans, scatters and strided views that TVM 0.27's importer lacks
+or gets wrong. Each one is written with Relax ops that have gradients (tvmgraph/gradients), so
+training through them works: a value picked by an index (`min.dim`, `kthvalue`, `cummax`, ...)
+is a `gather_elements` of the input at that index, whose gradient scatters back to the index,
+as torch's does.
+
+- `amax`, `amin`: `max`/`min` (ties share the gradient evenly, as in torch); a 0-d input is
+  itself.
+- `argmax`, `argmin`, `sum` of a 0-d tensor: TVM refuses to reduce 0-d.
+- `max.dim`, `min.dim`: argmax/argmin, then a gather (the stock `max.dim` used `topk`, which
+  has no gradient).
+- `var_mean`, `median`, `nanmedian`, `kthvalue`, `mode`, `cummax`, `cummin`, `logcumsumexp`: built
+  from sorts, masks and reductions; `mode` compares every pair, the scans every prefix
+  (`logcumsumexp` is a masked logsumexp of each prefix: exact for any range of values), so
+  their memory is quadratic in the length of dim.
+- `scatter_add`, `scatter_reduce`, `index_reduce`: `scatter_elements` with the matching
+  reduction; `include_self=False` first resets the scattered positions to the reduction's
+  identity, `mean` is a sum divided by the count.
+- `searchsorted` (TOPI's kernel), `masked_scatter`, `nonzero_static`.
+- `unfold`, `as_strided` (any strides), `as_strided_scatter`, `diagonal_scatter`: `take` or
+  `where` with constant index maps, computed on the contiguous input.
+- `addbmm`, `_trilinear` (`bilinear`), `_cdist_forward`, `_pdist_forward`, embedding bags.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+
+import numpy as np
+import torch
+import tvm
+from tvm import relax, topi
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+op = relax.op
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: object) -> object:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _shape(expr: relax.Expr, what: str) -> list[int]:
+    shape = expr.ty.shape
+    if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
+        raise NotImplementedError(f"{what} needs a static input shape, got {shape}")
+    return [int(d) for d in shape]
+
+
+def _dtype(expr: relax.Expr) -> str:
+    return expr.ty.dtype.dtype
+
+
+def _env(importer: ExportedProgramImporter, value: object) -> relax.Expr | None:
+    return importer.env[value] if isinstance(value, torch.fx.Node) else None
+
+
+def _used(node: torch.fx.Node, index: int) -> bool:
+    return any(u.target is operator.getitem and u.args[1] == index for u in node.users)
+
+
+def _lowest(dtype: object, largest: bool) -> float | int:
+    """The identity of max (largest=True) or min in `dtype`."""
+    dtype = str(dtype)
+    if "float" in dtype:
+        return -math.inf if largest else math.inf
+    info = np.iinfo(dtype)
+    return int(info.min if largest else info.max)
+
+
+# ---- reductions ----
+
+def extremum(largest: bool):
+    """amax / amin over `dim` (all axes when empty)."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        bb = importer.block_builder
+        x = importer.env[node.args[0]]
+        dims = list(_arg(node, 1, "dim", []) or [])
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        if x.ty.ndim == 0:
+            return x
+        reduce = op.max if largest else op.min
+        data = bb.emit(op.astype(x, "int8")) if _dtype(x) == "bool" else x
+        out = bb.emit(reduce(data, [int(d) for d in dims] or None, keepdims=keepdim))
+        return bb.emit(op.astype(out, "bool")) if data is not x else out
+
+    return convert
+
+
+def sum_over_dims(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """sum(x, dims): a 0-d x (which torch lets name dim 0 or -1, as logsumexp does) is itself."""
+    x = importer.env[node.args[0]]
+    if x.ty.ndim != 0:
+        return importer._sum(node)
+    dtype = node.kwargs.get("dtype")
+    if dtype is not None:
+        dtype = str(dtype).removeprefix("torch.")
+    elif "float" not in _dtype(x):
+        dtype = "int64"  # torch sums bool and integer tensors in int64
+    if dtype is None or dtype == _dtype(x):
+        return x
+    return importer.block_builder.emit(op.astype(x, dtype))
+
+
+def arg_extremum(largest: bool):
+    """argmax / argmin; 0-d input: index 0 (TVM cannot reduce a 0-d tensor)."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        x = importer.env[node.args[0]]
+        if x.ty.ndim == 0:
+            return relax.const(0, "int64")
+        return importer._argmax_argmin(op.argmax if largest else op.argmin)(node)
+
+    return convert
+
+
+def _pick(bb: relax.BlockBuilder, x: relax.Expr, index: relax.Expr, dim: int, keepdim: bool) -> relax.Expr:
+    """(x gathered at `index` along `dim`, index), both squeezed unless keepdim; `index` has
+    size 1 along `dim`."""
+    values = bb.emit(op.gather_elements(x, index, axis=dim))
+    if not keepdim:
+        values, index = (bb.emit(op.squeeze(v, axis=[dim])) for v in (values, index))
+    return bb.emit(relax.Tuple([values, index]))
+
+
+def extremum_with_index(largest: bool):
+    """max.dim / min.dim: (values, int64 indices of the first extremum)."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        bb = importer.block_builder
+        x = importer.env[node.args[0]]
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        if x.ty.ndim == 0:
+            return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
+        dim = int(node.args[1]) % x.ty.ndim
+        arg = op.argmax if largest else op.argmin
+        index = bb.emit(op.astype(arg(x, dim, keepdims=True), "int64"))
+        return _pick(bb, x, index, dim, keepdim)
+
+    return convert
+
+
+def var_mean(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(var, mean): the stock var converter (it reads the same arguments) and a mean."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    dims = _arg(node, 1, "dim", None)
+    keepdim = bool(node.kwargs.get("keepdim", False))
+    var = importer._var_correction(node)
+    mean = bb.emit(op.mean(x, [int(d) for d in dims] if dims else None, keepdims=keepdim))
+    return bb.emit(relax.Tuple([var, mean]))
+
+
+def _sorted_index(bb: relax.BlockBuilder, key: relax.Expr, dim: int, position: relax.Expr | int) -> relax.Expr:
+    """The int64 index (size 1 along `dim`) of the element at `position` in `key` sorted along `dim`."""
+    order = bb.emit(op.argsort(key, axis=dim, dtype="int64"))
+    if isinstance(position, int):
+        return bb.emit(op.strided_slice(order, axes=[dim], begin=[position], end=[position + 1]))
+    return bb.emit(op.gather_elements(order, position, axis=dim))
+
+
+def median(ignore_nan: bool):
+    """median / nanmedian, (values, indices) along dim or one value over all elements: the lower
+    median. median: NaN (at the slice's first NaN) where the slice holds one; nanmedian: of the
+    non-NaN values (NaN, index 0, where all are NaN). Over all elements, the gradient is shared
+    among the ties, as in torch."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        bb = importer.block_builder
+        x = importer.env[node.args[0]]
+        with_dim = node.target.__name__.endswith(".dim")
+        if x.ty.ndim == 0:
+            return bb.emit(relax.Tuple([x, relax.const(0, "int64")])) if with_dim else x
+        data = x if with_dim else bb.emit(op.reshape(x, [-1]))
+        dim = int(node.args[1]) % x.ty.ndim if with_dim else 0
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        length = _shape(data, node.target.__name__)[dim]
+        one, zero = relax.const(1, "int64"), relax.const(0, "int64")
+        if "float" not in _dtype(x):
+            index = _sorted_index(bb, data, dim, (length - 1) // 2)
+        elif ignore_nan:
+            nan = bb.emit(op.isnan(data))
+            key = bb.emit(op.where(nan, relax.const(math.inf, _dtype(x)), data))  # NaN sorts last
+            count = bb.emit(op.sum(op.astype(op.logical_not(nan), "int64"), [dim], keepdims=True))
+            position = bb.emit(op.maximum(op.floor_divide(op.subtract(count, one), relax.const(2, "int64")), zero))
+            index = _sorted_index(bb, key, dim, position)
+            index = bb.emit(op.where(op.greater(count, zero), index, op.zeros_like(index)))
+        else:
+            nan = bb.emit(op.astype(op.isnan(data), "int8"))
+            first_nan = bb.emit(op.astype(op.argmax(nan, dim, keepdims=True), "int64"))
+            index = _sorted_index(bb, data, dim, (length - 1) // 2)
+            index = bb.emit(op.where(op.greater(op.max(nan, [dim], keepdims=True), relax.const(0, "int8")),
+                                     first_nan, index))
+        if with_dim:
+            return _pick(bb, x, index, dim, keepdim)
+        return _shared_by_ties(bb, data, bb.emit(op.take(data, op.reshape(index, []), axis=0)))
+
+    return convert
+
+
+def _shared_by_ties(bb: relax.BlockBuilder, flat: relax.Expr, value: relax.Expr) -> relax.Expr:
+    """`value` (an element of 1-D `flat`), with the gradient shared evenly among the elements
+    equal to it (torch's evenly_distribute_backward): the max of those elements."""
+    dtype = _dtype(flat)
+    if "float" not in dtype:
+        return value
+    ties = bb.emit(op.equal(flat, value))
+    masked = bb.emit(op.where(ties, flat, relax.const(-math.inf, dtype)))
+    return bb.emit(op.where(op.isnan(value), value, op.max(masked)))
+
+
+def kthvalue(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(k-th smallest along dim, its index)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    k = int(node.args[1])
+    keepdim = bool(_arg(node, 3, "keepdim", False))
+    if x.ty.ndim == 0:
+        return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
+    dim = int(_arg(node, 2, "dim", -1)) % x.ty.ndim
+    return _pick(bb, x, _sorted_index(bb, x, dim, k - 1), dim, keepdim)
+
+
+def mode(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(most frequent value along dim, the smallest such on ties; index of its last occurrence),
+    counted by comparing every pair (quadratic in the length of dim)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    keepdim = bool(_arg(node, 2, "keepdim", False))
+    if x.ty.ndim == 0:
+        return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
+    dim = int(_arg(node, 1, "dim", -1)) % x.ty.ndim
+    n = _shape(x, "mode")[dim]
+    pairs = bb.emit(op.equal(op.expand_dims(x, dim + 1), op.expand_dims(x, dim)))
+    counts = bb.emit(op.sum(op.astype(pairs, "int64"), [dim + 1]))
+    best = bb.emit(op.equal(counts, op.max(counts, [dim], keepdims=True)))
+    value = bb.emit(op.min(op.where(best, x, relax.const(_lowest(_dtype(x), False), _dtype(x))), [dim], keepdims=True))
+    positions = relax.const(np.arange(n).reshape([n] + [1] * (x.ty.ndim - dim - 1)), "int64")
+    at_value = bb.emit(op.logical_and(best, op.equal(x, value)))
+    index = bb.emit(op.max(op.where(at_value, positions, relax.const(-1, "int64")), [dim], keepdims=True))
+    return _pick(bb, x, index, dim, keepdim)
+
+
+def _cum_extremum_index(bb: relax.BlockBuilder, x: relax.Expr, dim: int, largest: bool) -> relax.Expr:
+    """Index of the running max (min) along `dim`: its last occurrence so far, or the last NaN so
+    far (torch's cummax/cummin), from a prefix mask over every pair (i, j <= i)."""
+    n = _shape(x, "cummax")[dim]
+    dtype = _dtype(x)
+    trailing = [1] * (x.ty.ndim - dim - 1)
+    prefix = relax.const(np.tril(np.ones((n, n), dtype=bool)).reshape([n, n] + trailing), "bool")
+    positions = relax.const(np.arange(n).reshape([n] + trailing), "int64")  # along j
+    earlier = bb.emit(op.expand_dims(x, dim))  # x_j, broadcast over i
+    reduce = op.max if largest else op.min
+    best = bb.emit(reduce(op.where(prefix, earlier, relax.const(_lowest(dtype, largest), dtype)), [dim + 1],
+                          keepdims=True))
+
+    def last(hit: relax.Expr) -> relax.Expr:
+        return bb.emit(op.max(op.where(op.logical_and(prefix, hit), positions, relax.const(-1, "int64")), [dim + 1]))
+
+    last_best = last(op.equal(earlier, best))
+    if "float" not in dtype:
+        return last_best
+    last_nan = last(op.isnan(earlier))
+    return bb.emit(op.where(op.greater_equal(last_nan, relax.const(0, "int64")), last_nan, last_best))
+
+
+def cum_extremum(largest: bool):
+    """cummax / cummin: (values, indices), the values gathered at the indices."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        bb = importer.block_builder
+        x = importer.env[node.args[0]]
+        if x.ty.ndim == 0:
+            return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
+        dim = int(node.args[1]) % x.ty.ndim
+        index = _cum_extremum_index(bb, x, dim, largest)
+        return bb.emit(relax.Tuple([bb.emit(op.gather_elements(x, index, axis=dim)), index]))
+
+    return convert
+
+
+def logcumsumexp(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """log(cumsum(exp(x))) along dim, as a logsumexp of each prefix (a masked square)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    if x.ty.ndim == 0:
+        return x
+    dim = int(node.args[1]) % x.ty.ndim
+    n = _shape(x, "logcumsumexp")[dim]
+    dtype = _dtype(x)
+    rows = bb.emit(op.expand_dims(x, dim))  # [..., 1 (i), n (j), ...]
+    prefix = np.tril(np.ones((n, n), dtype=bool)).reshape([n, n] + [1] * (x.ty.ndim - dim - 1))
+    masked = bb.emit(op.where(relax.const(prefix, "bool"), rows, relax.const(-math.inf, dtype)))
+    top = bb.emit(op.max(masked, [dim + 1], keepdims=True))
+    top = bb.emit(op.where(op.isfinite(top), top, op.zeros_like(top)))
+    total = bb.emit(op.sum(op.exp(op.subtract(masked, top)), [dim + 1], keepdims=True))
+    return bb.emit(op.squeeze(op.add(op.log(total), top), axis=[dim + 1]))
+
+
+# ---- scatters ----
+
+def _scatter_reduce(bb: relax.BlockBuilder, x: relax.Expr, dim: int, index: relax.Expr, src: relax.Expr,
+                    reduce: str, include_self: bool) -> relax.Expr:
+    """torch's scatter_reduce(x, dim, index, src, reduce, include_self) for a full-size index."""
+    dtype = _dtype(x)
+    shape = _shape(x, "scatter_reduce")
+
+    def scattered(base: relax.Expr, updates: relax.Expr, reduction: str) -> relax.Expr:
+        return bb.emit(op.scatter_elements(base, index, updates, axis=dim, reduction=reduction))
+
+    ones = relax.const(np.ones(_shape(index, "scatter_reduce")), dtype)
+    if not include_self or reduce == "mean":
+        count = scattered(relax.const(np.full(shape, int(include_self)), dtype), ones, "add")
+    if not include_self:
+        identity = {"sum": 0, "mean": 0, "prod": 1, "amax": _lowest(dtype, True), "amin": _lowest(dtype, False)}
+        hit = bb.emit(op.greater(count, relax.const(0, dtype)))
+        x = bb.emit(op.where(hit, relax.const(identity[reduce], dtype), x))
+    reduction = {"sum": "add", "mean": "add", "prod": "mul", "amax": "max", "amin": "min"}[reduce]
+    out = scattered(x, src, reduction)
+    if reduce != "mean":
+        return out
+    count = bb.emit(op.maximum(count, relax.const(1, dtype)))
+    return bb.emit(op.divide(out, count) if "float" in dtype else op.floor_divide(out, count))
+
+
+def _src_like_index(bb: relax.BlockBuilder, src: relax.Expr, index: relax.Expr) -> relax.Expr:
+    """src cut to the index's shape (torch uses only that corner of a larger src)."""
+    src_shape, index_shape = _shape(src, "scatter"), _shape(index, "scatter")
+    if src_shape == index_shape:
+        return src
+    return bb.emit(op.strided_slice(src, axes=list(range(len(index_shape))), begin=[0] * len(index_shape),
+                                    end=index_shape))
+
+
+def _clamped_index(bb: relax.BlockBuilder, index: relax.Expr, size: int) -> relax.Expr:
+    """Indices clamped into the tensor (TOPI's scatter does not check them), negative ones wrapped."""
+    index = bb.emit(op.where(op.less(index, relax.const(0, _dtype(index))),
+                             op.add(index, relax.const(size, _dtype(index))), index))
+    return bb.emit(op.clip(index, 0, size - 1))
+
+
+def scatter_reduce(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """scatter_add(x, dim, index, src) and scatter_reduce(x, dim, index, src, reduce, include_self)."""
+    bb = importer.block_builder
+    x, index, src = importer.env[node.args[0]], importer.env[node.args[2]], importer.env[node.args[3]]
+    squeezed = x.ty.ndim == 0
+    if squeezed:
+        x, index, src = (bb.emit(op.reshape(v, [1])) for v in (x, index, src))
+    dim = int(node.args[1]) % x.ty.ndim
+    index = _clamped_index(bb, index, _shape(x, "scatter")[dim])
+    src = _src_like_index(bb, src, index)
+    if node.target.__name__ == "scatter_add.default":
+        reduce, include_self = "sum", True
+    else:
+        reduce, include_self = str(node.args[4]), bool(_arg(node, 5, "include_self", True))
+    out = _scatter_reduce(bb, x, dim, index, src, reduce, include_self)
+    return bb.emit(op.reshape(out, [])) if squeezed else out
+
+
+def index_reduce(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """index_reduce(x, dim, index, source, reduce, include_self): a scatter_reduce whose index is
+    the 1-D index broadcast over source."""
+    bb = importer.block_builder
+    x, index, src = importer.env[node.args[0]], importer.env[node.args[2]], importer.env[node.args[3]]
+    reduce, include_self = str(node.args[4]), bool(_arg(node, 5, "include_self", True))
+    squeezed = x.ty.ndim == 0
+    if squeezed:
+        x, src = (bb.emit(op.reshape(v, [1])) for v in (x, src))
+    dim = int(node.args[1]) % x.ty.ndim
+    src_shape = _shape(src, "index_reduce")
+    index = bb.emit(op.astype(index, "int64"))
+    index = bb.emit(op.reshape(index, [-1] + [1] * (len(src_shape) - dim - 1)))
+    index = _clamped_index(bb, bb.emit(op.broadcast_to(index, src_shape)), _shape(x, "index_reduce")[dim])
+    out = _scatter_reduce(bb, x, dim, index, src, reduce, include_self)
+    return bb.emit(op.reshape(out, [])) if squeezed else out
+
+
+def masked_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x where mask is false; the next element of source (in row-major order) where it is true."""
+    bb = importer.block_builder
+    x, mask, source = (importer.env[a] for a in node.args[:3])
+    shape = list(np.broadcast_shapes(tuple(_shape(x, "masked_scatter")), tuple(_shape(mask, "masked_scatter"))))
+    x = bb.emit(op.broadcast_to(x, shape)) if _shape(x, "") != shape else x
+    mask = bb.emit(op.broadcast_to(mask, shape)) if _shape(mask, "") != shape else mask
+    flat_mask = bb.emit(op.reshape(mask, [-1]))
+    position = bb.emit(op.subtract(op.cumsum(op.astype(flat_mask, "int64"), axis=0), relax.const(1, "int64")))
+    # An empty source (nothing is masked) still needs an element for take to read.
+    flat_source = bb.emit(op.reshape(source, [-1])) if math.prod(_shape(source, "masked_scatter")) else \
+        bb.emit(op.zeros([1], _dtype(source)))
+    picked = bb.emit(op.take(flat_source, position, axis=0, mode="clip"))
+    return bb.emit(op.where(mask, op.reshape(picked, shape), x))
+
+
+def searchsorted(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """searchsorted(sorted_sequence, values, out_int32, right, side, sorter) with TOPI's kernel."""
+    bb = importer.block_builder
+    sequence = importer.env[node.args[0]]
+    values = _env(importer, node.args[1])
+    if values is None:
+        values = relax.const(node.args[1], _dtype(sequence))
+    right = bool(node.kwargs.get("right", False)) or node.kwargs.get("side") == "right"
+    dtype = "int32" if node.kwargs.get("out_int32", False) else "int64"
+    if _shape(sequence, "searchsorted")[-1] == 0:  # nothing to search: every value goes first
+        return bb.emit(op.zeros(_shape(values, "searchsorted"), dtype))
+    sorter = _env(importer, node.kwargs.get("sorter"))
+    if sorter is not None:
+        sequence = bb.emit(op.gather_elements(sequence, sorter, axis=-1))
+    squeezed = values.ty.ndim == 0
+    if squeezed:
+        values = bb.emit(op.reshape(values, [1]))
+    if _dtype(values) != _dtype(sequence):
+        values = bb.emit(op.astype(values, _dtype(sequence)))
+    out = bb.emit_te(topi.searchsorted, sequence, values, right, dtype)
+    return bb.emit(op.reshape(out, [])) if squeezed else out
+
+
+def nonzero_static(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """The first `size` coordinates of nonzero elements (row-major), padded with fill_value."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    size = int(node.kwargs.get("size", node.args[1] if len(node.args) > 1 else 0))
+    fill = int(node.kwargs.get("fill_value", -1))
+    shape = _shape(x, "nonzero_static")
+    numel = math.prod(shape)
+    flat = bb.emit(op.reshape(x, [-1]))
+    nonzero = flat if _dtype(x) == "bool" else bb.emit(op.not_equal(flat, relax.const(0, _dtype(x))))
+    rank = bb.emit(op.subtract(op.cumsum(op.astype(nonzero, "int64"), axis=0), relax.const(1, "int64")))
+    slots = relax.const(np.arange(size).reshape(size, 1), "int64")
+    chosen = bb.emit(op.logical_and(op.expand_dims(nonzero, 0), op.equal(op.expand_dims(rank, 0), slots)))
+    flat = bb.emit(op.sum(op.multiply(op.astype(chosen, "int64"),
+                                      relax.const(np.arange(numel), "int64")), [1], keepdims=True))
+    found = bb.emit(op.max(op.astype(chosen, "int8"), [1], keepdims=True))
+    strides = np.array(_contiguous_strides(shape), dtype="int64")
+    coords = bb.emit(op.mod(op.floor_divide(flat, relax.const(strides, "int64")),
+                            relax.const(np.array(shape), "int64")))
+    return bb.emit(op.where(op.astype(found, "bool"), coords, relax.const(fill, "int64")))
+
+
+# ---- strided views ----
+
+def _strided_positions(size: list[int], stride: list[int], offset: int) -> np.ndarray:
+    """The storage position of every element of an as_strided view, in its row-major order."""
+    positions = np.full(size, offset, dtype="int64")
+    for axis, (n, s) in enumerate(zip(size, stride)):
+        positions += (np.arange(n, dtype="int64") * s).reshape([n] + [1] * (len(size) - axis - 1))
+    return positions
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    return [math.prod(shape[i + 1:]) for i in range(len(shape))]
+
+
+def _storage_positions(node: torch.fx.Node, x: relax.Expr, at: int) -> np.ndarray:
+    size, stride = [int(v) for v in node.args[at]], [int(v) for v in node.args[at + 1]]
+    offset = int(_arg(node, at + 2, "storage_offset", 0) or 0)
+    positions = _strided_positions(size, stride, offset)
+    numel = math.prod(_shape(x, "as_strided"))
+    if positions.size and (positions.max() >= numel or positions.min() < 0):
+        raise NotImplementedError("as_strided reads outside the (contiguous) input tensor")
+    return positions
+
+
+def as_strided(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x.as_strided(size, stride, offset) over x's contiguous storage: a take of constant positions."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    positions = _storage_positions(node, x, 1)
+    contiguous = _strided_positions(list(positions.shape), _contiguous_strides(list(positions.shape)), 0)
+    if np.array_equal(positions, contiguous) and positions.size == math.prod(_shape(x, "as_strided")):
+        return bb.emit(op.reshape(x, list(positions.shape)))
+    flat = bb.emit(op.reshape(x, [-1]))
+    picked = bb.emit(op.take(flat, relax.const(positions.reshape(-1), "int64"), axis=0, mode="clip"))
+    return bb.emit(op.reshape(picked, list(positions.shape)))
+
+
+def _scatter_positions(bb: relax.BlockBuilder, x: relax.Expr, src: relax.Expr, positions: np.ndarray) -> relax.Expr:
+    """x (contiguous) with the storage `positions` replaced by src's elements, in order."""
+    numel = math.prod(_shape(x, "scatter"))
+    source = np.zeros(numel, dtype="int64")
+    hit = np.zeros(numel, dtype=bool)
+    source[positions.reshape(-1)] = np.arange(positions.size)
+    hit[positions.reshape(-1)] = True
+    flat_src = bb.emit(op.reshape(src, [-1]))
+    picked = bb.emit(op.take(flat_src, relax.const(source, "int64"), axis=0, mode="clip")) if positions.size else \
+        bb.emit(op.reshape(x, [-1]))
+    out = bb.emit(op.where(relax.const(hit, "bool"), picked, op.reshape(x, [-1])))
+    return bb.emit(op.reshape(out, _shape(x, "scatter")))
+
+
+def as_strided_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x with its as_strided(size, stride, offset) view replaced by src."""
+    x, src = importer.env[node.args[0]], importer.env[node.args[1]]
+    return _scatter_positions(importer.block_builder, x, src, _storage_positions(node, x, 2))
+
+
+def diagonal_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x with its diagonal(offset, dim1, dim2) replaced by src."""
+    x, src = importer.env[node.args[0]], importer.env[node.args[1]]
+    shape = _shape(x, "diagonal_scatter")
+    rank = len(shape)
+    offset = int(_arg(node, 2, "offset", 0))
+    dim1, dim2 = int(_arg(node, 3, "dim1", 0)) % rank, int(_arg(node, 4, "dim2", 1)) % rank
+    strides = _contiguous_strides(shape)
+    length = max(0, min(shape[dim1] - max(-offset, 0), shape[dim2] - max(offset, 0)))
+    rest = [i for i in range(rank) if i not in (dim1, dim2)]
+    start = offset * strides[dim2] if offset >= 0 else -offset * strides[dim1]
+    positions = _strided_positions([shape[i] for i in rest] + [length],
+                                   [strides[i] for i in rest] + [strides[dim1] + strides[dim2]], start)
+    return _scatter_positions(importer.block_builder, x, src, positions)
+
+
+def unfold(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x.unfold(dim, size, step): windows along dim, each window's elements in a new last axis."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    size, step = int(node.args[2]), int(node.args[3])
+    if x.ty.ndim == 0:
+        return bb.emit(op.broadcast_to(op.reshape(x, [1]), [size]))
+    dim = int(node.args[1]) % x.ty.ndim
+    n = _shape(x, "unfold")[dim]
+    windows = (n - size) // step + 1
+    index = np.arange(windows, dtype="int64")[:, None] * step + np.arange(size, dtype="int64")[None, :]
+    taken = bb.emit(op.take(x, relax.const(index, "int64"), axis=dim, mode="clip"))  # [..., windows, size, ...]
+    order = [i for i in range(x.ty.ndim + 1) if i != dim + 1] + [dim + 1]
+    return bb.emit(op.permute_dims(taken, order))
+
+
+# ---- products and distances ----
+
+def addbmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """beta * input + alpha * sum_b(batch1[b] @ batch2[b])."""
+    bb = importer.block_builder
+    bias, a, b = (importer.env[v] for v in node.args[:3])
+    alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
+    dtype = _dtype(a)
+    product = bb.emit(op.sum(op.matmul(a, b, out_dtype=dtype), [0]))
+    if alpha != 1:
+        product = bb.emit(op.multiply(product, relax.const(alpha, dtype)))
+    if beta == 0:
+        return bb.emit(op.broadcast_to(product, _shape(bias, "addbmm"))) if bias.ty.ndim == 2 else product
+    if beta != 1:
+        bias = bb.emit(op.multiply(bias, relax.const(beta, dtype)))
+    return bb.emit(op.add(bias, product))
+
+
+def trilinear(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim): the three inputs unsqueezed at
+    their expand dims, multiplied, summed over sumdim."""
+    bb = importer.block_builder
+    inputs = [importer.env[v] for v in node.args[:3]]
+    expanded = []
+    for x, dims in zip(inputs, node.args[3:6]):
+        for d in sorted(int(d) for d in dims):
+            x = op.expand_dims(x, d)
+        expanded.append(x)
+    product = bb.emit(op.multiply(op.multiply(expanded[0], expanded[1]), expanded[2]))
+    sumdim = [int(d) for d in node.args[6]]
+    return bb.emit(op.sum(product, sumdim)) if sumdim else product
+
+
+def _p_norm(bb: relax.BlockBuilder, diff: relax.Expr, p: float) -> relax.Expr:
+    """The p-norm over the last axis, with torch's zero gradient where the norm is 0."""
+    dtype = _dtype(diff)
+    if p == 0:
+        return bb.emit(op.sum(op.astype(op.not_equal(diff, relax.const(0, dtype)), dtype), [-1]))
+    magnitude = bb.emit(op.abs(diff))
+    if p == 1:
+        return bb.emit(op.sum(magnitude, [-1]))
+    if math.isinf(p):
+        return bb.emit(op.max(magnitude, [-1]))
+    powered = bb.emit(op.multiply(diff, diff) if p == 2 else op.power(magnitude, relax.const(p, dtype)))
+    total = bb.emit(op.sum(powered, [-1]))
+    positive = bb.emit(op.greater(total, relax.const(0, dtype)))
+    safe = bb.emit(op.where(positive, total, relax.const(1, dtype)))
+    root = op.sqrt(safe) if p == 2 else op.power(safe, relax.const(1.0 / p, dtype))
+    return bb.emit(op.where(positive, root, relax.const(0, dtype)))
+
+
+def cdist(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """_cdist_forward(x1 [.., P, M], x2 [.., R, M], p): every pairwise p-distance [.., P, R]."""
+    bb = importer.block_builder
+    x1, x2 = importer.env[node.args[0]], importer.env[node.args[1]]
+    diff = bb.emit(op.subtract(op.expand_dims(x1, -2), op.expand_dims(x2, -3)))
+    return _p_norm(bb, diff, float(node.args[2]))
+
+
+def pdist(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """_pdist_forward(x [N, M], p): the p-distance of rows i < j, in row-major order of (i, j)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    n = _shape(x, "pdist")[0]
+    pairs = np.array(list(itertools.combinations(range(n), 2)), dtype="int64").reshape(-1, 2)
+    if not len(pairs):
+        return bb.emit(op.zeros([0], _dtype(x)))
+    first, second = (bb.emit(op.take(x, relax.const(pairs[:, i].copy(), "int64"), axis=0)) for i in (0, 1))
+    return _p_norm(bb, bb.emit(op.subtract(first, second)), float(_arg(node, 1, "p", 2.0)))
+
+
+def embedding_bag(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """_embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+    per_sample_weights, include_last_offset, padding_idx): the bags' sum, mean or max (empty
+    bags give 0), as a bag-membership mask times the looked-up rows."""
+    bb = importer.block_builder
+    for i in (1, 2, 3):
+        if _used(node, i):
+            raise NotImplementedError("only the bags' values (output 0) of an embedding bag are supported")
+    weight, indices, offsets = (importer.env[v] for v in node.args[:3])
+    mode = int(_arg(node, 4, "mode", 0))
+    if bool(_arg(node, 3, "scale_grad_by_freq", False)):
+        raise NotImplementedError("embedding_bag with scale_grad_by_freq")
+    per_sample = _env(importer, _arg(node, 6, "per_sample_weights", None))
+    include_last = bool(_arg(node, 7, "include_last_offset", False))
+    padding_idx = _arg(node, 8, "padding_idx", -1)
+    padding_idx = -1 if padding_idx is None else int(padding_idx)
+    dtype = _dtype(weight)
+    length = _shape(indices, "embedding_bag")[0]
+    bags = _shape(offsets, "embedding_bag")[0] - int(include_last)
+    offsets = bb.emit(op.astype(offsets, "int64"))
+    starts = bb.emit(op.strided_slice(offsets, axes=[0], begin=[0], end=[bags]))
+    if include_last:
+        ends = bb.emit(op.strided_slice(offsets, axes=[0], begin=[1], end=[bags + 1]))
+    else:
+        ends = bb.emit(op.concat([op.strided_slice(offsets, axes=[0], begin=[1], end=[bags]),
+                                  relax.const(np.array([length]), "int64")], axis=0))
+    positions = relax.const(np.arange(length).reshape(1, length), "int64")
+    member = bb.emit(op.logical_and(op.greater_equal(positions, op.expand_dims(starts, 1)),
+                                    op.less(positions, op.expand_dims(ends, 1))))  # [bags, length]
+    ids = bb.emit(op.astype(indices, "int64"))
+    if padding_idx >= 0:
+        kept = bb.emit(op.not_equal(ids, relax.const(padding_idx, "int64")))
+        member = bb.emit(op.logical_and(member, op.expand_dims(kept, 0)))
+    rows = bb.emit(op.take(weight, ids, axis=0, mode="clip"))  # [length, dim]
+    if per_sample is not None:
+        rows = bb.emit(op.multiply(rows, op.expand_dims(per_sample, 1)))
+    weights = bb.emit(op.where(member, relax.const(1, dtype), relax.const(0, dtype)))
+    count = bb.emit(op.sum(weights, [1], keepdims=True))
+    if mode == 2:
+        candidates = bb.emit(op.where(op.expand_dims(member, 2), op.expand_dims(rows, 0),
+                                      relax.const(-math.inf, dtype)))
+        out = bb.emit(op.where(op.greater(count, relax.const(0, dtype)), op.max(candidates, [1]),
+                               relax.const(0, dtype)))
+    else:
+        out = bb.emit(op.matmul(weights, rows, out_dtype=dtype))
+        if mode == 1:
+            out = bb.emit(op.divide(out, op.maximum(count, relax.const(1, dtype))))
+    return bb.emit(relax.Tuple([out, out, out, out]))
+
+
+CONVERTERS = {
+    "amax.default": extremum(True),
+    "amin.default": extremum(False),
+    "sum.dim_IntList": sum_over_dims,
+    "argmax.default": arg_extremum(True),
+    "argmin.default": arg_extremum(False),
+    "max.dim": extremum_with_index(True),
+    "min.dim": extremum_with_index(False),
+    "var_mean.correction": var_mean,
+    "median.default": median(ignore_nan=False),
+    "median.dim": median(ignore_nan=False),
+    "nanmedian.default": median(ignore_nan=True),
+    "nanmedian.dim": median(ignore_nan=True),
+    "kthvalue.default": kthvalue,
+    "mode.default": mode,
+    "cummax.default": cum_extremum(True),
+    "cummin.default": cum_extremum(False),
+    "logcumsumexp.default": logcumsumexp,
+    "scatter_add.default": scatter_reduce,
+    "scatter_reduce.two": scatter_reduce,
+    "index_reduce.default": index_reduce,
+    "masked_scatter.default": masked_scatter,
+    "searchsorted.Tensor": searchsorted,
+    "searchsorted.Scalar": searchsorted,
+    "nonzero_static.default": nonzero_static,
+    "as_strided.default": as_strided,
+    "as_strided_copy.default": as_strided,
+    "as_strided_scatter.default": as_strided_scatter,
+    "diagonal_scatter.default": diagonal_scatter,
+    "unfold.default": unfold,
+    "addbmm.default": addbmm,
+    "_trilinear.default": trilinear,
+    "_cdist_forward.default": cdist,
+    "_pdist_forward.default": pdist,
+    "_embedding_bag.default": embedding_bag,
+    "_embedding_bag_forward_only.default": embedding_bag,
+}
