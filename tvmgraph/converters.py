@@ -146,29 +146,46 @@ def addmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     return bb.emit(relax.op.add(bias, product))
 
 
+_CONV_LAYOUTS = {1: ("NCW", "OIW", "IOW"), 2: ("NCHW", "OIHW", "IOHW"), 3: ("NCDHW", "OIDHW", "IODHW")}
+
+
 def convolution(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """2-D convolution (plain or transposed) with the inputs' dtype; other ranks go to the stock
-    converter, which is right for float32 only."""
+    """1-D to 3-D convolution, plain or transposed, with the inputs' dtype.
+
+    The stock converter had no 3-D transposed convolution. Relax refuses an ``output_padding``
+    of a stride or more (torch allows it below the dilation): those rows come instead from less
+    end padding, then zeros once that padding is used up.
+    """
     bb = importer.block_builder
     x, weight = importer.env[node.args[0]], importer.env[node.args[1]]
     bias = importer.env.get(node.args[2]) if node.args[2] is not None else None
+    rank = len(x.ty.shape) - 2
     stride, padding, dilation, transposed, output_padding, groups = node.args[3:9]
+    stride, padding, dilation, output_padding = (
+        [int(v) for v in values] * (rank if len(values) == 1 else 1)
+        for values in (stride, padding, dilation, output_padding))
     dtype = _dtype(x)
-    if len(x.ty.shape) != 4:
-        if dtype != "float32":
-            raise NotImplementedError(f"{len(x.ty.shape) - 2}-D convolution in {dtype}")
-        return importer._convolution(node)
+    data_layout, kernel_layout, transposed_layout = _CONV_LAYOUTS[rank]
     if transposed:
-        out = relax.op.nn.conv2d_transpose(
-            x, weight, strides=stride, padding=padding, output_padding=output_padding,
-            dilation=dilation, groups=groups, data_layout="NCHW", kernel_layout="IOHW", out_dtype=dtype)
+        kept = [min(o, s - 1) for o, s in zip(output_padding, stride)]
+        end = [p - (o - k) for p, o, k in zip(padding, output_padding, kept)]
+        conv_transpose = (relax.op.nn.conv1d_transpose, relax.op.nn.conv2d_transpose,
+                          relax.op.nn.conv3d_transpose)[rank - 1]
+        out = bb.emit(conv_transpose(
+            x, weight, strides=stride, padding=padding + [max(e, 0) for e in end],
+            output_padding=kept, dilation=dilation, groups=groups, data_layout=data_layout,
+            kernel_layout=transposed_layout, out_dtype=dtype))
+        if any(e < 0 for e in end):
+            pad_width = [0, 0, 0, 0] + [w for e in end for w in (0, max(-e, 0))]
+            out = bb.emit(relax.op.nn.pad(out, pad_width))
     else:
-        out = relax.op.nn.conv2d(x, weight, strides=stride, padding=padding, dilation=dilation,
-                                 groups=groups, data_layout="NCHW", kernel_layout="OIHW", out_dtype=dtype)
-    out = bb.emit(out)
+        conv = (relax.op.nn.conv1d, relax.op.nn.conv2d, relax.op.nn.conv3d)[rank - 1]
+        out = bb.emit(conv(x, weight, strides=stride, padding=padding, dilation=dilation,
+                           groups=groups, data_layout=data_layout, kernel_layout=kernel_layout,
+                           out_dtype=dtype))
     if bias is None:
         return out
-    return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1, 1, 1))))
+    return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1) + (1,) * rank)))
 
 
 def _static_size(x: relax.Expr, axis: int) -> int | None:
