@@ -204,6 +204,91 @@ def _window_counts(size: int, pad: int, kernel: int, stride: int, out: int, coun
     return np.maximum(end - start, 1).astype(np.float64)
 
 
+def _adaptive_max_indices(x: te.Tensor, out_size: list[int]) -> te.Tensor:
+    """torch's adaptive max-pool indices: the flat offset in the input plane of each window's
+    first maximum (its first NaN if it holds one); window ``i`` of ``n -> o`` spans
+    ``[floor(i n / o), ceil((i + 1) n / o))``."""
+    rank = len(out_size)
+    spatial = [int(d) for d in x.shape[-rank:]]
+    longest = [max(-(-(i + 1) * n // o) - i * n // o for i in range(o)) for n, o in zip(spatial, out_size)]
+    none = tir.const(np.iinfo(np.int64).max, "int64")
+    shape = [*x.shape[:-rank], *out_size]
+
+    def window(index: tuple, axes: list) -> tuple[tir.PrimExpr, tir.PrimExpr, tir.PrimExpr]:
+        """(the value at a window offset, whether it is in the window, its flat offset)."""
+        batch, out = index[:-rank], index[-rank:]
+        start = [tir.floordiv(out[d] * spatial[d], out_size[d]) for d in range(rank)]
+        stop = [tir.floordiv((out[d] + 1) * spatial[d] + out_size[d] - 1, out_size[d]) for d in range(rank)]
+        pos = [start[d] + axes[d] for d in range(rank)]
+        valid = tir.all(*[p < e for p, e in zip(pos, stop)])
+        flat = tir.Cast("int64", pos[0])
+        for d in range(1, rank):
+            flat = flat * spatial[d] + pos[d]
+        clamped = [tir.min(p, spatial[d] - 1) for d, p in enumerate(pos)]
+        return x(*batch, *clamped), valid, flat
+
+    def reduce_axes(tag: str) -> list:
+        return [te.reduce_axis((0, k), name=f"{tag}{d}") for d, k in enumerate(longest)]
+
+    def best(*index):
+        axes = reduce_axes("m")
+        value, valid, _ = window(index, axes)
+        return te.max(tir.Select(valid, value, tir.min_value(x.dtype)), axis=axes)
+
+    maximum = te.compute(shape, best, name="adaptive_max")
+
+    def first(*index):
+        axes = reduce_axes("f")
+        value, valid, flat = window(index, axes)
+        hit = tir.all(valid, tir.any(value == maximum(*index), tir.isnan(value)))
+        # a NaN's flat offset counts first: offset - size (negative) so that min() prefers it
+        key = tir.Select(tir.isnan(value), flat - int(np.prod(spatial)), flat)
+        return te.min(tir.Select(hit, key, none), axis=axes)
+
+    keyed = te.compute(shape, first, name="adaptive_max_first")
+    size = int(np.prod(spatial))
+    return te.compute(shape, lambda *i: tir.Select(keyed(*i) < 0, keyed(*i) + size, keyed(*i)),
+                      name="adaptive_max_indices")
+
+
+def _adaptive_max_along(bb: relax.BlockBuilder, x: relax.Expr, axis: int, out: int) -> relax.Expr:
+    """The max over each adaptive window along `axis`: x with a -inf row appended, `take` of
+    each window's rows padded to the longest window with that row, then max over them (the -inf
+    rows never win, nor get a gradient)."""
+    shape = _static_shape(x, "adaptive_max_pool")
+    size = shape[axis]
+    if size == out:
+        return x
+    starts = [i * size // out for i in range(out)]
+    stops = [-(-(i + 1) * size // out) for i in range(out)]
+    longest = max(b - a for a, b in zip(starts, stops))
+    rows = np.array([[a + k if a + k < b else size for k in range(longest)] for a, b in zip(starts, stops)])
+    lowest = relax.const(np.full([*shape[:axis], 1, *shape[axis + 1:]], -np.inf), x.ty.dtype.dtype)
+    extended = bb.emit(relax.op.concat([x, lowest], axis=axis))
+    taken = bb.emit(relax.op.take(extended, relax.const(rows.reshape(-1), "int64"), axis=axis))
+    windows = bb.emit(relax.op.reshape(taken, [*shape[:axis], out, longest, *shape[axis + 1:]]))
+    return bb.emit(relax.op.max(windows, axis=[axis + 1]))
+
+
+def adaptive_max_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(values, int64 indices) of `adaptive_max_pool{2,3}d` (and `adaptive_max_pool1d`, which
+    decomposes to the 2-D op). The max over a box is separable: one axis at a time. Its
+    gradient is shared among tied maxima of a window (torch gives it to the indexed one)."""
+    bb = importer.block_builder
+    rank = 3 if node.target.__name__.startswith("adaptive_max_pool3d") else 2
+    x = importer.env[node.args[0]]
+    out_size = _per_dim(node.args[1], rank, 1)
+    values = x
+    for axis, out in enumerate(out_size):
+        values = _adaptive_max_along(bb, values, x.ty.ndim - rank + axis, out)
+    indices = values
+    if _output_used(node, 1):
+        _static_shape(x, f"adaptive_max_pool{rank}d indices")
+        indices = bb.emit_te(_adaptive_max_indices, x, out_size)
+    # Unused indices are never computed; the tuple still needs a second field.
+    return bb.emit(relax.Tuple([values, indices]))
+
+
 # ---- sampling and interpolation ----
 
 def grid_sampler_2d(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -253,6 +338,77 @@ def upsample_bilinear2d_aa(node: torch.fx.Node, importer: ExportedProgramImporte
     ww = _aa_weights(in_w, int(size[1]), align_corners, scale_w)
     rows = bb.emit(relax.op.matmul(x, relax.const(ww.T.astype(dtype)), out_dtype=dtype))
     return bb.emit(relax.op.matmul(relax.const(wh.astype(dtype)), rows, out_dtype=dtype))
+
+
+def _linear_weights(in_size: int, out_size: int, align_corners: bool, scale_factor: float | None) -> np.ndarray:
+    """torch's linear interpolation along one axis (aten area_pixel_compute_source_index) as an
+    (out_size, in_size) matrix: two weights per row, on the neighbours of the source position."""
+    dst = np.arange(out_size, dtype=np.float64)
+    if align_corners:
+        src = dst * ((in_size - 1) / (out_size - 1) if out_size > 1 else 0.0)
+    else:
+        scale = 1.0 / scale_factor if scale_factor else in_size / out_size
+        src = np.maximum(scale * (dst + 0.5) - 0.5, 0.0)
+    low = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    high = np.minimum(low + 1, in_size - 1)
+    frac = src - low
+    weights = np.zeros((out_size, in_size))
+    np.add.at(weights, (np.arange(out_size), low), 1.0 - frac)
+    np.add.at(weights, (np.arange(out_size), high), frac)
+    return weights
+
+
+def upsample_linear(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`interpolate(mode='linear' | 'trilinear')` (`upsample_linear1d.vec`,
+    `upsample_trilinear3d.vec`, kept whole by lowering.decompose): separable, one matmul with a
+    constant weight matrix per axis. torch's decomposition indexes with broadcast index tensors
+    (which the stock `index.Tensor` converter rejects) and the stock 1-D resize divided by an
+    infinite scale."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    rank = x.ty.ndim - 2
+    size = _arg(node, 1, "output_size", None)
+    align_corners = bool(_arg(node, 2, "align_corners", False))
+    scales = _arg(node, 3, "scale_factors", None)
+    shape = _static_shape(x, f"interpolate(mode={'linear' if rank == 1 else 'trilinear'!r})")
+    spatial = shape[2:]
+    if size is None:
+        size = [int(math.floor(n * s)) for n, s in zip(spatial, scales)]
+    dtype = x.ty.dtype.dtype
+    out = x
+    for axis in reversed(range(rank)):  # (..., n_axis, o_{axis+1}, ...) -> (..., o_axis, ...)
+        n, o = spatial[axis], int(size[axis])
+        weights = relax.const(_linear_weights(n, o, align_corners, scales[axis] if scales else None), dtype)
+        lead, tail = shape[:2 + axis], [int(d) for d in size[axis + 1:]]
+        rows = bb.emit(relax.op.reshape(out, [*lead, n, math.prod(tail)]))
+        out = bb.emit(relax.op.matmul(weights, rows, out_dtype=dtype))
+        out = bb.emit(relax.op.reshape(out, [*lead, o, *tail]))
+    return out
+
+
+def im2col(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`F.unfold` (`im2col`, kept whole by lowering.decompose): (N, C * kh * kw, L), the window
+    offsets as strided slices of the zero-padded input, stacked in torch's (c, i, j) order.
+    torch's decomposition indexes with broadcast index tensors (which the stock `index.Tensor`
+    converter rejects)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    kernel, dilation, padding, stride = (_per_dim(node.args[i], 2, 1) for i in range(1, 5))
+    unbatched = x.ty.ndim == 3
+    data = bb.emit(relax.op.expand_dims(x, axis=0)) if unbatched else x
+    batch, channels, *spatial = _static_shape(data, "unfold")
+    out = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, p, d, k, s in zip(spatial, padding, dilation, kernel, stride)]
+    if any(padding):
+        data = bb.emit(relax.op.nn.pad(data, [0, 0, 0, 0, padding[0], padding[0], padding[1], padding[1]]))
+    slices = []
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            begin = [i * dilation[0], j * dilation[1]]
+            end = [b + (o - 1) * s + 1 for b, o, s in zip(begin, out, stride)]
+            slices.append(bb.emit(relax.op.strided_slice(data, [2, 3], begin, end, stride)))
+    stacked = bb.emit(relax.op.stack(slices, axis=2))
+    columns = bb.emit(relax.op.reshape(stacked, [batch, channels * len(slices), math.prod(out)]))
+    return bb.emit(relax.op.squeeze(columns, axis=[0])) if unbatched else columns
 
 
 def _nearest_indices(in_size: int, out_size: int, scale_factor: float | None) -> np.ndarray:
@@ -441,11 +597,16 @@ CONVERTERS = {
     "_safe_softmax.default": safe_softmax,
     "max_pool2d_with_indices.default": max_pool_with_indices,
     "max_pool3d_with_indices.default": max_pool_with_indices,
+    "adaptive_max_pool2d.default": adaptive_max_pool,
+    "adaptive_max_pool3d.default": adaptive_max_pool,
     "avg_pool2d.default": avg_pool,
     "avg_pool3d.default": avg_pool,
     "grid_sampler_2d.default": grid_sampler_2d,
     "_upsample_bilinear2d_aa.default": upsample_bilinear2d_aa,
     "upsample_nearest2d.vec": upsample_nearest2d,
+    "upsample_linear1d.vec": upsample_linear,
+    "upsample_trilinear3d.vec": upsample_linear,
+    "im2col.default": im2col,
     "native_layer_norm.default": native_layer_norm,
     "native_group_norm.default": native_group_norm,
     "_native_batch_norm_legit_no_training.default": batch_norm_eval,

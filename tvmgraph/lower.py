@@ -76,6 +76,10 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         table = torch.export.default_decompositions()
         # Kept whole: its decomposition has a NaN gradient on fully masked rows (converters_nn.py).
         table.pop(torch.ops.aten._safe_softmax.default)
+        # Kept whole: their decompositions index with broadcast index tensors (converters_nn.py).
+        for op in (torch.ops.aten.im2col.default, torch.ops.aten.upsample_linear1d.vec,
+                   torch.ops.aten.upsample_trilinear3d.vec):
+            table.pop(op)
         return exported.run_decompositions(table)
 
 

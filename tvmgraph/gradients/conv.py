@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from tvm import relax
 
-from ._common import register, shape_of
+from ._common import dtype_of, prod, register, shape_of
 
 op = relax.op
 
@@ -153,12 +153,23 @@ class _Window:
         return [op.squeeze(g, [2]) for g in grads] if self.is_1d else grads
 
 
+def _empty(orig_call: relax.Call) -> bool:
+    """Whether x has no elements (an empty batch): its reshapes would read 0 as "keep"."""
+    return prod(shape_of(orig_call.args[0])) == 0
+
+
+def _zeros(orig_call: relax.Call) -> list[relax.Expr]:
+    return [op.zeros(shape_of(arg), dtype_of(arg)) for arg in orig_call.args]
+
+
 def _conv_grads(
     orig_call: relax.Call, output_grad: relax.Expr, ctx: relax.BlockBuilder, name: str
 ) -> list[relax.Expr]:
     """``[dx, dw]`` of ``relax.nn.conv{1,2,3}d`` (``name``)."""
     attrs = orig_call.attrs
     _check_layouts(name, attrs, _CANONICAL[name])
+    if _empty(orig_call):
+        return _zeros(orig_call)
     window = _Window(attrs)
     data, weight, output_grad = (window.unsqueeze(ctx, e) for e in (*orig_call.args, output_grad))
     return window.squeeze([
@@ -174,6 +185,8 @@ def _conv_transpose_grads(
     the conv whose output is ``x``, so dw is that conv's, with dy as its input."""
     attrs = orig_call.attrs
     _check_layouts(name, attrs, _CANONICAL[name])
+    if _empty(orig_call):
+        return _zeros(orig_call)
     window = _Window(attrs)
     data, weight, output_grad = (window.unsqueeze(ctx, e) for e in (*orig_call.args, output_grad))
     return window.squeeze([

@@ -21,7 +21,10 @@ op = relax.op
 
 
 class _Pool3d:
-    """A 3-D pooling's window: NCDHW data of shape ``(N, C, *size)``, output ``out``."""
+    """A 3-D pooling's window: NCDHW data of shape ``(N, C, *size)``, output ``out``.
+
+    Reshapes are emitted before use: reshape reads its input's type when a dimension is 0.
+    """
 
     def __init__(self, orig_var: relax.Var, orig_call: relax.Call, name: str) -> None:
         attrs = orig_call.attrs
@@ -64,7 +67,7 @@ class _Pool3d:
             [self.batch * self.channels, 1, *self.size], self.strides, self.padding,
             self.dilation, 1, dtype_of(self.data),
         )
-        return op.reshape(grad, [self.batch, self.channels, *self.size])
+        return op.reshape(ctx.emit(grad), [self.batch, self.channels, *self.size])
 
 
 @register("relax.nn.avg_pool3d")
@@ -85,7 +88,7 @@ def avg_pool3d_grad(
         count = np.einsum("i,j,k->ijk", *counts).astype(np.float64)
     dtype = dtype_of(pool.data)
     scaled = op.multiply(output_grad, relax.const(1.0 / count, dtype))
-    scaled = op.reshape(scaled, [pool.batch * pool.channels, 1, *pool.out])
+    scaled = op.reshape(ctx.emit(scaled), [pool.batch * pool.channels, 1, *pool.out])
     return [pool.scatter(ctx, scaled, np.ones([1, 1, *pool.kernel], dtype))]
 
 
@@ -105,8 +108,8 @@ def max_pool3d_grad(
     rows = pool.batch * pool.channels
     pads = [w for axis in range(3) for w in (pool.padding[axis], pool.padding[axis + 3])]
     padded_size = [n + sum(pads[2 * axis:2 * axis + 2]) for axis, n in enumerate(pool.size)]
-    padded = op.reshape(op.nn.pad(pool.data, [0, 0, 0, 0, *pads]), [rows, 1, *padded_size])
-    padded = ctx.emit(padded)
+    padded = ctx.emit(op.reshape(ctx.emit(op.nn.pad(pool.data, [0, 0, 0, 0, *pads])),
+                                 [rows, 1, *padded_size]))
     offsets = list(itertools.product(*(range(k) for k in pool.kernel)))
     slices = []
     for offset in offsets:
@@ -118,11 +121,11 @@ def max_pool3d_grad(
         np.einsum("i,j,k->ijk", *(pool.valid(axis)[k] for axis, k in enumerate(offset)))
         for offset in offsets
     ])
-    values = op.reshape(orig_var, [rows, 1, *pool.out])
+    values = ctx.emit(op.reshape(orig_var, [rows, 1, *pool.out]))
     hit = op.logical_and(op.equal(windows, values), relax.const(inside[None]))
     first = op.equal(op.cumsum(op.astype(hit, "int32"), axis=1), relax.const(1, "int32"))
     first = op.logical_and(hit, first)
-    per_offset = op.multiply(op.astype(first, dtype), op.reshape(output_grad, [rows, 1, *pool.out]))
+    per_offset = op.multiply(op.astype(first, dtype), ctx.emit(op.reshape(output_grad, [rows, 1, *pool.out])))
     onehot = np.eye(len(offsets), dtype=dtype).reshape([len(offsets), 1, *pool.kernel])
     return [pool.scatter(ctx, per_offset, onehot)]
 
@@ -150,8 +153,8 @@ def adaptive_avg_pool3d_grad(
             continue
         shape = [*size[:axis], out[axis], *out[axis + 1:]]
         lead, tail = prod(shape[:axis]), prod(shape[axis + 1:])
-        grad = op.reshape(grad, [batch * channels * lead, out[axis], tail])
+        grad = ctx.emit(op.reshape(grad, [batch * channels * lead, out[axis], tail]))
         matrix_t = relax.const(window_matrix(size[axis], out[axis]).T, dtype)
-        grad = op.matmul(matrix_t, grad)
-        grad = op.reshape(grad, [batch, channels, *size[:axis + 1], *out[axis + 1:]])
+        grad = ctx.emit(op.matmul(matrix_t, grad))
+        grad = ctx.emit(op.reshape(grad, [batch, channels, *size[:axis + 1], *out[axis + 1:]]))
     return [grad]
