@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -103,6 +104,17 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     if stats_dtype != dtype:
         new_mean, new_var = (bb.emit(relax.op.astype(v, stats_dtype)) for v in (new_mean, new_var))
     return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
+
+
+def batch_norm_with_update(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`_batch_norm_with_update_functional(x, w, b, running_mean, running_var, momentum, eps)`:
+    the train-mode batch norm above, with an empty reserve tensor as its fourth output."""
+    legit = types.SimpleNamespace(args=(*node.args[:5], True, *node.args[5:7]), kwargs={})
+    bb = importer.block_builder
+    out, mean, invstd, new_mean, new_var = (
+        bb.emit(relax.TupleGetItem(batch_norm_train(legit, importer), i)) for i in range(5))
+    reserve = relax.const(np.zeros(0, dtype="uint8"), "uint8")
+    return bb.emit(relax.Tuple([out, mean, invstd, reserve, new_mean, new_var]))
 
 
 def _dtype(expr: relax.Expr) -> str:
@@ -311,6 +323,7 @@ def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
 
 CONVERTERS: dict[str, Converter] = {
     "_native_batch_norm_legit_functional.default": batch_norm_train,
+    "_batch_norm_with_update_functional.default": batch_norm_with_update,
     "elu.default": elu,
     "mm.default": matmul,
     "bmm.default": matmul,

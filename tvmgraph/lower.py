@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import tvm
+from torch._decomp import decomposition_table
 from torch.export.graph_signature import (
     ExportGraphSignature,
     InputKind,
@@ -80,6 +81,9 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         for op in (torch.ops.aten.im2col.default, torch.ops.aten.upsample_linear1d.vec,
                    torch.ops.aten.upsample_trilinear3d.vec):
             table.pop(op)
+        # Not in the export table; decomposes to a scatter_add of the gradient at the indices.
+        table[torch.ops.aten.max_pool2d_with_indices_backward.default] = \
+            decomposition_table[torch.ops.aten.max_pool2d_with_indices_backward.default]
         return exported.run_decompositions(table)
 
 
