@@ -531,6 +531,60 @@ def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     return bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(normalized, 0)), dtype))
 
 
+def _linear_cross_entropy(bb: relax.BlockBuilder, x: relax.Expr, linear_weight: relax.Expr, target: relax.Expr,
+                          linear_bias: relax.Expr | None, class_weight: relax.Expr | None, reduction: str,
+                          ignore_index: int, label_smoothing: float) -> relax.Expr:
+    """`cross_entropy(x @ W^T + b, target, weight, reduction, ignore_index, label_smoothing)`
+    with class-index targets, written out so that Relax differentiates it."""
+    if x.ty.ndim == 1:  # one sample
+        x, target = bb.emit(relax.op.expand_dims(x, 0)), bb.emit(relax.op.expand_dims(target, 0))
+    dtype = x.ty.dtype.dtype
+    logits = bb.emit(relax.op.matmul(x, relax.op.permute_dims(linear_weight, [1, 0]), out_dtype=dtype))
+    if linear_bias is not None:
+        logits = bb.emit(relax.op.add(logits, linear_bias))
+    classes = _static_shape(logits, "linear_cross_entropy")[-1]
+    log_probs = bb.emit(relax.op.nn.log_softmax(logits, axis=-1))
+    valid = bb.emit(relax.op.not_equal(target, relax.const(ignore_index, target.ty.dtype.dtype)))
+    safe_target = bb.emit(relax.op.where(valid, target, relax.const(0, target.ty.dtype.dtype)))
+    picked = bb.emit(relax.op.squeeze(relax.op.gather_elements(
+        log_probs, relax.op.expand_dims(safe_target, -1), axis=-1), axis=[-1]))
+    zero = relax.const(0.0, dtype)
+    weight_of_sample = bb.emit(relax.op.where(
+        valid, relax.op.take(class_weight, safe_target, axis=0) if class_weight is not None
+        else relax.const(1.0, dtype), zero))
+    loss = bb.emit(relax.op.negative(relax.op.multiply(picked, weight_of_sample)))
+    if label_smoothing > 0.0:
+        weighted = log_probs if class_weight is None else relax.op.multiply(log_probs, class_weight)
+        smooth = bb.emit(relax.op.where(valid, relax.op.negative(relax.op.sum(weighted, axis=[-1])), zero))
+        loss = bb.emit(relax.op.add(relax.op.multiply(loss, relax.const(1.0 - label_smoothing, dtype)),
+                                    relax.op.multiply(smooth, relax.const(label_smoothing / classes, dtype))))
+    if reduction == "none":
+        return loss
+    total = bb.emit(relax.op.sum(loss))
+    if reduction == "sum":
+        return total
+    return bb.emit(relax.op.divide(total, relax.op.sum(weight_of_sample)))
+
+
+def linear_cross_entropy_chunked(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`linear_cross_entropy` with `batch_chunk_size` (torch_nn custom ops). Chunking only saves
+    eager memory; here it is the unchunked loss, whose gradient Relax computes. The mean/sum op
+    also returns the gradients it precomputes for its own backward: refused if the graph uses them."""
+    bb = importer.block_builder
+    env = lambda arg: importer.env[arg] if arg is not None else None  # noqa: E731
+    x, linear_weight, target, linear_bias, class_weight = (env(a) for a in node.args[:5])
+    if node.target.__name__.startswith("_linear_cross_entropy_batch_chunked_no_reduction"):
+        return _linear_cross_entropy(bb, x, linear_weight, target, linear_bias, class_weight, "none",
+                                     int(node.args[5]), 0.0)
+    if any(_output_used(node, i) for i in (1, 2, 3)):
+        raise NotImplementedError("the gradients that chunked linear_cross_entropy precomputes")
+    reduction, ignore_index, label_smoothing = str(node.args[5]), int(node.args[6]), float(node.args[7])
+    loss = _linear_cross_entropy(bb, x, linear_weight, target, linear_bias, class_weight, reduction,
+                                 ignore_index, label_smoothing)
+    # The unused gradient fields still need a value each.
+    return bb.emit(relax.Tuple([loss, loss, loss, loss]))
+
+
 _SCORE_PATH = {"view.default", "_unsafe_view.default", "expand.default", "clone.default", "mul.Tensor",
                "mul.Scalar", "div.Tensor", "div.Scalar"}
 _MATMULS = {"bmm.default", "mm.default", "matmul.default"}
@@ -607,6 +661,8 @@ CONVERTERS = {
     "upsample_linear1d.vec": upsample_linear,
     "upsample_trilinear3d.vec": upsample_linear,
     "im2col.default": im2col,
+    "_linear_cross_entropy_batch_chunked.default": linear_cross_entropy_chunked,
+    "_linear_cross_entropy_batch_chunked_no_reduction.default": linear_cross_entropy_chunked,
     "native_layer_norm.default": native_layer_norm,
     "native_group_norm.default": native_group_norm,
     "_native_batch_norm_legit_no_training.default": batch_norm_eval,
