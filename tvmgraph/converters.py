@@ -187,9 +187,11 @@ def convolution(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax
             x, weight, strides=stride, padding=padding + [max(e, 0) for e in end],
             output_padding=kept, dilation=dilation, groups=groups, data_layout=data_layout,
             kernel_layout=transposed_layout, out_dtype=dtype))
-        if any(e < 0 for e in end):
-            pad_width = [0, 0, 0, 0] + [w for e in end for w in (0, max(-e, 0))]
-            out = bb.emit(relax.op.nn.pad(out, pad_width))
+        for axis, e in enumerate(end):
+            if e < 0:
+                shape = [int(d) for d in out.ty.shape]
+                shape[2 + axis] = -e
+                out = bb.emit(relax.op.concat([out, relax.op.zeros(shape, dtype)], axis=2 + axis))
     else:
         conv = (relax.op.nn.conv1d, relax.op.nn.conv2d, relax.op.nn.conv3d)[rank - 1]
         out = bb.emit(conv(x, weight, strides=stride, padding=padding, dilation=dilation,
