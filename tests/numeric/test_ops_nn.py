@@ -1,5 +1,5 @@
 """nn ops that tvmgraph could not run or differentiate (convolutions of every rank, plain and
-transposed; 3-D and adaptive poolings; unfold; linear and trilinear interpolation; chunked
+transposed; 3-D and adaptive poolings; unfold; linear, trilinear and bicubic interpolation; chunked
 linear_cross_entropy; _batch_norm_with_update), against torch eager and torch.autograd.
 
 Forward cases run several per inference graph, gradient cases several per training graph: every
@@ -74,6 +74,8 @@ RESAMPLE_CASES: list[Case] = [
      (_randn(1, 2, 3, 4, 5),)),
     ("interpolate-trilinear-size-align_corners",
      lambda x: F.interpolate(x, size=(2, 6, 3), mode="trilinear", align_corners=True), (_randn(1, 2, 4, 3, 5),)),
+    # its decomposition computes source coordinates from an arange (which needed a gradient)
+    ("interpolate-bicubic", lambda x: F.interpolate(x, size=(5, 7), mode="bicubic"), (_randn(1, 2, 4, 5),)),
 ]
 
 CHUNKED = LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True)
