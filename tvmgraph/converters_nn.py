@@ -28,6 +28,7 @@ ones give silently wrong numbers (each found against torch eager; tests/numeric/
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -303,6 +304,64 @@ def grid_sampler_2d(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     return bb.emit(relax.op.image.grid_sample(
         x, grid, method=("bilinear", "nearest")[mode], layout="NCHW",
         padding_mode=("zeros", "border", "reflection")[padding_mode], align_corners=align_corners))
+
+
+def grid_sampler_3d(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """3-D `grid_sample` (trilinear or nearest; zeros or border padding): each output point is a
+    weighted sum of input voxels gathered at flat indices, so that Relax differentiates it in
+    the input (a scatter of the gathers) and in the grid (through the weights)."""
+    bb = importer.block_builder
+    x, grid = importer.env[node.args[0]], importer.env[node.args[1]]
+    mode, padding_mode, align_corners = int(node.args[2]), int(node.args[3]), bool(node.args[4])
+    if mode not in (0, 1) or padding_mode not in (0, 1):
+        raise NotImplementedError("3-D grid_sample supports mode 'bilinear' or 'nearest' with padding_mode "
+                                  "'zeros' or 'border'")
+    batch, channels, *size = _static_shape(x, "grid_sample")
+    out = _static_shape(grid, "grid_sample")[1:4]
+    dtype = x.ty.dtype.dtype
+    points = math.prod(out)
+    const = lambda v: relax.const(v, dtype)  # noqa: E731
+    # grid[..., 0] is x (width), 1 is y (height), 2 is z (depth)
+    coords = []
+    for axis, n in enumerate(reversed(size)):
+        g = bb.emit(relax.op.reshape(relax.op.strided_slice(grid, [4], [axis], [axis + 1]), [batch, points]))
+        if align_corners:
+            c = relax.op.multiply(relax.op.add(g, const(1.0)), const((n - 1) / 2))
+        else:
+            c = relax.op.divide(relax.op.subtract(relax.op.multiply(relax.op.add(g, const(1.0)), const(n)),
+                                                  const(1.0)), const(2.0))
+        if padding_mode == 1:
+            c = relax.op.clip(c, 0, n - 1)
+        coords.append(bb.emit(c))
+    coords = coords[::-1]  # depth, height, width
+    if mode == 1:
+        corners = [[(bb.emit(relax.op.round(c)), None)] for c in coords]
+    else:
+        corners = []
+        for c in coords:
+            low = bb.emit(relax.op.floor(c))
+            high_weight = bb.emit(relax.op.subtract(c, low))
+            corners.append([(low, bb.emit(relax.op.subtract(const(1.0), high_weight))),
+                            (bb.emit(relax.op.add(low, const(1.0))), high_weight)])
+    flat_x = bb.emit(relax.op.reshape(x, [batch, channels, math.prod(size)]))
+    total = None
+    for corner in itertools.product(*corners):
+        inside, flat, weight = None, None, None
+        for (position, w), n in zip(corner, size):
+            # float masks, multiplied: Gradient follows them, and logical_and has no gradient
+            ok = relax.op.multiply(relax.op.astype(relax.op.greater_equal(position, const(0.0)), dtype),
+                                   relax.op.astype(relax.op.less_equal(position, const(n - 1.0)), dtype))
+            inside = ok if inside is None else relax.op.multiply(inside, ok)
+            index = relax.op.astype(relax.op.clip(position, 0, n - 1), "int64")
+            flat = index if flat is None else relax.op.add(relax.op.multiply(flat, relax.const(n, "int64")), index)
+            if w is not None:
+                weight = w if weight is None else relax.op.multiply(weight, w)
+        weight = inside if weight is None else relax.op.multiply(weight, inside)
+        flat = bb.emit(relax.op.broadcast_to(relax.op.expand_dims(flat, 1), [batch, channels, points]))
+        values = bb.emit(relax.op.gather_elements(flat_x, flat, axis=2))
+        term = bb.emit(relax.op.multiply(values, relax.op.expand_dims(weight, 1)))
+        total = term if total is None else bb.emit(relax.op.add(total, term))
+    return bb.emit(relax.op.reshape(total, [batch, channels, *out]))
 
 
 def _aa_weights(in_size: int, out_size: int, align_corners: bool, scale_factor: float | None) -> np.ndarray:
@@ -656,6 +715,7 @@ CONVERTERS = {
     "avg_pool2d.default": avg_pool,
     "avg_pool3d.default": avg_pool,
     "grid_sampler_2d.default": grid_sampler_2d,
+    "grid_sampler_3d.default": grid_sampler_3d,
     "_upsample_bilinear2d_aa.default": upsample_bilinear2d_aa,
     "upsample_nearest2d.vec": upsample_nearest2d,
     "upsample_linear1d.vec": upsample_linear,

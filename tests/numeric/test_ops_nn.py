@@ -1,5 +1,5 @@
 """nn ops that tvmgraph could not run or differentiate (convolutions of every rank, plain and
-transposed; 3-D and adaptive poolings; unfold; linear, trilinear and bicubic interpolation; chunked
+transposed; 3-D and adaptive poolings; unfold; linear, trilinear and bicubic interpolation; 3-D grid_sample; chunked
 linear_cross_entropy; _batch_norm_with_update), against torch eager and torch.autograd.
 
 Forward cases run several per inference graph, gradient cases several per training graph: every
@@ -76,6 +76,13 @@ RESAMPLE_CASES: list[Case] = [
      lambda x: F.interpolate(x, size=(2, 6, 3), mode="trilinear", align_corners=True), (_randn(1, 2, 4, 3, 5),)),
     # its decomposition computes source coordinates from an arange (which needed a gradient)
     ("interpolate-bicubic", lambda x: F.interpolate(x, size=(5, 7), mode="bicubic"), (_randn(1, 2, 4, 5),)),
+    ("grid_sample-3d-trilinear-zeros", lambda x, g: F.grid_sample(x, g, align_corners=False),
+     (_randn(2, 3, 4, 5, 3), lambda: torch.rand(2, 3, 2, 4, 3) * 2.4 - 1.2)),
+    ("grid_sample-3d-trilinear-border-align_corners",
+     lambda x, g: F.grid_sample(x, g, padding_mode="border", align_corners=True),
+     (_randn(1, 2, 3, 4, 5), lambda: torch.rand(1, 2, 3, 2, 3) * 2.4 - 1.2)),
+    ("grid_sample-3d-nearest", lambda x, g: F.grid_sample(x, g, mode="nearest", align_corners=False),
+     (_randn(1, 2, 3, 4, 5), lambda: torch.rand(1, 2, 3, 2, 3) * 2.4 - 1.2)),
 ]
 
 CHUNKED = LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True)
