@@ -25,7 +25,9 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   tensor.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
-  the inputs, as in torch.
+  the inputs, as in torch; `convolution` covers every rank (the stock one had no 3-D transposed
+  convolution).
+- `_batch_norm_with_update_functional`: no stock converter; the train-mode batch norm above.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 """
 

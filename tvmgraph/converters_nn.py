@@ -20,6 +20,11 @@ ones give silently wrong numbers (each found against torch eager; tests/numeric/
 - `native_layer_norm`, `native_group_norm`: the stock converters return only the normalized
   output, so the saved mean and rstd (outputs 1 and 2) were that output again; a group norm
   without weight or bias crashed.
+- `adaptive_max_pool{2,3}d`, `grid_sampler_3d`, the chunked `linear_cross_entropy` custom ops:
+  no stock converter. `im2col` (`F.unfold`), `upsample_linear1d`, `upsample_trilinear3d` (kept
+  whole by lowering.decompose): torch's decompositions index with broadcast index tensors, which
+  the stock `index.Tensor` converter rejects. Each is written with ops that have Relax
+  gradients (docs/gradients.md).
 - `_safe_softmax` (kept whole by lowering.decompose): torch's decomposition has a NaN gradient
   on fully masked rows.
 - `_native_batch_norm_legit_no_training` in float16/bfloat16: the stock result is float32.
