@@ -51,6 +51,14 @@ CONV_CASES: list[Case] = [
      (_randn(1, 4, 3, 2, 3), _randn(4, 1, 3, 2, 2))),
 ]
 
+# 1-D and 3-D convolutions in float64 were refused (the stock converter's result is float32).
+FLOAT64_CASES: list[Case] = [
+    ("conv1d-float64", lambda x, w: F.conv1d(x, w, None, 2, 1),
+     (lambda: torch.randn(2, 2, 7, dtype=torch.float64), lambda: torch.randn(3, 2, 3, dtype=torch.float64))),
+    ("conv_transpose3d-float64", lambda x, w: F.conv_transpose3d(x, w, None, 2),
+     (lambda: torch.randn(1, 2, 3, 2, 3, dtype=torch.float64), lambda: torch.randn(2, 3, 2, 2, 2, dtype=torch.float64))),
+]
+
 POOL_CASES: list[Case] = [
     ("avg_pool3d", lambda x: F.avg_pool3d(x, (3, 2, 3), (2, 1, 2), (1, 0, 1)), (_randn(2, 2, 5, 4, 7),)),
     ("avg_pool3d-exclude-pad", lambda x: F.avg_pool3d(x, 3, 2, 1, count_include_pad=False), (_randn(1, 2, 5, 6, 4),)),
@@ -166,7 +174,7 @@ def check_gradients(cases: list[Case]) -> None:
         torch.testing.assert_close(delta, expected.grad, **GRAD_TOLERANCE, msg=lambda m: f"{name}: {m}")
 
 
-GROUPS = {"conv": CONV_CASES, "pool": POOL_CASES, "resample": RESAMPLE_CASES, "loss": LOSS_CASES}
+GROUPS = {"conv": CONV_CASES, "float64": FLOAT64_CASES, "pool": POOL_CASES, "resample": RESAMPLE_CASES, "loss": LOSS_CASES}
 
 
 @pytest.mark.slow
