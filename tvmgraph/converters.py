@@ -25,7 +25,9 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   tensor.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
-  the inputs, as in torch.
+  the inputs, as in torch; `convolution` covers every rank (the stock one had no 3-D transposed
+  convolution).
+- `_batch_norm_with_update_functional`: no stock converter; the train-mode batch norm above.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 - reductions, scans, scatters, strided views, distances: see converters_reduce.py.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import math
 import operator
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -106,6 +109,17 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
 
 
+def batch_norm_with_update(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`_batch_norm_with_update_functional(x, w, b, running_mean, running_var, momentum, eps)`:
+    the train-mode batch norm above, with an empty reserve tensor as its fourth output."""
+    legit = types.SimpleNamespace(args=(*node.args[:5], True, *node.args[5:7]), kwargs={})
+    bb = importer.block_builder
+    out, mean, invstd, new_mean, new_var = (
+        bb.emit(relax.TupleGetItem(batch_norm_train(legit, importer), i)) for i in range(5))
+    reserve = relax.const(np.zeros(0, dtype="uint8"), "uint8")
+    return bb.emit(relax.Tuple([out, mean, invstd, reserve, new_mean, new_var]))
+
+
 def _dtype(expr: relax.Expr) -> str:
     return expr.ty.dtype.dtype
 
@@ -147,29 +161,48 @@ def addmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     return bb.emit(relax.op.add(bias, product))
 
 
+_CONV_LAYOUTS = {1: ("NCW", "OIW", "IOW"), 2: ("NCHW", "OIHW", "IOHW"), 3: ("NCDHW", "OIDHW", "IODHW")}
+
+
 def convolution(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """2-D convolution (plain or transposed) with the inputs' dtype; other ranks go to the stock
-    converter, which is right for float32 only."""
+    """1-D to 3-D convolution, plain or transposed, with the inputs' dtype.
+
+    The stock converter had no 3-D transposed convolution. Relax refuses an ``output_padding``
+    of a stride or more (torch allows it below the dilation): those rows come instead from less
+    end padding, then zeros once that padding is used up.
+    """
     bb = importer.block_builder
     x, weight = importer.env[node.args[0]], importer.env[node.args[1]]
     bias = importer.env.get(node.args[2]) if node.args[2] is not None else None
+    rank = len(x.ty.shape) - 2
     stride, padding, dilation, transposed, output_padding, groups = node.args[3:9]
+    stride, padding, dilation, output_padding = (
+        [int(v) for v in values] * (rank if len(values) == 1 else 1)
+        for values in (stride, padding, dilation, output_padding))
     dtype = _dtype(x)
-    if len(x.ty.shape) != 4:
-        if dtype != "float32":
-            raise NotImplementedError(f"{len(x.ty.shape) - 2}-D convolution in {dtype}")
-        return importer._convolution(node)
+    data_layout, kernel_layout, transposed_layout = _CONV_LAYOUTS[rank]
     if transposed:
-        out = relax.op.nn.conv2d_transpose(
-            x, weight, strides=stride, padding=padding, output_padding=output_padding,
-            dilation=dilation, groups=groups, data_layout="NCHW", kernel_layout="IOHW", out_dtype=dtype)
+        kept = [min(o, s - 1) for o, s in zip(output_padding, stride)]
+        end = [p - (o - k) for p, o, k in zip(padding, output_padding, kept)]
+        conv_transpose = (relax.op.nn.conv1d_transpose, relax.op.nn.conv2d_transpose,
+                          relax.op.nn.conv3d_transpose)[rank - 1]
+        out = bb.emit(conv_transpose(
+            x, weight, strides=stride, padding=padding + [max(e, 0) for e in end],
+            output_padding=kept, dilation=dilation, groups=groups, data_layout=data_layout,
+            kernel_layout=transposed_layout, out_dtype=dtype))
+        for axis, e in enumerate(end):
+            if e < 0:
+                shape = [int(d) for d in out.ty.shape]
+                shape[2 + axis] = -e
+                out = bb.emit(relax.op.concat([out, relax.op.zeros(shape, dtype)], axis=2 + axis))
     else:
-        out = relax.op.nn.conv2d(x, weight, strides=stride, padding=padding, dilation=dilation,
-                                 groups=groups, data_layout="NCHW", kernel_layout="OIHW", out_dtype=dtype)
-    out = bb.emit(out)
+        conv = (relax.op.nn.conv1d, relax.op.nn.conv2d, relax.op.nn.conv3d)[rank - 1]
+        out = bb.emit(conv(x, weight, strides=stride, padding=padding, dilation=dilation,
+                           groups=groups, data_layout=data_layout, kernel_layout=kernel_layout,
+                           out_dtype=dtype))
     if bias is None:
         return out
-    return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1, 1, 1))))
+    return bb.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1) + (1,) * rank)))
 
 
 def _static_size(x: relax.Expr, axis: int) -> int | None:
@@ -301,6 +334,7 @@ def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
 
 CONVERTERS: dict[str, Converter] = {
     "_native_batch_norm_legit_functional.default": batch_norm_train,
+    "_batch_norm_with_update_functional.default": batch_norm_with_update,
     "elu.default": elu,
     "mm.default": matmul,
     "bmm.default": matmul,

@@ -20,6 +20,11 @@ ones give silently wrong numbers (each found against torch eager; tests/numeric/
 - `native_layer_norm`, `native_group_norm`: the stock converters return only the normalized
   output, so the saved mean and rstd (outputs 1 and 2) were that output again; a group norm
   without weight or bias crashed.
+- `adaptive_max_pool{2,3}d`, `grid_sampler_3d`, the chunked `linear_cross_entropy` custom ops:
+  no stock converter. `im2col` (`F.unfold`), `upsample_linear1d`, `upsample_trilinear3d` (kept
+  whole by lowering.decompose): torch's decompositions index with broadcast index tensors, which
+  the stock `index.Tensor` converter rejects. Each is written with ops that have Relax
+  gradients (docs/gradients.md).
 - `_safe_softmax` (kept whole by lowering.decompose): torch's decomposition has a NaN gradient
   on fully masked rows.
 - `_native_batch_norm_legit_no_training` in float16/bfloat16: the stock result is float32.
@@ -28,6 +33,7 @@ ones give silently wrong numbers (each found against torch eager; tests/numeric/
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -204,6 +210,91 @@ def _window_counts(size: int, pad: int, kernel: int, stride: int, out: int, coun
     return np.maximum(end - start, 1).astype(np.float64)
 
 
+def _adaptive_max_indices(x: te.Tensor, out_size: list[int]) -> te.Tensor:
+    """torch's adaptive max-pool indices: the flat offset in the input plane of each window's
+    first maximum (its first NaN if it holds one); window ``i`` of ``n -> o`` spans
+    ``[floor(i n / o), ceil((i + 1) n / o))``."""
+    rank = len(out_size)
+    spatial = [int(d) for d in x.shape[-rank:]]
+    longest = [max(-(-(i + 1) * n // o) - i * n // o for i in range(o)) for n, o in zip(spatial, out_size)]
+    none = tir.const(np.iinfo(np.int64).max, "int64")
+    shape = [*x.shape[:-rank], *out_size]
+
+    def window(index: tuple, axes: list) -> tuple[tir.PrimExpr, tir.PrimExpr, tir.PrimExpr]:
+        """(the value at a window offset, whether it is in the window, its flat offset)."""
+        batch, out = index[:-rank], index[-rank:]
+        start = [tir.floordiv(out[d] * spatial[d], out_size[d]) for d in range(rank)]
+        stop = [tir.floordiv((out[d] + 1) * spatial[d] + out_size[d] - 1, out_size[d]) for d in range(rank)]
+        pos = [start[d] + axes[d] for d in range(rank)]
+        valid = tir.all(*[p < e for p, e in zip(pos, stop)])
+        flat = tir.Cast("int64", pos[0])
+        for d in range(1, rank):
+            flat = flat * spatial[d] + pos[d]
+        clamped = [tir.min(p, spatial[d] - 1) for d, p in enumerate(pos)]
+        return x(*batch, *clamped), valid, flat
+
+    def reduce_axes(tag: str) -> list:
+        return [te.reduce_axis((0, k), name=f"{tag}{d}") for d, k in enumerate(longest)]
+
+    def best(*index):
+        axes = reduce_axes("m")
+        value, valid, _ = window(index, axes)
+        return te.max(tir.Select(valid, value, tir.min_value(x.dtype)), axis=axes)
+
+    maximum = te.compute(shape, best, name="adaptive_max")
+
+    def first(*index):
+        axes = reduce_axes("f")
+        value, valid, flat = window(index, axes)
+        hit = tir.all(valid, tir.any(value == maximum(*index), tir.isnan(value)))
+        # a NaN's flat offset counts first: offset - size (negative) so that min() prefers it
+        key = tir.Select(tir.isnan(value), flat - int(np.prod(spatial)), flat)
+        return te.min(tir.Select(hit, key, none), axis=axes)
+
+    keyed = te.compute(shape, first, name="adaptive_max_first")
+    size = int(np.prod(spatial))
+    return te.compute(shape, lambda *i: tir.Select(keyed(*i) < 0, keyed(*i) + size, keyed(*i)),
+                      name="adaptive_max_indices")
+
+
+def _adaptive_max_along(bb: relax.BlockBuilder, x: relax.Expr, axis: int, out: int) -> relax.Expr:
+    """The max over each adaptive window along `axis`: x with a -inf row appended, `take` of
+    each window's rows padded to the longest window with that row, then max over them (the -inf
+    rows never win, nor get a gradient)."""
+    shape = _static_shape(x, "adaptive_max_pool")
+    size = shape[axis]
+    if size == out:
+        return x
+    starts = [i * size // out for i in range(out)]
+    stops = [-(-(i + 1) * size // out) for i in range(out)]
+    longest = max(b - a for a, b in zip(starts, stops))
+    rows = np.array([[a + k if a + k < b else size for k in range(longest)] for a, b in zip(starts, stops)])
+    lowest = relax.const(np.full([*shape[:axis], 1, *shape[axis + 1:]], -np.inf), x.ty.dtype.dtype)
+    extended = bb.emit(relax.op.concat([x, lowest], axis=axis))
+    taken = bb.emit(relax.op.take(extended, relax.const(rows.reshape(-1), "int64"), axis=axis))
+    windows = bb.emit(relax.op.reshape(taken, [*shape[:axis], out, longest, *shape[axis + 1:]]))
+    return bb.emit(relax.op.max(windows, axis=[axis + 1]))
+
+
+def adaptive_max_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """(values, int64 indices) of `adaptive_max_pool{2,3}d` (and `adaptive_max_pool1d`, which
+    decomposes to the 2-D op). The max over a box is separable: one axis at a time. Its
+    gradient is shared among tied maxima of a window (torch gives it to the indexed one)."""
+    bb = importer.block_builder
+    rank = 3 if node.target.__name__.startswith("adaptive_max_pool3d") else 2
+    x = importer.env[node.args[0]]
+    out_size = _per_dim(node.args[1], rank, 1)
+    values = x
+    for axis, out in enumerate(out_size):
+        values = _adaptive_max_along(bb, values, x.ty.ndim - rank + axis, out)
+    indices = values
+    if _output_used(node, 1):
+        _static_shape(x, f"adaptive_max_pool{rank}d indices")
+        indices = bb.emit_te(_adaptive_max_indices, x, out_size)
+    # Unused indices are never computed; the tuple still needs a second field.
+    return bb.emit(relax.Tuple([values, indices]))
+
+
 # ---- sampling and interpolation ----
 
 def grid_sampler_2d(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -218,6 +309,64 @@ def grid_sampler_2d(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     return bb.emit(relax.op.image.grid_sample(
         x, grid, method=("bilinear", "nearest")[mode], layout="NCHW",
         padding_mode=("zeros", "border", "reflection")[padding_mode], align_corners=align_corners))
+
+
+def grid_sampler_3d(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """3-D `grid_sample` (trilinear or nearest; zeros or border padding): each output point is a
+    weighted sum of input voxels gathered at flat indices, so that Relax differentiates it in
+    the input (a scatter of the gathers) and in the grid (through the weights)."""
+    bb = importer.block_builder
+    x, grid = importer.env[node.args[0]], importer.env[node.args[1]]
+    mode, padding_mode, align_corners = int(node.args[2]), int(node.args[3]), bool(node.args[4])
+    if mode not in (0, 1) or padding_mode not in (0, 1):
+        raise NotImplementedError("3-D grid_sample supports mode 'bilinear' or 'nearest' with padding_mode "
+                                  "'zeros' or 'border'")
+    batch, channels, *size = _static_shape(x, "grid_sample")
+    out = _static_shape(grid, "grid_sample")[1:4]
+    dtype = x.ty.dtype.dtype
+    points = math.prod(out)
+    const = lambda v: relax.const(v, dtype)  # noqa: E731
+    # grid[..., 0] is x (width), 1 is y (height), 2 is z (depth)
+    coords = []
+    for axis, n in enumerate(reversed(size)):
+        g = bb.emit(relax.op.reshape(relax.op.strided_slice(grid, [4], [axis], [axis + 1]), [batch, points]))
+        if align_corners:
+            c = relax.op.multiply(relax.op.add(g, const(1.0)), const((n - 1) / 2))
+        else:
+            c = relax.op.divide(relax.op.subtract(relax.op.multiply(relax.op.add(g, const(1.0)), const(n)),
+                                                  const(1.0)), const(2.0))
+        if padding_mode == 1:
+            c = relax.op.clip(c, 0, n - 1)
+        coords.append(bb.emit(c))
+    coords = coords[::-1]  # depth, height, width
+    if mode == 1:
+        corners = [[(bb.emit(relax.op.round(c)), None)] for c in coords]
+    else:
+        corners = []
+        for c in coords:
+            low = bb.emit(relax.op.floor(c))
+            high_weight = bb.emit(relax.op.subtract(c, low))
+            corners.append([(low, bb.emit(relax.op.subtract(const(1.0), high_weight))),
+                            (bb.emit(relax.op.add(low, const(1.0))), high_weight)])
+    flat_x = bb.emit(relax.op.reshape(x, [batch, channels, math.prod(size)]))
+    total = None
+    for corner in itertools.product(*corners):
+        inside, flat, weight = None, None, None
+        for (position, w), n in zip(corner, size):
+            # float masks, multiplied: Gradient follows them, and logical_and has no gradient
+            ok = relax.op.multiply(relax.op.astype(relax.op.greater_equal(position, const(0.0)), dtype),
+                                   relax.op.astype(relax.op.less_equal(position, const(n - 1.0)), dtype))
+            inside = ok if inside is None else relax.op.multiply(inside, ok)
+            index = relax.op.astype(relax.op.clip(position, 0, n - 1), "int64")
+            flat = index if flat is None else relax.op.add(relax.op.multiply(flat, relax.const(n, "int64")), index)
+            if w is not None:
+                weight = w if weight is None else relax.op.multiply(weight, w)
+        weight = inside if weight is None else relax.op.multiply(weight, inside)
+        flat = bb.emit(relax.op.broadcast_to(relax.op.expand_dims(flat, 1), [batch, channels, points]))
+        values = bb.emit(relax.op.gather_elements(flat_x, flat, axis=2))
+        term = bb.emit(relax.op.multiply(values, relax.op.expand_dims(weight, 1)))
+        total = term if total is None else bb.emit(relax.op.add(total, term))
+    return bb.emit(relax.op.reshape(total, [batch, channels, *out]))
 
 
 def _aa_weights(in_size: int, out_size: int, align_corners: bool, scale_factor: float | None) -> np.ndarray:
@@ -253,6 +402,77 @@ def upsample_bilinear2d_aa(node: torch.fx.Node, importer: ExportedProgramImporte
     ww = _aa_weights(in_w, int(size[1]), align_corners, scale_w)
     rows = bb.emit(relax.op.matmul(x, relax.const(ww.T.astype(dtype)), out_dtype=dtype))
     return bb.emit(relax.op.matmul(relax.const(wh.astype(dtype)), rows, out_dtype=dtype))
+
+
+def _linear_weights(in_size: int, out_size: int, align_corners: bool, scale_factor: float | None) -> np.ndarray:
+    """torch's linear interpolation along one axis (aten area_pixel_compute_source_index) as an
+    (out_size, in_size) matrix: two weights per row, on the neighbours of the source position."""
+    dst = np.arange(out_size, dtype=np.float64)
+    if align_corners:
+        src = dst * ((in_size - 1) / (out_size - 1) if out_size > 1 else 0.0)
+    else:
+        scale = 1.0 / scale_factor if scale_factor else in_size / out_size
+        src = np.maximum(scale * (dst + 0.5) - 0.5, 0.0)
+    low = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    high = np.minimum(low + 1, in_size - 1)
+    frac = src - low
+    weights = np.zeros((out_size, in_size))
+    np.add.at(weights, (np.arange(out_size), low), 1.0 - frac)
+    np.add.at(weights, (np.arange(out_size), high), frac)
+    return weights
+
+
+def upsample_linear(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`interpolate(mode='linear' | 'trilinear')` (`upsample_linear1d.vec`,
+    `upsample_trilinear3d.vec`, kept whole by lowering.decompose): separable, one matmul with a
+    constant weight matrix per axis. torch's decomposition indexes with broadcast index tensors
+    (which the stock `index.Tensor` converter rejects) and the stock 1-D resize divided by an
+    infinite scale."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    rank = x.ty.ndim - 2
+    size = _arg(node, 1, "output_size", None)
+    align_corners = bool(_arg(node, 2, "align_corners", False))
+    scales = _arg(node, 3, "scale_factors", None)
+    shape = _static_shape(x, f"interpolate(mode={'linear' if rank == 1 else 'trilinear'!r})")
+    spatial = shape[2:]
+    if size is None:
+        size = [int(math.floor(n * s)) for n, s in zip(spatial, scales)]
+    dtype = x.ty.dtype.dtype
+    out = x
+    for axis in reversed(range(rank)):  # (..., n_axis, o_{axis+1}, ...) -> (..., o_axis, ...)
+        n, o = spatial[axis], int(size[axis])
+        weights = relax.const(_linear_weights(n, o, align_corners, scales[axis] if scales else None), dtype)
+        lead, tail = shape[:2 + axis], [int(d) for d in size[axis + 1:]]
+        rows = bb.emit(relax.op.reshape(out, [*lead, n, math.prod(tail)]))
+        out = bb.emit(relax.op.matmul(weights, rows, out_dtype=dtype))
+        out = bb.emit(relax.op.reshape(out, [*lead, o, *tail]))
+    return out
+
+
+def im2col(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`F.unfold` (`im2col`, kept whole by lowering.decompose): (N, C * kh * kw, L), the window
+    offsets as strided slices of the zero-padded input, stacked in torch's (c, i, j) order.
+    torch's decomposition indexes with broadcast index tensors (which the stock `index.Tensor`
+    converter rejects)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    kernel, dilation, padding, stride = (_per_dim(node.args[i], 2, 1) for i in range(1, 5))
+    unbatched = x.ty.ndim == 3
+    data = bb.emit(relax.op.expand_dims(x, axis=0)) if unbatched else x
+    batch, channels, *spatial = _static_shape(data, "unfold")
+    out = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, p, d, k, s in zip(spatial, padding, dilation, kernel, stride)]
+    if any(padding):
+        data = bb.emit(relax.op.nn.pad(data, [0, 0, 0, 0, padding[0], padding[0], padding[1], padding[1]]))
+    slices = []
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            begin = [i * dilation[0], j * dilation[1]]
+            end = [b + (o - 1) * s + 1 for b, o, s in zip(begin, out, stride)]
+            slices.append(bb.emit(relax.op.strided_slice(data, [2, 3], begin, end, stride)))
+    stacked = bb.emit(relax.op.stack(slices, axis=2))
+    columns = bb.emit(relax.op.reshape(stacked, [batch, channels * len(slices), math.prod(out)]))
+    return bb.emit(relax.op.squeeze(columns, axis=[0])) if unbatched else columns
 
 
 def _nearest_indices(in_size: int, out_size: int, scale_factor: float | None) -> np.ndarray:
@@ -375,6 +595,60 @@ def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     return bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(normalized, 0)), dtype))
 
 
+def _linear_cross_entropy(bb: relax.BlockBuilder, x: relax.Expr, linear_weight: relax.Expr, target: relax.Expr,
+                          linear_bias: relax.Expr | None, class_weight: relax.Expr | None, reduction: str,
+                          ignore_index: int, label_smoothing: float) -> relax.Expr:
+    """`cross_entropy(x @ W^T + b, target, weight, reduction, ignore_index, label_smoothing)`
+    with class-index targets, written out so that Relax differentiates it."""
+    if x.ty.ndim == 1:  # one sample
+        x, target = bb.emit(relax.op.expand_dims(x, 0)), bb.emit(relax.op.expand_dims(target, 0))
+    dtype = x.ty.dtype.dtype
+    logits = bb.emit(relax.op.matmul(x, relax.op.permute_dims(linear_weight, [1, 0]), out_dtype=dtype))
+    if linear_bias is not None:
+        logits = bb.emit(relax.op.add(logits, linear_bias))
+    classes = _static_shape(logits, "linear_cross_entropy")[-1]
+    log_probs = bb.emit(relax.op.nn.log_softmax(logits, axis=-1))
+    valid = bb.emit(relax.op.not_equal(target, relax.const(ignore_index, target.ty.dtype.dtype)))
+    safe_target = bb.emit(relax.op.where(valid, target, relax.const(0, target.ty.dtype.dtype)))
+    picked = bb.emit(relax.op.squeeze(relax.op.gather_elements(
+        log_probs, relax.op.expand_dims(safe_target, -1), axis=-1), axis=[-1]))
+    zero = relax.const(0.0, dtype)
+    weight_of_sample = bb.emit(relax.op.where(
+        valid, relax.op.take(class_weight, safe_target, axis=0) if class_weight is not None
+        else relax.const(1.0, dtype), zero))
+    loss = bb.emit(relax.op.negative(relax.op.multiply(picked, weight_of_sample)))
+    if label_smoothing > 0.0:
+        weighted = log_probs if class_weight is None else relax.op.multiply(log_probs, class_weight)
+        smooth = bb.emit(relax.op.where(valid, relax.op.negative(relax.op.sum(weighted, axis=[-1])), zero))
+        loss = bb.emit(relax.op.add(relax.op.multiply(loss, relax.const(1.0 - label_smoothing, dtype)),
+                                    relax.op.multiply(smooth, relax.const(label_smoothing / classes, dtype))))
+    if reduction == "none":
+        return loss
+    total = bb.emit(relax.op.sum(loss))
+    if reduction == "sum":
+        return total
+    return bb.emit(relax.op.divide(total, relax.op.sum(weight_of_sample)))
+
+
+def linear_cross_entropy_chunked(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`linear_cross_entropy` with `batch_chunk_size` (torch_nn custom ops). Chunking only saves
+    eager memory; here it is the unchunked loss, whose gradient Relax computes. The mean/sum op
+    also returns the gradients it precomputes for its own backward: refused if the graph uses them."""
+    bb = importer.block_builder
+    env = lambda arg: importer.env[arg] if arg is not None else None  # noqa: E731
+    x, linear_weight, target, linear_bias, class_weight = (env(a) for a in node.args[:5])
+    if node.target.__name__.startswith("_linear_cross_entropy_batch_chunked_no_reduction"):
+        return _linear_cross_entropy(bb, x, linear_weight, target, linear_bias, class_weight, "none",
+                                     int(node.args[5]), 0.0)
+    if any(_output_used(node, i) for i in (1, 2, 3)):
+        raise NotImplementedError("the gradients that chunked linear_cross_entropy precomputes")
+    reduction, ignore_index, label_smoothing = str(node.args[5]), int(node.args[6]), float(node.args[7])
+    loss = _linear_cross_entropy(bb, x, linear_weight, target, linear_bias, class_weight, reduction,
+                                 ignore_index, label_smoothing)
+    # The unused gradient fields still need a value each.
+    return bb.emit(relax.Tuple([loss, loss, loss, loss]))
+
+
 _SCORE_PATH = {"view.default", "_unsafe_view.default", "expand.default", "clone.default", "mul.Tensor",
                "mul.Scalar", "div.Tensor", "div.Scalar"}
 _MATMULS = {"bmm.default", "mm.default", "matmul.default"}
@@ -441,11 +715,19 @@ CONVERTERS = {
     "_safe_softmax.default": safe_softmax,
     "max_pool2d_with_indices.default": max_pool_with_indices,
     "max_pool3d_with_indices.default": max_pool_with_indices,
+    "adaptive_max_pool2d.default": adaptive_max_pool,
+    "adaptive_max_pool3d.default": adaptive_max_pool,
     "avg_pool2d.default": avg_pool,
     "avg_pool3d.default": avg_pool,
     "grid_sampler_2d.default": grid_sampler_2d,
+    "grid_sampler_3d.default": grid_sampler_3d,
     "_upsample_bilinear2d_aa.default": upsample_bilinear2d_aa,
     "upsample_nearest2d.vec": upsample_nearest2d,
+    "upsample_linear1d.vec": upsample_linear,
+    "upsample_trilinear3d.vec": upsample_linear,
+    "im2col.default": im2col,
+    "_linear_cross_entropy_batch_chunked.default": linear_cross_entropy_chunked,
+    "_linear_cross_entropy_batch_chunked_no_reduction.default": linear_cross_entropy_chunked,
     "native_layer_norm.default": native_layer_norm,
     "native_group_norm.default": native_group_norm,
     "_native_batch_norm_legit_no_training.default": batch_norm_eval,

@@ -90,6 +90,13 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         # Kept whole: its decomposition has a NaN gradient on fully masked rows (converters_nn.py).
         table.pop(torch.ops.aten._safe_softmax.default)
         table.update(torch._decomp.get_decompositions(EXTRA_DECOMPOSITIONS))
+        # Kept whole: their decompositions index with broadcast index tensors (converters_nn.py).
+        for op in (torch.ops.aten.im2col.default, torch.ops.aten.upsample_linear1d.vec,
+                   torch.ops.aten.upsample_trilinear3d.vec):
+            table.pop(op)
+        # Not in the export table; decomposes to a scatter_add of the gradient at the indices.
+        table[torch.ops.aten.max_pool2d_with_indices_backward.default] = \
+            torch._decomp.decomposition_table[torch.ops.aten.max_pool2d_with_indices_backward.default]
         return exported.run_decompositions(table)
 
 

@@ -426,7 +426,7 @@ def test_tvm_gradient(case: OpCase) -> None:
 ##################### Registration #####################
 
 SUBMODULES = [
-    "activation", "conv", "elementwise", "fixes", "index", "nn", "norm", "reduce", "shape"
+    "activation", "conv", "elementwise", "fixes", "index", "nn", "norm", "pool3d", "reduce", "shape"
 ]
 
 

@@ -45,8 +45,12 @@ def test_embedding_compile_prints_nothing(capfd):
 def test_failed_import_prints_nothing(capfd):
     """A converter that refuses an op leaves a half-built Relax function behind; its
     BlockBuilder's complaint when freed goes to the debug log."""
-    graph = ModuleGraph(nn.Conv1d(2, 3, 3).double())
-    with pytest.raises(UnsupportedOpError, match="1-D convolution in float64"):
-        graph(torch.randn(1, 2, 8, dtype=torch.float64))
+    class BicubicGridSample(nn.Module):
+        def forward(self, x, grid):
+            return nn.functional.grid_sample(x, grid, mode="bicubic", align_corners=False)
+
+    graph = ModuleGraph(BicubicGridSample())
+    with pytest.raises(UnsupportedOpError, match="mode='bicubic'"):
+        graph(torch.randn(1, 2, 4, 4), torch.rand(1, 3, 3, 2) * 2 - 1)
     gc.collect()
     assert capfd.readouterr() == ("", "")

@@ -1,5 +1,10 @@
-"""Gradients of convolutions: conv2d (overriding TVM's, which breaks on dilation) and conv1d
-(which TVM lacks), the latter as a conv2d of height 1.
+"""Gradients of convolutions, plain and transposed, 1-D to 3-D: conv2d (overriding TVM's, which
+breaks on dilation), conv3d and the transposed convs (which TVM lacks). 1-D ops are the 2-D ones
+at height 1.
+
+A convolution is linear in x and in w, and a transposed convolution is the adjoint in x of the
+convolution with the same attributes; so each one's dx is the other op applied to dy, and both
+share one dw: the correlation of the convolution's input with its output's gradient.
 """
 
 from __future__ import annotations
@@ -8,69 +13,108 @@ from collections.abc import Sequence
 
 from tvm import relax
 
-from ._common import register, shape_of
+from ._common import dtype_of, prod, register, shape_of
 
 op = relax.op
 
+#: rank -> (data, conv kernel, transposed-conv kernel, channels-first data) layouts.
+_LAYOUTS = {2: ("NCHW", "OIHW", "IOHW", "CNHW"), 3: ("NCDHW", "OIDHW", "IODHW", "CNDHW")}
+_CONV = {2: op.nn.conv2d, 3: op.nn.conv3d}
+_CONV_TRANSPOSE = {2: op.nn.conv2d_transpose, 3: op.nn.conv3d_transpose}
 
-def conv2d_grads(
-    data: relax.Expr,
-    weight: relax.Expr,
+
+def _crop(expr: relax.Expr, full: Sequence[int], shape: Sequence[int]) -> relax.Expr:
+    """``expr`` (of spatial size ``full``) cut to ``shape[0] x shape[1] x ...``."""
+    if list(full) == list(shape[2:]):
+        return expr
+    axes = list(range(len(shape)))
+    return op.strided_slice(expr, axes, [0] * len(shape), list(shape))
+
+
+def conv_data_grad(
     output_grad: relax.Expr,
-    out_shape: Sequence[int],
+    weight: relax.Expr,
+    data_shape: Sequence[int],
     strides: Sequence[int],
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
     out_dtype: str | None,
-) -> list[relax.Expr]:
-    """``[dx, dw]`` of ``y = conv2d(x, w)`` in NCHW / OIHW with ``padding`` (top, left, bottom,
-    right); see :func:`conv2d_grad` for the formulas."""
-    batch, out_channels, grad_h, grad_w = out_shape
-    _, in_channels, in_h, in_w = shape_of(data)
-    _, _, filter_h, filter_w = shape_of(weight)
-    pad_top, pad_left, pad_bottom, pad_right = padding
-    stride_h, stride_w = strides
-    dilation_h, dilation_w = dilation
-
-    covered_h = (grad_h - 1) * stride_h - pad_top - pad_bottom + dilation_h * (filter_h - 1) + 1
-    covered_w = (grad_w - 1) * stride_w - pad_left - pad_right + dilation_w * (filter_w - 1) + 1
-    data_grad = op.nn.conv2d_transpose(
-        output_grad,
-        weight,
-        strides,
-        padding,
-        (in_h - covered_h, in_w - covered_w),
-        dilation,
-        groups,
-        "NCHW",
-        "IOHW",
-        "NCHW",
-        out_dtype,
+) -> relax.Expr:
+    """dx of ``y = conv(x, w)`` (NC... / OI..., padding begins then ends): the transposed conv
+    of dy, its ``output_padding`` the rows of x past the last window."""
+    rank = len(strides)
+    data_layout, _, transposed_kernel, _ = _LAYOUTS[rank]
+    kernel = shape_of(weight)[2:]
+    grad = shape_of(output_grad)[2:]
+    covered = [
+        (g - 1) * s - pb - pe + d * (k - 1) + 1
+        for g, s, pb, pe, d, k in zip(grad, strides, padding[:rank], padding[rank:], dilation, kernel)
+    ]
+    output_padding = [n - c for n, c in zip(data_shape[2:], covered)]
+    return _CONV_TRANSPOSE[rank](
+        output_grad, weight, strides, padding, output_padding, dilation, groups,
+        data_layout, transposed_kernel, data_layout, out_dtype,
     )
 
+
+def conv_transpose_data_grad(
+    output_grad: relax.Expr,
+    weight: relax.Expr,
+    data_shape: Sequence[int],
+    strides: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    out_dtype: str | None,
+) -> relax.Expr:
+    """dx of ``y = conv_transpose(x, w)`` (NC... / IO...): the conv of dy with the same w read
+    as O I..., cropped to x (larger only when ``output_padding >= stride``)."""
+    rank = len(strides)
+    data_layout, kernel_layout, _, _ = _LAYOUTS[rank]
+    grad = _CONV[rank](
+        output_grad, weight, strides, padding, dilation, groups,
+        data_layout, kernel_layout, data_layout, out_dtype,
+    )
+    kernel = shape_of(weight)[2:]
+    full = [
+        (n + pb + pe - d * (k - 1) - 1) // s + 1
+        for n, pb, pe, d, k, s in zip(shape_of(output_grad)[2:], padding[:rank], padding[rank:],
+                                      dilation, kernel, strides)
+    ]
+    return _crop(grad, full, data_shape)
+
+
+def conv_weight_grad(
+    data: relax.Expr,
+    output_grad: relax.Expr,
+    weight_shape: Sequence[int],
+    strides: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    out_dtype: str | None,
+) -> relax.Expr:
+    """dw of ``y = conv(x, w)``, w of shape ``(O, C / groups, k...)``: the correlation of x with
+    dy, a conv with strides and dilation swapped in channels-first layouts (per group: the
+    batch becomes the channels), cropped to k... (the windows' tail past the last stride)."""
+    rank = len(strides)
+    _, _, transposed_kernel, channels_first = _LAYOUTS[rank]
+    batch, channels, *size = shape_of(data)
     if groups != 1:
-        data = op.reshape(data, (batch, groups, in_channels // groups, in_h, in_w))
-        data = op.permute_dims(data, [1, 0, 2, 3, 4])
-        data = op.reshape(data, (batch * groups, in_channels // groups, in_h, in_w))
-    weight_grad = op.nn.conv2d(
-        data,
-        output_grad,
-        strides=dilation,
-        padding=padding,
-        dilation=strides,
-        groups=groups,
-        data_layout="CNHW",
-        kernel_layout="IOHW",
-        out_layout="CNHW",
-        out_dtype=out_dtype,
+        data = op.reshape(data, (batch, groups, channels // groups, *size))
+        data = op.permute_dims(data, [1, 0, *range(2, rank + 3)])
+        data = op.reshape(data, (batch * groups, channels // groups, *size))
+    grad = _CONV[rank](
+        data, output_grad, dilation, padding, strides, groups,
+        channels_first, transposed_kernel, channels_first, out_dtype,
     )
-    full_h = (in_h - (grad_h - 1) * stride_h - 1 + pad_top + pad_bottom) // dilation_h + 1
-    full_w = (in_w - (grad_w - 1) * stride_w - 1 + pad_left + pad_right) // dilation_w + 1
-    if (full_h, full_w) != (filter_h, filter_w):
-        end = [out_channels, in_channels // groups, filter_h, filter_w]
-        weight_grad = op.strided_slice(weight_grad, [0, 1, 2, 3], [0, 0, 0, 0], end)
-    return [data_grad, weight_grad]
+    full = [
+        (n + pb + pe - (g - 1) * s - 1) // d + 1
+        for n, pb, pe, g, s, d in zip(size, padding[:rank], padding[rank:],
+                                      shape_of(output_grad)[2:], strides, dilation)
+    ]
+    return _crop(grad, full, weight_shape)
 
 
 def _check_layouts(name: str, attrs: object, expected: tuple[str, str, str]) -> None:
@@ -82,6 +126,83 @@ def _check_layouts(name: str, attrs: object, expected: tuple[str, str, str]) -> 
             f"gradient of relax.nn.{name} with layouts {'/'.join(layouts)}: only "
             f"{'/'.join(expected)} is supported"
         )
+
+
+class _Window:
+    """A (transposed) conv's strides, padding, dilation, groups and out_dtype; from a 1-D conv's
+    attributes, those of the 2-D conv at height 1 (``unsqueeze`` then adds that height)."""
+
+    def __init__(self, attrs: object) -> None:
+        self.strides = [int(s) for s in attrs.strides]
+        self.padding = [int(p) for p in attrs.padding]
+        self.dilation = [int(d) for d in attrs.dilation]
+        self.groups = int(attrs.groups)
+        self.out_dtype = attrs.out_dtype
+        self.is_1d = len(self.strides) == 1
+        if self.is_1d:
+            self.strides, self.dilation = [1, *self.strides], [1, *self.dilation]
+            self.padding = [0, self.padding[0], 0, self.padding[1]]
+
+    def args(self) -> tuple:
+        return self.strides, self.padding, self.dilation, self.groups, self.out_dtype
+
+    def unsqueeze(self, ctx: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr:
+        return ctx.emit(op.expand_dims(expr, 2)) if self.is_1d else expr
+
+    def squeeze(self, grads: list[relax.Expr]) -> list[relax.Expr]:
+        return [op.squeeze(g, [2]) for g in grads] if self.is_1d else grads
+
+
+def _empty(orig_call: relax.Call) -> bool:
+    """Whether x has no elements (an empty batch): its reshapes would read 0 as "keep"."""
+    return prod(shape_of(orig_call.args[0])) == 0
+
+
+def _zeros(orig_call: relax.Call) -> list[relax.Expr]:
+    return [op.zeros(shape_of(arg), dtype_of(arg)) for arg in orig_call.args]
+
+
+def _conv_grads(
+    orig_call: relax.Call, output_grad: relax.Expr, ctx: relax.BlockBuilder, name: str
+) -> list[relax.Expr]:
+    """``[dx, dw]`` of ``relax.nn.conv{1,2,3}d`` (``name``)."""
+    attrs = orig_call.attrs
+    _check_layouts(name, attrs, _CANONICAL[name])
+    if _empty(orig_call):
+        return _zeros(orig_call)
+    window = _Window(attrs)
+    data, weight, output_grad = (window.unsqueeze(ctx, e) for e in (*orig_call.args, output_grad))
+    return window.squeeze([
+        conv_data_grad(output_grad, weight, shape_of(data), *window.args()),
+        conv_weight_grad(data, output_grad, shape_of(weight), *window.args()),
+    ])
+
+
+def _conv_transpose_grads(
+    orig_call: relax.Call, output_grad: relax.Expr, ctx: relax.BlockBuilder, name: str
+) -> list[relax.Expr]:
+    """``[dx, dw]`` of ``relax.nn.conv{1,2,3}d_transpose`` (``name``): ``y`` is the input of
+    the conv whose output is ``x``, so dw is that conv's, with dy as its input."""
+    attrs = orig_call.attrs
+    _check_layouts(name, attrs, _CANONICAL[name])
+    if _empty(orig_call):
+        return _zeros(orig_call)
+    window = _Window(attrs)
+    data, weight, output_grad = (window.unsqueeze(ctx, e) for e in (*orig_call.args, output_grad))
+    return window.squeeze([
+        conv_transpose_data_grad(output_grad, weight, shape_of(data), *window.args()),
+        conv_weight_grad(output_grad, data, shape_of(weight), *window.args()),
+    ])
+
+
+_CANONICAL = {
+    "conv1d": ("NCW", "OIW", "NCW"),
+    "conv2d": ("NCHW", "OIHW", "NCHW"),
+    "conv3d": ("NCDHW", "OIDHW", "NCDHW"),
+    "conv1d_transpose": ("NCW", "IOW", "NCW"),
+    "conv2d_transpose": ("NCHW", "IOHW", "NCHW"),
+    "conv3d_transpose": ("NCDHW", "IODHW", "NCDHW"),
+}
 
 
 @register("relax.nn.conv2d", fixes_tvm=True)
@@ -97,20 +218,7 @@ def conv2d_grad(
     dy: a conv2d with strides and dilation swapped in ``CNHW``/``IOHW`` layouts (per group),
     cropped to kh x kw.
     """
-    attrs = orig_call.attrs
-    _check_layouts("conv2d", attrs, ("NCHW", "OIHW", "NCHW"))
-    data, weight = orig_call.args
-    return conv2d_grads(
-        data,
-        weight,
-        output_grad,
-        shape_of(orig_var),
-        [int(s) for s in attrs.strides],
-        [int(p) for p in attrs.padding],
-        [int(d) for d in attrs.dilation],
-        int(attrs.groups),
-        attrs.out_dtype,
-    )
+    return _conv_grads(orig_call, output_grad, ctx, "conv2d")
 
 
 @register("relax.nn.conv1d")
@@ -119,26 +227,45 @@ def conv1d_grad(
 ) -> list[relax.Expr]:
     """``y = conv1d(x, w, s, (p_left, p_right), d, g)``, NCW / OIW: the conv2d gradients of
     ``x`` as ``[N, C, 1, L]`` and ``w`` as ``[O, I, 1, K]`` (strides ``(1, s)``, padding
-    ``(0, p_left, 0, p_right)``, dilation ``(1, d)``), reshaped back."""
-    attrs = orig_call.attrs
-    _check_layouts("conv1d", attrs, ("NCW", "OIW", "NCW"))
-    data, weight = orig_call.args
-    batch, channels, length = shape_of(data)
-    out_channels, in_per_group, kernel = shape_of(weight)
-    out_batch, out_ch, out_length = shape_of(orig_var)
-    pad_left, pad_right = (int(p) for p in attrs.padding)
-    data_grad, weight_grad = conv2d_grads(
-        ctx.emit(op.reshape(data, [batch, channels, 1, length])),
-        ctx.emit(op.reshape(weight, [out_channels, in_per_group, 1, kernel])),
-        ctx.emit(op.reshape(output_grad, [out_batch, out_ch, 1, out_length])),
-        [out_batch, out_ch, 1, out_length],
-        [1, int(attrs.strides[0])],
-        [0, pad_left, 0, pad_right],
-        [1, int(attrs.dilation[0])],
-        int(attrs.groups),
-        attrs.out_dtype,
-    )
-    return [
-        op.reshape(data_grad, shape_of(data)),
-        op.reshape(weight_grad, shape_of(weight)),
-    ]
+    ``(0, p_left, 0, p_right)``, dilation ``(1, d)``), squeezed back."""
+    return _conv_grads(orig_call, output_grad, ctx, "conv1d")
+
+
+@register("relax.nn.conv3d")
+def conv3d_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = conv3d(x, w)``, NCDHW / OIDHW: conv2d's formulas with one more spatial axis
+    (``dx`` a ``conv3d_transpose``, ``dw`` a conv3d in ``CNDHW``/``IODHW``)."""
+    return _conv_grads(orig_call, output_grad, ctx, "conv3d")
+
+
+@register("relax.nn.conv1d_transpose")
+def conv1d_transpose_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = conv1d_transpose(x, w)``, NCW / IOW: conv2d_transpose's gradients at height 1."""
+    return _conv_transpose_grads(orig_call, output_grad, ctx, "conv1d_transpose")
+
+
+@register("relax.nn.conv2d_transpose")
+def conv2d_transpose_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = conv2d_transpose(x, w, s, p, output_padding, d, g)``, NCHW / IOHW.
+
+    It is the adjoint in x of ``conv2d(., w, s, p, d, g)`` (w read as OIHW), so
+    ``dx = conv2d(dy, w, s, p, d, g)``, cropped to x (larger only when ``output_padding >= s``).
+    ``dw[i, o]`` correlates ``x[:, i]`` with ``dy[:, o]`` as the conv's dw correlates its input
+    with its output's gradient: ``dw = conv2d`` of dy (as the input) with x (as the output's
+    gradient), strides and dilation swapped, cropped to kh x kw (``output_padding`` rows).
+    """
+    return _conv_transpose_grads(orig_call, output_grad, ctx, "conv2d_transpose")
+
+
+@register("relax.nn.conv3d_transpose")
+def conv3d_transpose_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = conv3d_transpose(x, w)``, NCDHW / IODHW: conv2d_transpose's formulas in 3-D."""
+    return _conv_transpose_grads(orig_call, output_grad, ctx, "conv3d_transpose")

@@ -28,7 +28,7 @@ def dropout_grad(
     return [op.zeros(shape_of(x), dtype_of(x)) if dy is None else dy]
 
 
-def _window_matrix(in_size: int, out_size: int) -> np.ndarray:
+def window_matrix(in_size: int, out_size: int) -> np.ndarray:
     """``M[i, j] = 1 / |W_i|`` for ``j`` in adaptive window ``W_i``, else 0 (shape out x in).
 
     Window ``i`` spans ``[floor(i * in / out), ceil((i + 1) * in / out))``, as in torch.
@@ -67,9 +67,9 @@ def adaptive_avg_pool2d_grad(
         scale = relax.const(1.0 / (in_h * in_w), dtype)
         return [op.broadcast_to(output_grad * scale, shape_of(x))]
     if out_w != in_w:
-        grad = op.matmul(grad, relax.const(_window_matrix(in_w, out_w), dtype))
+        grad = op.matmul(grad, relax.const(window_matrix(in_w, out_w), dtype))
     if out_h != in_h:
-        grad = op.matmul(relax.const(_window_matrix(in_h, out_h).T, dtype), grad)
+        grad = op.matmul(relax.const(window_matrix(in_h, out_h).T, dtype), grad)
     return [grad]
 
 
@@ -135,3 +135,13 @@ def resize2d_grad(
     grad = op.matmul(output_grad, op.permute_dims(resize_w_t, [1, 0]))
     grad = op.matmul(resize_h_t, grad)
     return [grad, grad_op.no_grad(orig_call.args[1])]
+
+
+@register("relax.arange")
+def arange_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = arange(start, end, step)``: no differentiable input. It needs a gradient anyway
+    because ``Gradient`` follows every value that meets the parameters, such as the source
+    coordinates that torch's bicubic ``interpolate`` decomposition computes from an arange."""
+    return [grad_op.no_grad(arg) for arg in orig_call.args]
