@@ -40,7 +40,9 @@ class RPCTarget:
     def parse(address: str, key: str) -> RPCTarget:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"--rpc takes HOST:PORT of a TVM RPC tracker, got {address!r}")
+            from tvmgraph.errors import ConfigError
+
+            raise ConfigError(f"--rpc takes HOST:PORT of a TVM RPC tracker, got {address!r}")
         return RPCTarget(host, int(port), key)
 
 

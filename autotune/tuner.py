@@ -52,7 +52,8 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
     `example_args`: the inputs to tune for; none: those of the graph's last call. `trials`:
     candidates measured in all (default: 32 per kernel worth tuning); `minutes`: stop after
     that long. `name`: the log's graph name (default: graph.config's, else the Graph subclass's
-    name). `log_dir`: a tuning root other than $TVMGRAPH_CACHE_DIR/tuning. `rpc`: measure on a
+    name); given, the graph also compiles with that log from now on
+    (`graph.config.enable_tuning(name=name)`). `log_dir`: a tuning root other than $TVMGRAPH_CACHE_DIR/tuning. `rpc`: measure on a
     remote device through a TVM RPC tracker. `check_graph`: time the whole program with and
     without the tuned kernels (local targets). `eager`: also time build() in eager PyTorch.
     """
@@ -62,6 +63,8 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
     log_name = check_log_name(name or options.tuning_name or graph_class)
     tvm_target = _target(target, device, options)
     log = TuningLog.for_graph(log_name, tvm_target, Path(log_dir) if log_dir is not None else None)
+    if name is not None:
+        graph.config.enable_tuning(graph.config.tuning, name=name)
     if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 0):
         raise ConfigError(f"tune({graph.name}): trials={trials!r}; pass an int >= 0")
 

@@ -267,3 +267,23 @@ def test_kernels_are_listed_with_default_schedules(tmp_path: Path) -> None:
     assert all(k.default["main"].attrs["tirx.is_scheduled"] for k in kernels)
     assert not any((k.mod["main"].attrs or {}).get("tirx.is_scheduled", False) for k in kernels)
     assert sorted(k.flops for k in kernels)[-1] >= 2 * 16 * 64 * 96
+
+
+def test_tune_command_refuses_what_it_cannot_do(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Bad arguments are clear errors before any tuning: a missing factory, --arch without
+    --target cuda, CUDA with no GPU to measure on and no --rpc."""
+    from tvmgraph.cli import main
+
+    script = tmp_path / "model.py"
+    script.write_text("import torch\nfrom tests.unit.test_autotune import mlp\n\ndef factory():\n    return mlp()\n")
+    with pytest.raises(TuningError, match="is not SCRIPT.py:FACTORY"):
+        main(["tune", str(tmp_path / "missing.py:factory")])
+    with pytest.raises(TuningError, match="has no function nope"):
+        main(["tune", f"{script}:nope"])
+    with pytest.raises(TuningError, match="--arch sm_80 is for --target cuda"):
+        main(["tune", f"{script}:factory", "--arch", "sm_80"])
+    if not torch.cuda.is_available():
+        with pytest.raises(TuningError, match="no GPU to measure on; .* --rpc HOST:PORT"):
+            main(["tune", f"{script}:factory", "--target", "cuda"])
+    with pytest.raises(ConfigError, match="--rpc takes HOST:PORT"):
+        main(["tune", f"{script}:factory", "--rpc", "nohost"])
