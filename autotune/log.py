@@ -199,30 +199,47 @@ class TuningLog:
             return None
 
     def applied(self) -> AppliedLog | None:
-        """The records a compile uses, or None when the log selects none."""
+        """The records a compile uses, or None when the log selects none.
+
+        Every compile of the graph's name reads this, so only the JSON is parsed for all lines;
+        TVM parses just the best record of each chosen kernel (a CNN's log holds thousands)."""
         from tvm.s_tir import meta_schedule as ms
 
         choices = self.read_choices() if self.exists() else None
         if choices is None or not choices.enabled:
             return None
         chosen = {k.workload for k in choices.kernels if k.use_tuned}
-        workloads, records, _ = self.read()
-        best: dict[str, Any] = {}
-        for _, record in records:
-            shash = record.workload.as_json()[0]
-            if shash in chosen and (shash not in best or _seconds(record) < _seconds(best[shash])):
-                best[shash] = record
-        best = {shash: r for shash, r in best.items() if math.isfinite(_seconds(r))}
-        if not best:
-            return None
-        database = ms.database.MemoryDatabase()
-        digest = hashlib.sha256()
-        for shash in sorted(best):
-            record = best[shash]
-            database.commit_workload(record.workload.mod)
-            database.commit_tuning_record(record)
-            digest.update(json.dumps(record.as_json(), sort_keys=True, default=str).encode())
-        return AppliedLog(self.directory, len(best), digest.hexdigest(), database)
+        workload_docs, bad_workloads = _json_lines(self.workloads_path)
+        record_docs, bad = _json_lines(self.records_path)
+        bad += bad_workloads
+        candidates: dict[str, list[tuple[float, Any, Any]]] = {}
+        for doc in record_docs:
+            try:
+                index, body = doc
+                workload = workload_docs[index]
+                shash, seconds = workload[0], _mean(body[1])
+            except Exception:  # noqa: BLE001  (any damage: the line is dropped)
+                bad += 1
+                continue
+            if shash in chosen and math.isfinite(seconds):
+                candidates.setdefault(shash, []).append((seconds, workload, body))
+        database, digest, kernels = ms.database.MemoryDatabase(), hashlib.sha256(), 0
+        for shash in sorted(candidates):
+            for _, workload_doc, body in sorted(candidates[shash], key=lambda c: c[0]):
+                try:
+                    record = ms.database.TuningRecord.from_json(body, ms.database.Workload.from_json(workload_doc))
+                except Exception:  # noqa: BLE001  (JSON that TVM cannot read: try the next best)
+                    bad += 1
+                    continue
+                database.commit_workload(record.workload.mod)
+                database.commit_tuning_record(record)
+                digest.update(json.dumps([shash, body], sort_keys=True).encode())
+                kernels += 1
+                break
+        if bad:
+            logger.warning("tuning log %s: dropped %d unreadable line(s) (truncated or corrupt); the other "
+                           "records are used; `tvmgraph tune` rewrites the log without them", self.directory, bad)
+        return AppliedLog(self.directory, kernels, digest.hexdigest(), database) if kernels else None
 
     # ---- writing (the tuner, under `lock()`) ----
 
@@ -260,9 +277,13 @@ class TuningLog:
 
 def _seconds(record: Any) -> float:
     """A record's mean run time; failed builds and runs count as never faster."""
-    secs = [float(s) for s in (record.run_secs or [])]
-    mean = sum(secs) / len(secs) if secs else float("inf")
-    return float("inf") if mean >= FAILED_RUN_S else mean
+    return _mean(record.run_secs)
+
+
+def _mean(run_secs: Any) -> float:
+    secs = [float(s) for s in (run_secs or [])]
+    mean = sum(secs) / len(secs) if secs else math.inf
+    return math.inf if mean >= FAILED_RUN_S else mean
 
 
 def best_seconds(records: list[Any]) -> float:

@@ -39,11 +39,17 @@ def extract_kernels(fused: tvm.IRModule, target: tvm.target.Target, options: Com
         mod = task.dispatched[0]
         if mod["main"].attrs is not None and mod["main"].attrs.get("tirx.is_scheduled", False):
             continue
+        if not _static(mod["main"]):  # MetaSchedule crashed on symbolic shapes (TVM 0.27)
+            continue
         with target:  # NOTE: on a copy: dlight's pass updates the module it is given in place
             default = schedule(tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs))
         kernels.append(Kernel(_short(task.task_name), mod, ms.database.Workload(mod).as_json()[0], int(task.weight),
                               float(estimate_tir_flops(mod)), default))
     return kernels
+
+
+def _static(func: tvm.tirx.PrimFunc) -> bool:
+    return all(isinstance(d, tvm.tirx.IntImm) for buf in func.buffer_map.values() for d in buf.shape)
 
 
 def worth_tuning(kernels: list[Kernel], share: float = 0.97, most: int = 24) -> list[Kernel]:
