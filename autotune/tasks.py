@@ -49,7 +49,13 @@ def extract_kernels(fused: tvm.IRModule, target: tvm.target.Target, options: Com
 
 
 def _static(func: tvm.tirx.PrimFunc) -> bool:
-    return all(isinstance(d, tvm.tirx.IntImm) for buf in func.buffer_map.values() for d in buf.shape)
+    from tvm.s_tir import meta_schedule as ms
+
+    try:
+        shapes = [info.shape for info in ms.arg_info.ArgInfo.from_prim_func(func)]
+        return all(isinstance(d, int) or isinstance(d, tvm.tirx.IntImm) for shape in shapes for d in shape)
+    except Exception:  # noqa: BLE001  (a symbolic shape may not convert at all)
+        return False
 
 
 def worth_tuning(kernels: list[Kernel], share: float = 0.97, most: int = 24) -> list[Kernel]:

@@ -287,3 +287,17 @@ def test_tune_command_refuses_what_it_cannot_do(tmp_path: Path, capsys: pytest.C
             main(["tune", f"{script}:factory", "--target", "cuda"])
     with pytest.raises(ConfigError, match="--rpc takes HOST:PORT"):
         main(["tune", f"{script}:factory", "--rpc", "nohost"])
+
+
+def test_kernels_with_symbolic_shapes_are_not_tuned() -> None:
+    """MetaSchedule crashed on a dynamic task in TVM 0.27: such kernels keep the default schedule."""
+    from tvm import te
+
+    from autotune.tasks import _static
+
+    def doubled(n):
+        a = te.placeholder((n, 4), "float32", name="a")
+        return te.create_prim_func([a, te.compute((n, 4), lambda i, j: a[i, j] * 2, name="b")])
+
+    assert _static(doubled(8))
+    assert not _static(doubled(tvm.tirx.Var("n", "int64")))
