@@ -301,3 +301,15 @@ def test_kernels_with_symbolic_shapes_are_not_tuned() -> None:
 
     assert _static(doubled(8))
     assert not _static(doubled(tvm.tirx.Var("n", "int64")))
+
+
+def test_a_called_graph_is_tuned_for_the_inputs_it_saw() -> None:
+    """tvmgraph.tune(graph) after a call lowers the program of that call's signature."""
+    from autotune.tuner import _lowered
+
+    graph, args = mlp()
+    graph(*args)
+    lowered, options, device, example = _lowered(graph, ())
+    assert lowered is graph.compiled.lowered and device == torch.device("cpu")
+    assert [tuple(a.shape) for a in example] == [tuple(a.shape) for a in args]
+    assert options == graph.config.snapshot()
