@@ -1,0 +1,85 @@
+"""Gradients of the scatters: ``index_put`` (``index_fill``/``index_copy``/``index_add``,
+``x[idx] = v``, ``max_unpool``), ``scatter_elements`` (``torch.scatter``) and ``slice_scatter``
+(``torch.slice_scatter``, circular padding).
+
+The output is the input with some elements replaced (or added to): the input's gradient is dy
+with the replaced elements zeroed (all of dy when adding), the source's gradient is dy read at
+the positions it was written to; indices are not differentiable.
+"""
+
+from __future__ import annotations
+
+from tvm import relax
+from tvm.relax.op import grad as grad_op
+
+from ._common import dtype_of, register, scalar_of, shape_of
+
+op = relax.op
+
+
+def _sum_to(grad: relax.Expr, like: relax.Expr, grad_shape: list[int]) -> relax.Expr:
+    """``grad`` summed over the axes ``like`` was broadcast along (a no-op for equal shapes)."""
+    shape = shape_of(like)
+    return grad if shape == grad_shape else op.collapse_sum_to(grad, shape)
+
+
+@register("relax.index_put")
+def index_put_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = x; y[idx_0, ..., idx_{n-1}] = v`` (``+=`` with ``accumulate``), v broadcast to the
+    indices' shape.
+
+    ``dv = sum_to(dy[idx], v.shape)``; ``dx = dy`` when accumulating, else
+    ``index_put(dy, idx, 0)``. Like torch, a repeated index hands dy to every source element.
+    """
+    x, indices, values = orig_call.args
+    read = ctx.normalize(op.index_tensor(output_grad, indices))
+    values_grad = _sum_to(read, values, shape_of(read))
+    if orig_call.attrs.accumulate:
+        x_grad: relax.Expr = output_grad
+    else:
+        x_grad = op.index_put(output_grad, indices, op.zeros(shape_of(values), dtype_of(values)))
+    return [x_grad, grad_op.no_grad(indices), values_grad]
+
+
+@register("relax.scatter_elements")
+def scatter_elements_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = x; y[..., idx[..., i, ...], ...] = u[..., i, ...]`` along ``axis`` (``+=`` for
+    ``reduction="add"``).
+
+    ``du = gather_elements(dy, idx, axis)``; ``dx = dy`` for ``add``, else
+    ``scatter_elements(dy, idx, 0, axis)``. Other reductions (mul, min, max, mean) are not
+    supported.
+    """
+    x, indices, updates = orig_call.args
+    axis = int(orig_call.attrs.axis)
+    reduction = str(orig_call.attrs.reduction)
+    if reduction not in ("update", "add"):
+        raise NotImplementedError(f"gradient of relax.scatter_elements with reduction={reduction!r}")
+    updates_grad = op.gather_elements(output_grad, indices, axis)
+    if reduction == "add":
+        x_grad: relax.Expr = output_grad
+    else:
+        zeros = op.zeros(shape_of(updates), dtype_of(updates))
+        x_grad = op.scatter_elements(output_grad, indices, zeros, axis=axis)
+    return [x_grad, grad_op.no_grad(indices), updates_grad]
+
+
+@register("relax.slice_scatter")
+def slice_scatter_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = x; y[start:end:step] = s`` along ``axis``.
+
+    ``ds = dy[start:end:step]``; ``dx = slice_scatter(dy, 0, start, end, step)``.
+    """
+    x, src, start, end, step = orig_call.args
+    axis = int(orig_call.attrs.axis) % len(shape_of(x))
+    bounds = [int(scalar_of(v)) for v in (start, end, step)]
+    src_grad = op.strided_slice(output_grad, [axis], [bounds[0]], [bounds[1]], [bounds[2]])
+    zeros = op.zeros(shape_of(src), dtype_of(src))
+    x_grad = op.slice_scatter(output_grad, zeros, *bounds, axis=axis)
+    return [x_grad, src_grad, *(grad_op.no_grad(v) for v in (start, end, step))]
