@@ -144,6 +144,11 @@ SCATTER = [
            lambda x, i, j, v: torch.index_put(x, (i, j), v),
            lambda rng: [rng.standard_normal((3, 4)), np.array([0, 2, 2]), np.array([1, 3, 0]),
                         rng.standard_normal((3,))]),
+    OpCase("index_fill-repeated-index", lambda x, i, v: op.index_put(
+               x, (emit(op.broadcast_to(op.reshape(i, [3, 1]), [3, 2])), emit(op.broadcast_to(
+                   relax.const(np.array([0, 1])), [3, 2]))), v),
+           lambda x, i, v: torch.index_fill(x, 0, i, v),
+           lambda rng: [rng.standard_normal((4, 2)), np.array([1, 3, 1]), np.array(0.7)]),
     OpCase("index_put-accumulate-broadcast", lambda x, i, j, v: op.index_put(x, (i, j), v, True),
            lambda x, i, j, v: torch.index_put(x, (i, j), v, accumulate=True),
            lambda rng: [rng.standard_normal((3, 4)), np.array([[0], [2]]), np.array([1, 1, 3]),

@@ -9,6 +9,8 @@ Each is registered above TVM's level (``fixes_tvm=True``); the reason is in its 
 * ``relax.nn.relu``, ``relax.abs``, ``relax.maximum``, ``relax.minimum``: at the kink
   (``x == 0``, ``x == y``) TVM passes the whole gradient one way; torch passes 0 (relu, abs)
   or half to each side (maximum, minimum). Exact kinks are common in training, see ``relu_grad``.
+* ``relax.astype``: TVM casts dy back through integer casts, so a truncation
+  (``quantile``'s ``ranks - ranks.long()``) gets gradient 1 instead of 0.
 * ``relax.concat``: ``split`` at the running offsets fails for one part (``torch.stack`` of one
   tensor) and for an empty part (``block_diag`` with an empty block).
 """
@@ -164,3 +166,22 @@ def concat_grad(
         parts.append(op.strided_slice(output_grad, [axis], [offset], [offset + size]))
         offset += size
     return [relax.Tuple(parts)]
+
+
+@register("relax.astype", fixes_tvm=True)
+def astype_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = astype(x, dtype)``: ``dx = astype(dy, x.dtype)`` between float types, and no
+    gradient when either side is an integer or bool (a cast to an integer is piecewise
+    constant). TVM casts dy back whatever the types, so ``x - float(int(x))`` had gradient 0
+    where torch has 1 (quantile's interpolation weight w.r.t. q).
+    """
+    x = orig_call.args[0]
+    if not all(_is_float(dtype_of(e)) for e in (x, orig_var)):
+        return [grad_op.no_grad(x)]
+    return [op.astype(output_grad, dtype_of(x))]
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))

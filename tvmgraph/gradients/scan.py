@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from ._common import const, dtype_of, normalize_axes, register, shape_of
+from ._common import const, dtype_of, normalize_axes, prod, register, shape_of
 
 op = relax.op
 
@@ -36,13 +36,15 @@ def cumprod_grad(
     if attrs.exclusive:
         raise NotImplementedError("gradient of an exclusive relax.cumprod (torch has none)")
     x_shape = shape_of(x)
+    dtype = dtype_of(x)
+    if not prod(x_shape) or not x_shape:  # empty (dx is too), or 0-d (y = x)
+        return [op.reshape(op.astype(output_grad, dtype), x_shape)]
     y, grad = orig_var, output_grad
     if attrs.axis is None:
         x, y, grad = op.reshape(x, [-1]), op.reshape(y, [-1]), op.reshape(grad, [-1])
         axis = 0
     else:
         axis = int(attrs.axis) % len(x_shape)
-    dtype = dtype_of(orig_call.args[0])
     if dtype_of(orig_var) != dtype:
         y, grad = op.astype(y, dtype), op.astype(grad, dtype)
     zero = op.equal(x, relax.const(0, dtype))

@@ -9,10 +9,11 @@ the positions it was written to; indices are not differentiable.
 
 from __future__ import annotations
 
+import tvm
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dtype_of, register, scalar_of, shape_of
+from ._common import dtype_of, prod, register, scalar_of, shape_of
 
 op = relax.op
 
@@ -23,23 +24,43 @@ def _sum_to(grad: relax.Expr, like: relax.Expr, grad_shape: list[int]) -> relax.
     return grad if shape == grad_shape else op.collapse_sum_to(grad, shape)
 
 
+def _is_broadcast(ctx: relax.BlockBuilder, values: relax.Expr, shape: list[int]) -> bool:
+    """Whether ``values`` has fewer elements than ``shape`` or is bound to a broadcast of such."""
+    if prod(shape_of(values)) < prod(shape):
+        return True
+    bound = ctx.lookup_binding(values) if isinstance(values, relax.Var) else None
+    return (isinstance(bound, relax.Call) and bound.op.same_as(tvm.ir.Op.get("relax.broadcast_to"))
+            and prod(shape_of(bound.args[0])) < prod(shape))
+
+
 @register("relax.index_put")
 def index_put_grad(
     orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
 ) -> list[relax.Expr]:
     """``y = x; y[idx_0, ..., idx_{n-1}] = v`` (``+=`` with ``accumulate``), v broadcast to the
-    indices' shape.
+    indices' shape ``B``.
 
-    ``dv = sum_to(dy[idx], v.shape)``; ``dx = dy`` when accumulating, else
-    ``index_put(dy, idx, 0)``. Like torch, a repeated index hands dy to every source element.
+    ``dv = sum_to(dy[idx], v.shape)``; ``dx = dy`` with ``accumulate``, else
+    ``index_put(dy, idx, 0)``. Where an index repeats, torch's ``index_put`` (and
+    ``max_unpool``) hand dy to every source written to the position, but ``index_fill`` (one
+    value broadcast, lowered to ``index_put(x, idx, broadcast_to(v, B))``) counts each
+    position once. So when v is broadcast (here or by a ``broadcast_to`` just before) and not
+    accumulated, only the source that stays counts: the
+    same index_put of the source numbers ``0 .. |B|-1`` says which, and
+    ``dv = sum_to(where(kept, dy[idx], 0), v.shape)``.
     """
     x, indices, values = orig_call.args
     read = ctx.normalize(op.index_tensor(output_grad, indices))
-    values_grad = _sum_to(read, values, shape_of(read))
+    index_shape = shape_of(read)
     if orig_call.attrs.accumulate:
-        x_grad: relax.Expr = output_grad
-    else:
-        x_grad = op.index_put(output_grad, indices, op.zeros(shape_of(values), dtype_of(values)))
+        return [output_grad, grad_op.no_grad(indices), _sum_to(read, values, index_shape)]
+    x_grad = op.index_put(output_grad, indices, op.zeros(shape_of(values), dtype_of(values)))
+    if not _is_broadcast(ctx, values, index_shape):
+        return [x_grad, grad_op.no_grad(indices), _sum_to(read, values, index_shape)]
+    numbers = op.reshape(op.arange(0, prod(index_shape), 1, "int64"), index_shape)
+    winners = op.index_put(op.zeros(shape_of(x), "int64"), indices, numbers)
+    kept = op.equal(op.index_tensor(winners, indices), numbers)
+    values_grad = _sum_to(op.where(kept, read, op.zeros(index_shape, dtype_of(read))), values, index_shape)
     return [x_grad, grad_op.no_grad(indices), values_grad]
 
 

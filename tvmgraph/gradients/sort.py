@@ -30,17 +30,18 @@ def topk_grad(
     """
     x = orig_call.args[0]
     attrs = orig_call.attrs
-    axis = int(attrs.axis) % len(shape_of(x))
     ret_type = str(attrs.ret_type)
     if ret_type == "indices":
         return [grad_op.no_grad(x)]
+    values_grad = tuple_field_grad(ctx, output_grad, 0) if ret_type == "both" else output_grad
+    if values_grad is None:
+        return [op.zeros(shape_of(x), dtype_of(x))]
+    if not shape_of(x):  # a 0-d x is its own top 1
+        return [op.reshape(values_grad, [])]
+    axis = int(attrs.axis) % len(shape_of(x))
     if ret_type == "both":
-        values_grad = tuple_field_grad(ctx, output_grad, 0)
-        if values_grad is None:
-            return [op.zeros(shape_of(x), dtype_of(x))]
         indices = relax.TupleGetItem(orig_var, 1)
     else:
-        values_grad = output_grad
         indices = op.topk(x, int(attrs.k), axis, "indices", bool(attrs.largest), str(attrs.dtype))
     return [_scatter_back(x, indices, values_grad, axis)]
 
