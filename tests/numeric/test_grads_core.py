@@ -168,6 +168,9 @@ SCATTER = [
            lambda x, e, y: torch.cat([x, e, y], 1), normal((2, 3), (2, 0), (2, 1))),
     OpCase("nanmean-mask", lambda x: op.where(emit(op.logical_not(emit(op.isnan(x)))), x, x * x),
            lambda x: torch.where(~torch.isnan(x), x, x * x), normal((2, 3))),
+    OpCase("astype-truncation",
+           lambda x: op.subtract(x, emit(op.astype(emit(op.astype(x, "int64")), DTYPE))),
+           lambda x: x - x.long().double(), normal((2, 3))),
     OpCase("arange-times-x",
            lambda x: op.multiply(x, emit(op.astype(emit(op.arange(0, 4, 1, "int64")), DTYPE))),
            lambda x: x * torch.arange(4), normal((2, 4))),
@@ -195,7 +198,7 @@ GRID_SAMPLE.append(grid_sample_case("nearest", "zeros", False))
     pytest.param(SCAN, id="scan"),
     pytest.param(SORT, id="sort", marks=pytest.mark.slow),  # topk/argsort kernels compile slowly
     pytest.param(EINSUM, id="einsum"),
-    pytest.param(SCATTER, id="scatter"),
+    pytest.param(SCATTER, id="scatter-masks-casts"),
     pytest.param(GRID_SAMPLE, id="grid_sample", marks=pytest.mark.slow),
 ])
 def test_gradients_match_torch(cases: list[OpCase]) -> None:
