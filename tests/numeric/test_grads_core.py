@@ -25,9 +25,11 @@ from tvmgraph.training import train_step
 from tests.numeric.grad_check import (
     TOLERANCES,
     CompiledVJP,
+    Inputs,
     OpCase,
     assert_close,
     emit,
+    normal,
     torch_output_shape,
     torch_vjp,
 )
@@ -73,16 +75,12 @@ def check_batch(cases: list[OpCase]) -> None:
     assert at == len(got), f"{len(got)} gradients, {at} compared"
 
 
-def arrays(*values: object) -> callable:
+def arrays(*values: object) -> Inputs:
     """Fixed inputs (float lists become float64, int lists int64)."""
     return lambda rng: [np.asarray(v) for v in values]
 
 
-def normal(*shapes: tuple[int, ...]) -> callable:
-    return lambda rng: [rng.standard_normal(s) for s in shapes]
-
-
-def with_zeros(shape: tuple[int, ...], zeros: list[tuple[int, ...]]) -> callable:
+def with_zeros(shape: tuple[int, ...], zeros: list[tuple[int, ...]]) -> Inputs:
     """A normal input with exact zeros at ``zeros``."""
     def make(rng: np.random.Generator) -> list[np.ndarray]:
         x = rng.standard_normal(shape)
