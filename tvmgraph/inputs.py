@@ -40,14 +40,28 @@ def fits(t: torch.Tensor) -> bool:
 
 
 def _fits_state(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and not t.data_ptr() % ALIGNMENT
+    return t.is_contiguous() and not t.data_ptr() % ALIGNMENT and bool(t.numel())
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A compact copy of `t` in fresh (aligned) storage with lazy bits resolved.
+
+    An empty tensor gets TVM's compact strides, the products of the later sizes (`(0, 0, 1)` for
+    shape `(0, 0, 0)`): torch's own (`(1, 1, 1)`, it counts an empty size as 1) fail TVM's check.
+    """
+    if not t.numel():
+        strides = [1]
+        for size in reversed(t.shape[1:]):
+            strides.insert(0, strides[0] * size)
+        return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+    # clone() always allocates (contiguous() returns a misaligned contiguous view as it is) and
+    # materializes neg/conj bits.
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def runnable(t: torch.Tensor) -> torch.Tensor:
     """`t` when it fits, else a compact copy in fresh (aligned) storage with lazy bits resolved."""
-    # clone() always allocates (contiguous() returns a misaligned contiguous view as it is),
-    # materializes neg/conj bits and gives an empty tensor compact strides.
-    return t if fits(t) else t.clone(memory_format=torch.contiguous_format)
+    return t if fits(t) else _copy(t)
 
 
 def runnable_all(tensors: Sequence[torch.Tensor], thorough: bool = True) -> tuple[list[torch.Tensor], list[int]]:
@@ -62,6 +76,6 @@ def runnable_all(tensors: Sequence[torch.Tensor], thorough: bool = True) -> tupl
     copied = []
     for i, t in enumerate(out):
         if not check(t):
-            out[i] = t.clone(memory_format=torch.contiguous_format)
+            out[i] = _copy(t)
             copied.append(i)
     return out, copied

@@ -67,7 +67,8 @@ def test_runnable_copies_what_kernels_cannot_read(name):
     out = runnable(given)
     assert out is not given
     assert out.is_contiguous() and out.data_ptr() % ALIGNMENT == 0 and not out.is_neg()
-    assert out.stride() == torch.empty(out.shape).stride()
+    # TVM's compact strides: torch's, except 0 before an empty dimension (torch counts it as 1)
+    assert out.stride() == ((0, 8, 1) if name == "empty" else torch.empty(out.shape).stride())
     assert torch.equal(out, given)
 
 

@@ -22,13 +22,9 @@ from tests.numeric import opinfo_sweep as sweep
 
 # (op, phase): (kind, reason seen), from the CI slice (float32, first usable sample).
 KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str]] = {
-    ('combinations', 'gradient'): ('raw', 'CompileError: InternalError: Check failed: (var_binding) is false:'),
     ('cosh', 'forward'): ('raw', 'CompileError: InternalError: unknown intrinsic tirx.cosh'),
     ('heaviside', 'forward'): ('raw', 'CompileError: TypeError: Binary operators must have the same datatype for both o'),
-    ('roll', 'gradient'): ('raw', 'ExecutionError: ValueError: expected'),
     ('sinh', 'forward'): ('raw', 'CompileError: InternalError: unknown intrinsic tirx.sinh'),
-    ('bfloat16', 'gradient'): ('raw', 'CompileError: InternalError: The differentiation target must be a float scalar ('),
-    ('stack', 'gradient'): ('raw', 'CompileError: InternalError: Expected nested to match tuple'),
 }
 
 

@@ -7,7 +7,10 @@ are wrong. Registration is idempotent; see ``_common`` for the level rules and
 docs/gradients.md for the list and the formulas.
 """
 
-from . import activation, conv, elementwise, fixes, index, nn, norm, pool3d, reduce, shape  # noqa: F401
+from . import (  # noqa: F401
+    activation, conv, einsum, elementwise, fixes, grid_sample, index, nn, nondiff, norm, pool3d, reduce, scan,
+    scatter, shape, sort,
+)
 from ._common import REGISTERED as REGISTERED
 
 __all__ = ["REGISTERED"]

@@ -9,6 +9,10 @@ Each is registered above TVM's level (``fixes_tvm=True``); the reason is in its 
 * ``relax.nn.relu``, ``relax.abs``, ``relax.maximum``, ``relax.minimum``: at the kink
   (``x == 0``, ``x == y``) TVM passes the whole gradient one way; torch passes 0 (relu, abs)
   or half to each side (maximum, minimum). Exact kinks are common in training, see ``relu_grad``.
+* ``relax.astype``: TVM casts dy back through integer casts, so a truncation
+  (``quantile``'s ``ranks - ranks.long()``) gets gradient 1 instead of 0.
+* ``relax.concat``: ``split`` at the running offsets fails for one part (``torch.stack`` of one
+  tensor) and for an empty part (``block_diag`` with an empty block).
 """
 
 from __future__ import annotations
@@ -141,3 +145,43 @@ def minimum_grad(
     dy symmetrically. TVM gives a tie's whole gradient to y; torch splits it."""
     x, y = orig_call.args
     return _split_at_ties(ctx, orig_call, output_grad, op.less(x, y))
+
+
+@register("relax.concat", fixes_tvm=True)
+def concat_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = concat((x_0, ..., x_{k-1}), axis)``: ``dx_i = dy[o_i : o_i + x_i.shape[axis]]``
+    along ``axis``, ``o_i`` the running offset.
+
+    TVM's gradient splits dy at the offsets: with one part the split's result is no tuple
+    ("Expected nested to match tuple"), and an empty part repeats an offset, which split's
+    legalization rejects ("split_indices must be sorted"). One strided_slice per part has
+    neither problem.
+    """
+    axis = int(orig_call.attrs.axis) % len(shape_of(orig_var))
+    parts, offset = [], 0
+    for field in orig_call.args[0].ty.fields:
+        size = int(field.shape[axis])
+        parts.append(op.strided_slice(output_grad, [axis], [offset], [offset + size]))
+        offset += size
+    return [relax.Tuple(parts)]
+
+
+@register("relax.astype", fixes_tvm=True)
+def astype_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = astype(x, dtype)``: ``dx = astype(dy, x.dtype)`` between float types, and no
+    gradient when either side is an integer or bool (a cast to an integer is piecewise
+    constant). TVM casts dy back whatever the types, so ``x - float(int(x))`` had gradient 0
+    where torch has 1 (quantile's interpolation weight w.r.t. q).
+    """
+    x = orig_call.args[0]
+    if not all(_is_float(dtype_of(e)) for e in (x, orig_var)):
+        return [grad_op.no_grad(x)]
+    return [op.astype(output_grad, dtype_of(x))]
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))

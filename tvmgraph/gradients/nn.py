@@ -135,13 +135,3 @@ def resize2d_grad(
     grad = op.matmul(output_grad, op.permute_dims(resize_w_t, [1, 0]))
     grad = op.matmul(resize_h_t, grad)
     return [grad, grad_op.no_grad(orig_call.args[1])]
-
-
-@register("relax.arange")
-def arange_grad(
-    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
-) -> list[relax.Expr]:
-    """``y = arange(start, end, step)``: no differentiable input. It needs a gradient anyway
-    because ``Gradient`` follows every value that meets the parameters, such as the source
-    coordinates that torch's bicubic ``interpolate`` decomposition computes from an arange."""
-    return [grad_op.no_grad(arg) for arg in orig_call.args]

@@ -34,6 +34,7 @@ update earlier keeps it after every other reader of what it overwrites).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ import tvm
 from tvm import relax
 
 from .. import gradients as _gradients  # noqa: F401  (registers the gradients TVM lacks)
+from ..errors import UnsupportedOpError
 from .gradient_check import check_gradients
 from .optimizers import PARAM, UpdateRule
 from .plan import GroupPlan, TrainingPlan
@@ -123,10 +125,9 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     mod = run_pass(RecomputeAttention(plan.recompute_attention, report), mod, graph, check=True)
     main = mod["main"]
     check_gradients(main, loss_index, origins or {}, graph)
-    mod = relax.transform.Gradient("main", require_grads=[main.params[i] for i in grad_indices],
-                                   target_index=loss_index)(mod)
-    adjoint_gv = mod.get_global_var("main_adjoint")
     num_outputs = len(main.ret_ty.fields)
+    mod = _differentiate(mod, grad_indices, loss_index, graph)
+    adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
     inputs = [relax.Var(v.name, v.ty) for v in main.params]
@@ -186,6 +187,52 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
         mod[gv] = mod[gv].without_attr("global_symbol")
     layout = TrainStepLayout(tuple(grad_indices), tuple(state_shapes), len(plan.groups))
     return mod, layout
+
+
+# The NotImplementedError messages of tvmgraph/gradients: a configuration they do not cover.
+_NOT_COVERED = re.compile(r"gradient of relax\.[\w.]+ .*|tvmgraph\.gradients need static shapes.*")
+
+
+def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, graph: str) -> tvm.IRModule:
+    """`main_adjoint` added to `mod`: `Gradient` of the loss w.r.t. the parameters at `grad_indices`.
+
+    `Gradient` takes float16/32/64 targets only: a bfloat16 loss is differentiated through an
+    extra float32 output (a cast, exact), which the train step does not return. Gradients that
+    tvmgraph cannot compute become UnsupportedOpError: a configuration a registered gradient does
+    not cover (its NotImplementedError), and shapes that depend on data (`match_cast`, from
+    `nonzero` or boolean masks), which `Gradient` rejects ("Check failed: (var_binding)").
+    """
+    main = mod["main"]
+    loss = main.body.body.fields[loss_index]
+    target_index = loss_index
+    if loss.ty.dtype.dtype not in ("float16", "float32", "float64"):
+        cast = relax.Var("loss_float32", relax.TensorType((), "float32"))
+        blocks = list(main.body.blocks)
+        bindings = [*blocks[-1].bindings, relax.VarBinding(cast, relax.op.astype(loss, "float32"))]
+        blocks[-1] = relax.DataflowBlock(bindings)
+        fields = [*main.body.body.fields, cast]
+        body = relax.SeqExpr(blocks, relax.Tuple(fields))
+        main = relax.Function(main.params, body, relax.TupleType([f.ty for f in fields]), attrs=main.attrs)
+        mod = mod.clone()
+        mod["main"] = main
+        target_index = len(fields) - 1
+    try:
+        return relax.transform.Gradient("main", require_grads=[main.params[i] for i in grad_indices],
+                                        target_index=target_index)(mod)
+    except Exception as e:  # TVM hands a gradient's NotImplementedError back as a RuntimeError
+        not_covered = _NOT_COVERED.match(str(e))
+        if not_covered:
+            raise UnsupportedOpError(f"{graph}: build() needs a gradient that tvmgraph does not cover: "
+                                     f"{not_covered.group(0)}. Rewrite that part with covered ops or run it "
+                                     f"outside the graph (TVM's autodiff differentiates everything the loss "
+                                     f"depends on, so freezing parameters does not help).") from None
+        data_dependent = any(isinstance(b, relax.MatchCast) for block in main.body.blocks for b in block.bindings)
+        if not (data_dependent and "var_binding" in str(e)):
+            raise
+        raise UnsupportedOpError(f"{graph}: build() computes a shape from tensor values (nonzero, boolean masks, "
+                                 f"torch.combinations) on the way to the loss; tvmgraph cannot differentiate "
+                                 f"through it. Run that part outside the graph (compute it before calling the "
+                                 f"graph).") from None
 
 
 def _indices_of(group: GroupPlan, plan: TrainingPlan, grad_indices: list[int]) -> list[int]:
