@@ -109,5 +109,5 @@ def scatter_elements_grad(
         src_grad = op.where(single_zero, gather(output_grad * without_it),
                             gather(output_grad * orig_var) / op.where(src_zero, one, src))
     else:
-        raise NotImplementedError(f"the gradient of scatter_elements with reduction={reduction!r}")
+        raise NotImplementedError(f"gradient of relax.scatter_elements with reduction={reduction!r}")
     return [x_grad, grad_op.no_grad(indices), src_grad]
