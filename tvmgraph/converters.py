@@ -27,6 +27,8 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
+- elementwise math functions (special functions, hypot, fmax, copysign, cosh, ...): see
+  converters_special.py.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters_nn
+from . import converters_nn, converters_special
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -311,3 +313,4 @@ CONVERTERS: dict[str, Converter] = {
     "scatter.value": clamped_index("_scatter_value"),
 }
 CONVERTERS.update(converters_nn.CONVERTERS)
+CONVERTERS.update(converters_special.CONVERTERS)
