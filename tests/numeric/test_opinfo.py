@@ -23,14 +23,11 @@ from tests.numeric import opinfo_sweep as sweep
 # (op, phase): (kind, reason seen), from the CI slice (float32, first usable sample).
 KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str]] = {
     ('combinations', 'gradient'): ('raw', 'CompileError: InternalError: Check failed: (var_binding) is false:'),
-    ('cosh', 'forward'): ('raw', 'CompileError: InternalError: unknown intrinsic tirx.cosh'),
-    ('heaviside', 'forward'): ('raw', 'CompileError: TypeError: Binary operators must have the same datatype for both o'),
     ('as_strided.partial_views', 'forward'): ('raw', 'CompileError: AssertionError: as_strided with non-contiguous stride [1, 2] forsi'),
     ('nn.functional.conv_transpose3d', 'forward'): ('raw', 'CompileError: ValueError: Unsupported transposed convolution dimensionality: 5;'),
     ('nn.functional.unfold', 'forward'): ('raw', 'CompileError: ValueError: index_tensor: cannot broadcast index shapes. Mismatch'),
     ('nn.functional.interpolate.trilinear', 'forward'): ('raw', 'CompileError: ValueError: index_tensor: cannot broadcast index shapes. Mismatch'),
     ('roll', 'gradient'): ('raw', 'ExecutionError: ValueError: expected'),
-    ('sinh', 'forward'): ('raw', 'CompileError: InternalError: unknown intrinsic tirx.sinh'),
     ('index_select', 'forward'): ('raw', 'CompileError: ValueError: In relax.take, the input axis 0 is out of range. The i'),
     ('bfloat16', 'gradient'): ('raw', 'CompileError: InternalError: The differentiation target must be a float scalar ('),
     ('stack', 'gradient'): ('raw', 'CompileError: InternalError: Expected nested to match tuple'),
