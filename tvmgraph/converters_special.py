@@ -91,6 +91,13 @@ def erfcx(x: Expr) -> Expr:
 NEWTON_STEPS = 1
 
 
+def log_ndtr(x: Expr) -> Expr:
+    """log of the standard normal CDF; through erfcx in the lower tail, where the CDF underflows."""
+    t = x * _c(1.0 / math.sqrt(2.0))
+    return _where(x < _c(-1.0), tir.log(erfcx(-t) * _c(0.5)) - x * x * _c(0.5),
+                  tir.log1p(erfc(t) * _c(-0.5)))
+
+
 def _erf_inverse_guess(a: Expr, c: Expr) -> Expr:
     w = -tir.log(c * (_c(1.0) + a))
     central = _poly(w - _c(2.5), [1.50140941, 0.246640727, -0.00417768164, -0.00125372503, 0.00021858087,
@@ -185,10 +192,13 @@ def _hurwitz_zeta(s: Expr, q: Expr) -> Expr:
 
 
 def zeta(s: Expr, q: Expr) -> Expr:
+    """Cephes' (and torch's) order of special cases: s = 1, s < 1, q a pole, then (q^-s
+    undefined) q <= 0 with s not an integer."""
     value = _hurwitz_zeta(s, q)
     q_pole = tir.all(q <= _c(0.0), q == tir.floor(q))
-    undefined = tir.any(s < _c(1.0), tir.all(q <= _c(0.0), s != tir.floor(s)))
-    return _where(s == _c(1.0), _c(INF), _where(undefined, _c(NAN), _where(q_pole, _c(INF), value)))
+    undefined = tir.all(q <= _c(0.0), s != tir.floor(s))
+    return _where(s == _c(1.0), _c(INF), _where(s < _c(1.0), _c(NAN), _where(
+        q_pole, _c(INF), _where(undefined, _c(NAN), value))))
 
 
 def digamma(x: Expr) -> Expr:
@@ -399,7 +409,9 @@ FUNCTIONS: dict[str, Elementwise] = {
         _where(x == _c(0.0), _c(0.0), tir.copysign(x, y) / x), _c(0.0)]),
     "ldexp": Elementwise(lambda x, e: x * tir.exp2(e),
                          lambda x, e: [tir.exp2(e), x * tir.exp2(e) * _c(math.log(2.0))]),
-    "nextafter": Elementwise(tir.nextafter, native=True),
+    "nextafter": Elementwise(tir.nextafter, lambda x, y: [_c(1.0), _c(0.0)], native=True),  # as torch's
+    "log_ndtr": Elementwise(log_ndtr, lambda x: [
+        tir.exp(_c(-0.5) * x * x - log_ndtr(x)) * _c(1.0 / math.sqrt(2.0 * math.pi))]),
 }
 
 GRAD_PREFIX = "tvmgraph.special."
@@ -595,6 +607,7 @@ CONVERTERS = {
     "exp2.default": _unary("exp2"),
     "erfc.default": _unary("erfc"),
     "special_erfcx.default": _unary("erfcx"),
+    "special_log_ndtr.default": _unary("log_ndtr"),
     "erfinv.default": _unary("erfinv"),
     "special_ndtri.default": _unary("ndtri"),
     "lgamma.default": _unary("lgamma"),

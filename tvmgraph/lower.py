@@ -76,6 +76,10 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         table = torch.export.default_decompositions()
         # Kept whole: its decomposition has a NaN gradient on fully masked rows (converters_nn.py).
         table.pop(torch.ops.aten._safe_softmax.default)
+        # Kept whole: their decompositions mix dtypes (heaviside) or have NaN gradients from the
+        # branch `where` drops (log_ndtr); converters_special.py lowers them.
+        table.pop(torch.ops.aten.heaviside.default)
+        table.pop(torch.ops.aten.special_log_ndtr.default)
         return exported.run_decompositions(table)
 
 

@@ -107,10 +107,10 @@ _unary("atanh: dx = dy / (1 - x^2)", lambda x, y: _one(x) / (_one(x) - x * x))
 _unary("tan: dx = dy (1 + y^2)", lambda x, y: _one(y) + y * y)
 
 
-def _reduce_to(grad: relax.Expr, like: relax.Expr) -> relax.Expr:
-    """``grad`` summed over the axes that ``like`` was broadcast along."""
+def _reduce_to(grad: relax.Expr, like: relax.Expr, result: relax.Var) -> relax.Expr:
+    """``grad`` (shaped like ``result``) summed over the axes that ``like`` was broadcast along."""
     shape = shape_of(like)
-    return grad if shape_of(grad) == shape else op.collapse_sum_to(grad, shape)
+    return grad if shape_of(result) == shape else op.collapse_sum_to(grad, shape)
 
 
 @register("relax.atan2")
@@ -120,7 +120,7 @@ def atan2_grad(
     """``z = atan2(a, b)``:  ``da = dy b / (a^2 + b^2)``, ``db = -dy a / (a^2 + b^2)``."""
     a, b = orig_call.args
     scale = ctx.emit(output_grad / (a * a + b * b))
-    return [_reduce_to(scale * b, a), _reduce_to(-(scale * a), b)]
+    return [_reduce_to(scale * b, a, orig_var), _reduce_to(-(scale * a), b, orig_var)]
 
 
 def _remainder(name: str, rounding: Callable[[relax.Expr], relax.Expr], rounding_name: str) -> None:
@@ -128,7 +128,7 @@ def _remainder(name: str, rounding: Callable[[relax.Expr], relax.Expr], rounding
         orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
     ) -> list[relax.Expr]:
         a, b = orig_call.args
-        return [_reduce_to(output_grad, a), _reduce_to(-(output_grad * rounding(a / b)), b)]
+        return [_reduce_to(output_grad, a, orig_var), _reduce_to(-(output_grad * rounding(a / b)), b, orig_var)]
 
     gradient.__doc__ = f"``z = a - b {rounding_name}(a / b)``:  ``da = dy``, ``db = -dy {rounding_name}(a / b)``."
     register(f"relax.{name}")(gradient)
@@ -143,4 +143,12 @@ def floor_divide_grad(
     orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
 ) -> list[relax.Expr]:
     """``floor(a / b)`` is piecewise constant:  ``da = db = 0``."""
+    return [grad_op.no_grad(arg) for arg in orig_call.args]
+
+
+@register("relax.arange")
+def arange_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``arange(start, end, step)`` has no tensor input (mvlgamma adds one to its argument)."""
     return [grad_op.no_grad(arg) for arg in orig_call.args]
