@@ -255,10 +255,6 @@ def polygamma(x: Expr, n: int) -> Expr:
 
 # ---- modified Bessel functions ----
 
-def _series(q: Expr, coefficients: Sequence[float]) -> Expr:
-    return _poly(q, coefficients)
-
-
 _TERMS = 50
 _I0_SERIES = [1.0 / math.factorial(k) ** 2 for k in range(_TERMS)]
 _I1_SERIES = [1.0 / (math.factorial(k) * math.factorial(k + 1)) for k in range(_TERMS)]
@@ -290,7 +286,7 @@ def _bessel_i(order: int, x: Expr, scaled: bool) -> Expr:
     """I_order(x) (times exp(-|x|) when scaled), order 0 or 1; I_1 is odd."""
     a = tir.abs(x)
     q = a * a * _c(0.25)
-    series = _series(q, _I0_SERIES) if order == 0 else a * _c(0.5) * _series(q, _I1_SERIES)
+    series = _poly(q, _I0_SERIES) if order == 0 else a * _c(0.5) * _poly(q, _I1_SERIES)
     if scaled:
         series = series * tir.exp(-a)
     expansion = _poly(_c(1.0) / a, _I0_ASYMPTOTIC if order == 0 else _I1_ASYMPTOTIC) / tir.sqrt(_c(2.0 * math.pi) * a)
@@ -307,11 +303,11 @@ def _bessel_k(order: int, x: Expr, scaled: bool) -> Expr:
     q = x * x * _c(0.25)
     log_half = tir.log(x * _c(0.5))
     if order == 0:
-        series = _series(q, _K0_SERIES) - (log_half + _c(EULER_GAMMA)) * _series(q, _I0_SERIES)
+        series = _poly(q, _K0_SERIES) - (log_half + _c(EULER_GAMMA)) * _poly(q, _I0_SERIES)
     else:
-        i1 = x * _c(0.5) * _series(q, _I1_SERIES)
+        i1 = x * _c(0.5) * _poly(q, _I1_SERIES)
         series = (_c(1.0) / x + log_half * i1
-                  - x * _c(0.25) * (_series(q, _K1_SERIES) - _c(2.0 * EULER_GAMMA) * _series(q, _I1_SERIES)))
+                  - x * _c(0.25) * (_poly(q, _K1_SERIES) - _c(2.0 * EULER_GAMMA) * _poly(q, _I1_SERIES)))
     if scaled:
         series = series * tir.exp(x)
     expansion = _poly(_c(1.0) / x, _K0_ASYMPTOTIC if order == 0 else _K1_ASYMPTOTIC) * tir.sqrt(_c(math.pi * 0.5) / x)
