@@ -30,6 +30,8 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
 - `_batch_norm_with_update_functional`: no stock converter; the train-mode batch norm above.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 - reductions, scans, scatters, strided views, distances: see converters_reduce.py.
+- elementwise math functions (special functions, hypot, fmax, copysign, cosh, ...): see
+  converters_special.py.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters_nn, converters_reduce
+from . import converters_nn, converters_reduce, converters_special
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -353,3 +355,4 @@ CONVERTERS: dict[str, Converter] = {
 }
 CONVERTERS.update(converters_nn.CONVERTERS)
 CONVERTERS.update(converters_reduce.CONVERTERS)
+CONVERTERS.update(converters_special.CONVERTERS)

@@ -97,6 +97,10 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         # Not in the export table; decomposes to a scatter_add of the gradient at the indices.
         table[torch.ops.aten.max_pool2d_with_indices_backward.default] = \
             torch._decomp.decomposition_table[torch.ops.aten.max_pool2d_with_indices_backward.default]
+        # Kept whole: their decompositions mix dtypes (heaviside) or have NaN gradients from the
+        # branch `where` drops (log_ndtr); converters_special.py lowers them.
+        table.pop(torch.ops.aten.heaviside.default)
+        table.pop(torch.ops.aten.special_log_ndtr.default)
         return exported.run_decompositions(table)
 
 

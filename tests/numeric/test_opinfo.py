@@ -22,9 +22,6 @@ from tests.numeric import opinfo_sweep as sweep
 
 # (op, phase): (kind, reason seen), from the CI slice (float32, first usable sample).
 KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str]] = {
-    ('cosh', 'forward'): ('raw', 'CompileError: InternalError: unknown intrinsic tirx.cosh'),
-    ('heaviside', 'forward'): ('raw', 'CompileError: TypeError: Binary operators must have the same datatype for both o'),
-    ('sinh', 'forward'): ('raw', 'CompileError: InternalError: unknown intrinsic tirx.sinh'),
 }
 
 

@@ -1,4 +1,5 @@
-"""Gradients of elementwise math ops: erf, rsqrt, square, clip, and the piecewise-constant ones.
+"""Gradients of elementwise math ops: erf, rsqrt, square, clip, the inverse trigonometric and
+hyperbolic functions, tan, the remainders, and the piecewise-constant ones.
 
 Each is ``dx = dy * f'(x)``, with ``f'`` written from x or from the output y when cheaper.
 """
@@ -6,11 +7,12 @@ Each is ``dx = dy * f'(x)``, with ``f'`` written from x or from the output y whe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import const, register, scalar_of
+from ._common import const, register, scalar_of, shape_of
 
 op = relax.op
 
@@ -77,3 +79,68 @@ def _zero_grad(
 
 for _name in ("relax.floor", "relax.ceil", "relax.round", "relax.trunc", "relax.sign"):
     register(_name)(_zero_grad)
+
+
+def _unary(formula: str, derivative: Callable[[relax.Expr, relax.Expr], relax.Expr]) -> None:
+    """Register ``dx = dy * derivative(x, y)`` for ``relax.<name>``."""
+    name, _, _ = formula.partition(":")
+
+    def gradient(
+        orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+    ) -> list[relax.Expr]:
+        return [output_grad * derivative(orig_call.args[0], orig_var)]
+
+    gradient.__doc__ = f"``{formula.strip()}``."
+    register(f"relax.{name}")(gradient)
+
+
+def _one(x: relax.Expr) -> relax.Expr:
+    return const(1.0, x)
+
+
+_unary("acos: dx = -dy / sqrt(1 - x^2)", lambda x, y: -op.rsqrt(_one(x) - x * x))
+_unary("asin: dx = dy / sqrt(1 - x^2)", lambda x, y: op.rsqrt(_one(x) - x * x))
+_unary("atan: dx = dy / (1 + x^2)", lambda x, y: _one(x) / (_one(x) + x * x))
+_unary("acosh: dx = dy / sqrt(x^2 - 1)", lambda x, y: op.rsqrt(x * x - _one(x)))
+_unary("asinh: dx = dy / sqrt(x^2 + 1)", lambda x, y: op.rsqrt(x * x + _one(x)))
+_unary("atanh: dx = dy / (1 - x^2)", lambda x, y: _one(x) / (_one(x) - x * x))
+_unary("tan: dx = dy (1 + y^2)", lambda x, y: _one(y) + y * y)
+
+
+def _reduce_to(grad: relax.Expr, like: relax.Expr, result: relax.Var) -> relax.Expr:
+    """``grad`` (shaped like ``result``) summed over the axes that ``like`` was broadcast along."""
+    shape = shape_of(like)
+    return grad if shape_of(result) == shape else op.collapse_sum_to(grad, shape)
+
+
+@register("relax.atan2")
+def atan2_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``z = atan2(a, b)``:  ``da = dy b / (a^2 + b^2)``, ``db = -dy a / (a^2 + b^2)``."""
+    a, b = orig_call.args
+    scale = ctx.emit(output_grad / (a * a + b * b))
+    return [_reduce_to(scale * b, a, orig_var), _reduce_to(-(scale * a), b, orig_var)]
+
+
+def _remainder(name: str, rounding: Callable[[relax.Expr], relax.Expr], rounding_name: str) -> None:
+    def gradient(
+        orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+    ) -> list[relax.Expr]:
+        a, b = orig_call.args
+        return [_reduce_to(output_grad, a, orig_var), _reduce_to(-(output_grad * rounding(a / b)), b, orig_var)]
+
+    gradient.__doc__ = f"``z = a - b {rounding_name}(a / b)``:  ``da = dy``, ``db = -dy {rounding_name}(a / b)``."
+    register(f"relax.{name}")(gradient)
+
+
+_remainder("mod", op.trunc, "trunc")  # torch.fmod
+_remainder("floor_mod", op.floor, "floor")  # torch.remainder
+
+
+@register("relax.floor_divide")
+def floor_divide_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``floor(a / b)`` is piecewise constant:  ``da = db = 0``."""
+    return [grad_op.no_grad(arg) for arg in orig_call.args]
