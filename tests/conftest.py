@@ -60,6 +60,33 @@ class TrainGraph(tvmgraph.nn.Graph):
         return loss
 
 
+class SGDStep(tvmgraph.nn.Graph):
+    """One SGD step with lr=1 on `model(*inputs)` (a scalar loss): a parameter moves by minus its
+    gradient. Momentum changes nothing on the first step (the buffer starts as the gradient) but
+    keeps FuseModelUpdate off its one-result case (relay_passes/fuse_model_update.py)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
+
+    def build(self, *inputs):
+        loss = self.model(*inputs)
+        loss.backward()
+        return loss
+
+
+class Fn(torch.nn.Module):
+    """A function of the inputs as a module, so that a graph can hold it."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -20,8 +20,7 @@ from torch import nn
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 from tvm import relax
 
-import tvmgraph
-from tests.conftest import ModuleGraph, assert_close
+from tests.conftest import ModuleGraph, SGDStep, assert_close
 from tests.numeric.grad_check import OpCase, check_op, normal, spaced
 
 op = relax.op
@@ -132,18 +131,6 @@ class Calls(nn.Module):
         if not self.train_mode:
             return tuple(outputs)
         return sum((o * w).sum() for o, w in zip(outputs, flat))
-
-
-class SGDStep(tvmgraph.nn.Graph):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
-
-    def build(self, *weights):
-        loss = self.model(*weights)
-        loss.backward()
-        return loss
 
 
 def _inputs(cases: list[Case]) -> list[list[torch.Tensor]]:

@@ -15,17 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tvmgraph
-from tests.conftest import ModuleGraph, assert_close
-
-
-class Fn(nn.Module):
-    def __init__(self, fn: Callable):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
+from tests.conftest import Fn, ModuleGraph, SGDStep, assert_close
 
 
 def _ties() -> torch.Tensor:
@@ -202,20 +192,6 @@ class LossOfParameters(nn.Module):
             args[i] = p
         outputs = [o for o in self.fn(*args) if o.is_floating_point()]
         return sum((o * w).sum() for o, w in zip(outputs, weights))
-
-
-class SGDStep(tvmgraph.nn.Graph):
-    """One SGD step with lr=1 (momentum changes nothing on the first step; see test_silent_ops)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
-
-    def build(self, *weights):
-        loss = self.model(*weights)
-        loss.backward()
-        return loss
 
 
 GRADIENT_BATCHES = {

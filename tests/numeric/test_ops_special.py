@@ -18,8 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-import tvmgraph
-from tests.conftest import ModuleGraph
+from tests.conftest import ModuleGraph, SGDStep
 
 S = torch.special
 INF, NAN = math.inf, math.nan
@@ -222,18 +221,6 @@ class Losses(nn.Module):
 
     def forward(self, *weights: torch.Tensor) -> torch.Tensor:
         return self.losses(list(weights))
-
-
-class SGDStep(tvmgraph.nn.Graph):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
-
-    def build(self, *weights):
-        loss = self.model(*weights)
-        loss.backward()
-        return loss
 
 
 @pytest.mark.slow

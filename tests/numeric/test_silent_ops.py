@@ -17,22 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import tvmgraph
-from tests.conftest import ModuleGraph, assert_close
+from tests.conftest import Fn, ModuleGraph, SGDStep, assert_close
 from tvmgraph.errors import UnsupportedOpError
 
 # torch.testing's own defaults for the half types; float32 and int64 come from conftest.
 HALF_TOLERANCES = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
-
-
-class Fn(nn.Module):
-    """A function of the inputs as a module, so that a graph can hold it."""
-
-    def __init__(self, fn: Callable):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _grid() -> torch.Tensor:
@@ -181,22 +170,6 @@ class OpOfParameter(nn.Module):
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return (self.fn(self.x) * w).sum()
-
-
-class SGDStep(tvmgraph.nn.Graph):
-    """One SGD step, lr=1. Momentum changes nothing on the first step (the buffer starts as
-    the gradient) but keeps FuseModelUpdate off its one-result case, which crashes on a
-    single momentum-less parameter (relay_passes/fuse_model_update.py; not the subject here)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
-
-    def build(self, w):
-        loss = self.model(w)
-        loss.backward()
-        return loss
 
 
 GRADIENTS = [
