@@ -39,7 +39,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvmgraph.debug import logger
 from tvmgraph.training.optimizers import PARAM, RULES, UpdateRule
 from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR
-from tvmgraph.training.update_ops import RelaxUpdateOps
+from tvmgraph.training.update_ops import SCALAR_DTYPE, RelaxUpdateOps
 
 LANES = 16  # elements per vector on AVX-512 float32; 8 on AVX2 is handled by LLVM splitting
 PARALLEL_MIN = 1 << 15  # elements below which one thread updates a parameter alone
@@ -63,17 +63,11 @@ class TEValue:
     def __call__(self, index: tuple) -> tirx.PrimExpr:
         return self.fn(index)
 
-    def _binary(self, other: TEValue, combine) -> TEValue:
-        ops = self.ops
-        return ops.value(lambda i: combine(ops.cast(self(i)), ops.cast(other(i))), self.scalar and other.scalar)
-
-    def __add__(self, other): return self._binary(other, lambda a, b: a + b)  # noqa: E704
-    def __sub__(self, other): return self._binary(other, lambda a, b: a - b)  # noqa: E704
-    def __mul__(self, other): return self._binary(other, lambda a, b: a * b)  # noqa: E704
-    def __truediv__(self, other): return self._binary(other, lambda a, b: a / b)  # noqa: E704
-
-    def __neg__(self) -> TEValue:
-        return self.ops.value(lambda i: -self.ops.cast(self(i)), self.scalar)
+    def __add__(self, other): return self.ops.apply(lambda a, b: a + b, self, other)  # noqa: E704
+    def __sub__(self, other): return self.ops.apply(lambda a, b: a - b, self, other)  # noqa: E704
+    def __mul__(self, other): return self.ops.apply(lambda a, b: a * b, self, other)  # noqa: E704
+    def __truediv__(self, other): return self.ops.apply(lambda a, b: a / b, self, other)  # noqa: E704
+    def __neg__(self): return self.ops.apply(lambda a: -a, self)  # noqa: E704
 
 
 class TEUpdateOps:
@@ -84,36 +78,70 @@ class TEUpdateOps:
         self.shape, self.dtype, self.out_dtypes, self.tag = shape, dtype, out_dtypes, tag
         self.scalar_keys = scalar_keys  # results that are scalar state (not stored)
         self.outputs: dict[str, te.Tensor] = {}  # element-wise results, in formula order
+        self.stored: set[str] = set()  # keys whose buffer already holds the new value
 
     def value(self, fn, scalar: bool) -> TEValue:
         return TEValue(fn, scalar, self)
 
-    def read(self, tensor: te.Tensor) -> TEValue:
+    def read(self, tensor: te.Tensor, scalar: bool = False) -> TEValue:
         if len(tensor.shape) == 0:
-            return self.value(lambda i: tensor(), True)
+            return self.value(lambda i: tensor(), scalar)
         return self.value(lambda i: tensor(*i), False)
 
-    def cast(self, x: tirx.PrimExpr) -> tirx.PrimExpr:
-        return x if _dtype(x) == self.dtype else tirx.Cast(self.dtype, x)
+    def read_state(self, key: str, tensor: te.Tensor, scalar: bool) -> TEValue:
+        """The old value of state `key`, which a formula may read only until it stores `key`
+        (the kernel overwrites the buffer in place)."""
+        old = self.read(tensor, scalar)
+
+        def element(i):
+            if key in self.stored:
+                raise AssertionError(f"update formula reads the old {key!r} after storing the new one; "
+                                     f"read it before, or use the value output() returned")
+            return old(i)
+
+        return self.value(element, old.scalar)
+
+    def apply(self, fn, *args: TEValue) -> TEValue:
+        """`fn` of `args`' elements, in float64 if all are scalar, else in the parameter's dtype
+        (see update_ops.py)."""
+        scalar = all(a.scalar for a in args)
+        dtype = SCALAR_DTYPE if scalar else self.dtype
+
+        def element(i):
+            exprs = [a(i) for a in args]
+            return fn(*[x if _dtype(x) == dtype else tirx.Cast(dtype, x) for x in exprs])
+
+        return self.value(element, scalar)
 
     def const(self, value: float) -> TEValue:
-        return self.value(lambda i: tirx.const(value, self.dtype), True)
+        return self.value(lambda i: tirx.const(value, SCALAR_DTYPE), True)
 
     # Scalar sub-expressions (Adam's bias corrections) stay inline: they are loop-invariant,
     # and LLVM hoists them out of the element loop.
     def sqrt(self, x: TEValue) -> TEValue:
-        return self.value(lambda i: tirx.sqrt(self.cast(x(i))), x.scalar)
+        return self.apply(tirx.sqrt, x)
 
     def pow(self, base: TEValue, exponent: TEValue) -> TEValue:
-        return self.value(lambda i: tirx.power(self.cast(base(i)), self.cast(exponent(i))), base.scalar and exponent.scalar)
+        return self.apply(tirx.power, base, exponent)
+
+    def abs(self, x: TEValue) -> TEValue:
+        return self.apply(tirx.abs, x)
+
+    def sign(self, x: TEValue) -> TEValue:
+        def sign(a):
+            zero, one = tirx.const(0, _dtype(a)), tirx.const(1, _dtype(a))
+            return tirx.Select(a > zero, one, tirx.Select(a < zero, -one, zero))
+
+        return self.apply(sign, x)
 
     def maximum(self, a: TEValue, b: TEValue) -> TEValue:
-        return self.value(lambda i: tirx.max(self.cast(a(i)), self.cast(b(i))), a.scalar and b.scalar)
+        return self.apply(tirx.max, a, b)
+
+    def minimum(self, a: TEValue, b: TEValue) -> TEValue:
+        return self.apply(tirx.min, a, b)
 
     def where_gt(self, x: TEValue, threshold: TEValue, then: TEValue, otherwise: TEValue) -> TEValue:
-        return self.value(lambda i: tirx.Select(self.cast(x(i)) > self.cast(threshold(i)),
-                                                self.cast(then(i)), self.cast(otherwise(i))),
-                          x.scalar and threshold.scalar and then.scalar and otherwise.scalar)
+        return self.apply(lambda a, b, c, d: tirx.Select(a > b, c, d), x, threshold, then, otherwise)
 
     def output(self, key: str, value: TEValue) -> TEValue:
         dtype = self.out_dtypes[key]
@@ -130,6 +158,7 @@ class TEUpdateOps:
             return self.value(stored, True)
         out = te.compute(self.shape, lambda *i: stored(i), name=f"{self.tag}_{key}")
         self.outputs[key] = out
+        self.stored.add(key)
         return self.read(out)
 
 
@@ -154,7 +183,7 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
     state in key order, then the parameter, per parameter) the index of the argument it
     overwrites. Scalar state is read, not written (see TEUpdateOps.output)."""
     keys = rule.state_keys(flags)
-    hyper = te.placeholder((len(rule.hyper_keys),), "float32", name="hyper")
+    hyper = te.placeholder((len(rule.hyper_keys),), SCALAR_DTYPE, name="hyper")
     inputs, outputs, inplace, chains = [hyper], [], [], []
     for j, ty in enumerate(param_types):
         shape, dtype = tuple(int(d) for d in ty.shape), ty.dtype.dtype
@@ -168,8 +197,11 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
         ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}",
                           frozenset(k for k in keys if rule.scalar_state(k)))
         h = {k: ops.value(lambda i, n=n: hyper(n), True) for n, k in enumerate(rule.hyper_keys)}
-        rule.update(ops, ops.read(p), ops.read(g), {k: ops.read(s) for k, s in states.items()}, h, flags)
+        rule.update(ops, ops.read(p), ops.read(g),
+                    {k: ops.read_state(k, s, rule.scalar_state(k)) for k, s in states.items()}, h, flags)
         order = [k for k in (*keys, PARAM) if k in ops.outputs]
+        # The kernel stores in key order (results are mapped back by it): it must be the formula's.
+        assert list(ops.outputs) == order, f"{rule.name}: outputs {list(ops.outputs)} not in state key order"
         outputs += [ops.outputs[k] for k in order]
         inplace += [arg_index[k] for k in order]
         chains.append([ops.outputs[k] for k in order])
@@ -256,6 +288,9 @@ class _Rewriter(PyExprMutator):
             return call
         rule = RULES[str(func.attrs[MODEL_UPDATE_ATTR])]
         flags = {str(k): bool(v) for k, v in func.attrs[FLAGS_ATTR].items()}
+        if not rule.in_place(flags):
+            self.skipped.append(f"{call.op.name_hint} (its results read each other's old values)")
+            return call
         keys = rule.state_keys(flags)
         per_param = 2 + len(keys)
         param_types = [p.ty for p in func.params[1::per_param]]
@@ -300,8 +335,8 @@ class _Rewriter(PyExprMutator):
             p, g, *states = args[1 + j * per_param: 1 + (j + 1) * per_param]
             dtype = p.ty.dtype.dtype
             ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: s.ty.dtype.dtype for k, s in zip(keys, states)}})
-            rule.update(ops, ops.wrap(p), ops.wrap(g), {k: ops.wrap(s) for k, s in zip(keys, states)},
-                        {k: ops.wrap(v) for k, v in h.items()}, flags)
+            rule.update(ops, ops.wrap(p), ops.wrap(g), {k: ops.wrap(s, rule.scalar_state(k)) for k, s in zip(keys, states)},
+                        {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
             out.append({k: ops.outputs[k] for k in keys if rule.scalar_state(k)})
         return out
 

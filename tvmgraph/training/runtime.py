@@ -37,7 +37,7 @@ class TrainingBinding:
             for param in group.params:
                 state = group.optimizer.state[param]
                 if any(k not in state for k in keys):
-                    state.update({k: v for k, v in group.rule.init_state(param, group.flags).items()
+                    state.update({k: v for k, v in group.rule.init_state(param, group.flags, group.group).items()
                                   if k not in state})
                     fresh = True
                 for key in keys:
@@ -46,7 +46,7 @@ class TrainingBinding:
                         value = state[key] = value.to(self.device)
                     states.append(value)
             values = group.rule.hyper_values(group.group, fresh)
-            hypers.append(torch.tensor(values, dtype=torch.float32, device=self.device))
+            hypers.append(torch.tensor(values, dtype=torch.float64, device=self.device))
         return states + hypers
 
     def write_back(self, results: Sequence[torch.Tensor], copied: Collection[int] = ()) -> None:
