@@ -335,7 +335,8 @@ class _Rewriter(PyExprMutator):
             p, g, *states = args[1 + j * per_param: 1 + (j + 1) * per_param]
             dtype = p.ty.dtype.dtype
             ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: s.ty.dtype.dtype for k, s in zip(keys, states)}})
-            rule.update(ops, ops.wrap(p), ops.wrap(g), {k: ops.wrap(s, rule.scalar_state(k)) for k, s in zip(keys, states)},
+            rule.update(ops, ops.wrap(p), ops.wrap(g),
+                        {k: ops.wrap(s, rule.scalar_state(k)) for k, s in zip(keys, states)},
                         {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
             out.append({k: ops.outputs[k] for k in keys if rule.scalar_state(k)})
         return out

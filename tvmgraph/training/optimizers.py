@@ -1,21 +1,26 @@
 """torch.optim optimizers, lowered: their update rules as backend-neutral formulas.
 
-Sorted in order of increasing complexity: SGD, Adam, AdamW (Adam with decoupled decay).
+SGD, Adam and AdamW first, then the others in the order of torch's docs: RMSprop, Adagrad,
+Adamax, NAdam, RAdam, Adadelta, Rprop, ASGD.
 
 An `UpdateRule` knows one optimizer class: which per-parameter state tensors it keeps (the same
 keys torch keeps in `optimizer.state[p]`, so `optimizer.state_dict()` stays the source of truth),
 which per-group hyperparameters travel as runtime inputs (so lr schedulers, and anything else
 that edits `param_groups`, take effect without recompiling), which options change the program
-(`flags`), and the update formula for one parameter.
+(`flags`), and the update formula for one parameter. Options a rule does not implement raise
+an OptimizerError (`check_group`), never a silently different update.
 
 A formula is written once against `UpdateOps` (update_ops.py) and evaluated by two backends:
 Relax ops (one kernel per fused group after FuseOps) and TE (relay_passes/fuse_model_update.py:
 one in-place kernel per param group). `ops.output(key, value)` marks a result; results are
-produced in call order, and a later formula step reads an earlier result only through the
-value `output` returned, which is what makes the in-place kernel correct.
+produced in call order, which must be the order of `state_keys` (then PARAM last). A formula
+reads the old value of a state only until it outputs that state; a later step reads the new
+value through the value `output` returned. That is what makes the in-place kernel correct
+(a rule that cannot keep to it says `in_place() -> False`).
 
-Each update follows torch's single-tensor implementation (torch/optim/sgd.py, adam.py) step for
-step; tests/numeric/test_training.py compares whole training runs against eager.
+Each update follows torch's single-tensor implementation (torch/optim/*.py, `_single_tensor_*`)
+step for step; tests/numeric/test_training.py and test_optimizers.py compare training runs,
+parameters and state, against eager.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ class TrainingBinding:
             for param in group.params:
                 state = group.optimizer.state[param]
                 if any(k not in state for k in keys):
-                    state.update({k: v for k, v in group.rule.init_state(param, group.flags, group.group).items()
-                                  if k not in state})
+                    created = group.rule.init_state(param, group.flags, group.group)
+                    state.update({k: v for k, v in created.items() if k not in state})
                     fresh = True
                 for key in keys:
                     value = state[key]
