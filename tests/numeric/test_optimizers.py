@@ -8,11 +8,15 @@ its bias, each with other options, so that one compile covers many option combin
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
+import tvm
 from torch import nn
+from tvm import relax
 
+from relay_passes.fuse_model_update import build_update_kernel
 from tests.conftest import TrainGraph
 from tvmgraph.errors import OptimizerError
 from tvmgraph.training.optimizers import RULES
@@ -100,6 +104,11 @@ def train_side_by_side(configs, fuse: bool) -> TrainGraph:
             opt.step()
         assert_close(loss, ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
         assert_same_optimizer(optimizers, ref_optimizers, step)
+        pointers = [[p.data_ptr() for group in opt.param_groups for p in group["params"]] for opt in optimizers]
+        if step > 0:  # the update kernels write in place; Adadelta's update stays Relax ops
+            in_place = [now == before for now, before in zip(pointers, last_pointers)]
+            assert in_place == [fuse and not isinstance(opt, torch.optim.Adadelta) for opt in optimizers]
+        last_pointers = pointers
     assert graph.num_compiled == 1
     return graph
 
@@ -137,3 +146,32 @@ def test_unsupported_options_raise(make) -> None:
     graph = TrainGraph(model, nn.MSELoss(), make(model.parameters()))
     with pytest.raises(OptimizerError, match="not supported in graph mode"):
         graph(torch.randn(3, 4), torch.randn(3, 2))
+
+
+def _rule_and_flags(config):
+    cls, weight, _, shared = config
+    group = cls([torch.zeros(2, requires_grad=True)], **shared, **weight).param_groups[0]
+    rule = next(r for r in RULES.values() if r.optimizer_class is cls)
+    return rule, rule.flags(group)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
+@pytest.mark.parametrize("config", [c for c in ADAPTIVE + OTHERS if c[0] is not torch.optim.Adadelta],
+                         ids=lambda c: c[0].__name__)
+def test_update_kernels_compile_for_cuda(config) -> None:
+    """The in-place kernels, float64 scalar arithmetic included, compile for a GPU."""
+    rule, flags = _rule_and_flags(config)
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    kernel, _ = build_update_kernel(rule, flags, [relax.TensorType((1000, 3), "float32")], cuda)
+    lib = tvm.compile(tvm.IRModule({"k": kernel.with_attr("global_symbol", "k")}), target=cuda)
+    source = lib.mod.imports[0].inspect_source() if lib.mod.imports else lib.imports[0].inspect_source()
+    assert "__global__" in source
+
+
+def test_update_kernel_refuses_to_read_overwritten_state() -> None:
+    """Adadelta's step reads the old acc_delta after the kernel would have overwritten it: the
+    TE backend says so (and FuseModelUpdate never asks it: Adadelta is not in_place)."""
+    rule, flags = _rule_and_flags(next(c for c in OTHERS if c[0] is torch.optim.Adadelta))
+    assert not rule.in_place(flags)
+    with pytest.raises(AssertionError, match="reads the old 'acc_delta' after storing the new one"):
+        build_update_kernel(rule, flags, [relax.TensorType((4, 8), "float32")], tvm.target.Target("llvm"))
