@@ -175,3 +175,34 @@ def test_update_kernel_refuses_to_read_overwritten_state() -> None:
     assert not rule.in_place(flags)
     with pytest.raises(AssertionError, match="reads the old 'acc_delta' after storing the new one"):
         build_update_kernel(rule, flags, [relax.TensorType((4, 8), "float32")], tvm.target.Target("llvm"))
+
+
+def test_state_dict_round_trips_into_eager() -> None:
+    """Graph-trained optimizer state (scalar state included: NAdam's mu_product, ASGD's eta and
+    mu) loads into eager optimizers, which go on exactly as if they had trained all along."""
+    configs = [OTHERS[3], ADAPTIVE[3]]  # ASGD, NAdam
+    model = deep_mlp(len(configs))
+    reference = copy.deepcopy(model)
+    optimizers, ref_optimizers = per_layer_optimizers(model, configs), per_layer_optimizers(reference, configs)
+    loss_fn = nn.MSELoss()
+    graph = TrainGraph(model, loss_fn, *optimizers)
+    batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(5)]
+
+    def eager_step(net, opts, x, y):
+        loss = loss_fn(net(x), y)
+        for opt in opts:
+            opt.zero_grad()
+        loss.backward()
+        for opt in opts:
+            opt.step()
+
+    for x, y in batches[:3]:
+        graph(x, y)
+        eager_step(reference, ref_optimizers, x, y)
+    resumed = per_layer_optimizers(model, configs)
+    for opt, trained in zip(resumed, optimizers):
+        opt.load_state_dict(copy.deepcopy(trained.state_dict()))
+    for x, y in batches[3:]:
+        eager_step(model, resumed, x, y)
+        eager_step(reference, ref_optimizers, x, y)
+    assert_same_optimizer(resumed, ref_optimizers, step=len(batches))
