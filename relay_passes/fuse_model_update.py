@@ -16,10 +16,11 @@ A parameter of OWN_KERNEL_MIN elements or more gets a kernel of its own (see `_c
 others of the group share one.
 
 In-place is safe because the formula produces its results in order, a later result reads an
-earlier one only through the value `output` returned (the new value, already stored), every
-result reads only the old value of its own state and of the parameter (stored last), and
-train_step calls all updates after all gradients are computed (later passes, which may move a
-kernel earlier, keep it after every other reader of what it overwrites).
+earlier one only through the value `output` returned (the new value, already stored), no
+result reads the old value of a state or of the parameter once it is stored (TEUpdateOps
+checks; rules that cannot keep to it are not `in_place` and stay Relax ops), and train_step
+calls all updates after all gradients are computed (later passes, which may move a kernel
+earlier, keep it after every other reader of what it overwrites).
 
 Scalar state (Adam's `step`) is not written by the kernel, which would have to order that
 store after every element loop: the kernel recomputes the new step where it reads it, and the
@@ -180,7 +181,7 @@ def _chunks(param_types: list[relax.TensorType]) -> list[list[int]]:
 def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
                         target: tvm.target.Target) -> tuple[tirx.PrimFunc, list[int]]:
     """The in-place TIR kernel for one group, and for each of its results (the element-wise
-    state in key order, then the parameter, per parameter) the index of the argument it
+    state and the parameter, per parameter in formula order) the index of the argument it
     overwrites. Scalar state is read, not written (see TEUpdateOps.output)."""
     keys = rule.state_keys(flags)
     hyper = te.placeholder((len(rule.hyper_keys),), SCALAR_DTYPE, name="hyper")
@@ -197,11 +198,9 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
         ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}",
                           frozenset(k for k in keys if rule.scalar_state(k)))
         h = {k: ops.value(lambda i, n=n: hyper(n), True) for n, k in enumerate(rule.hyper_keys)}
-        rule.update(ops, ops.read(p), ops.read(g),
+        rule.update(ops, ops.read_state(PARAM, p, False), ops.read(g),
                     {k: ops.read_state(k, s, rule.scalar_state(k)) for k, s in states.items()}, h, flags)
-        order = [k for k in (*keys, PARAM) if k in ops.outputs]
-        # The kernel stores in key order (results are mapped back by it): it must be the formula's.
-        assert list(ops.outputs) == order, f"{rule.name}: outputs {list(ops.outputs)} not in state key order"
+        order = list(ops.outputs)  # stored in formula order
         outputs += [ops.outputs[k] for k in order]
         inplace += [arg_index[k] for k in order]
         chains.append([ops.outputs[k] for k in order])
@@ -233,8 +232,7 @@ def _chunk_outer(sch, block, shape: list[int], lanes: int):
 def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.PrimFunc:
     """Per parameter: one loop over chunks of its elements that computes and stores every
     result in formula order, each in its own inner loop. Within a chunk a result's store
-    follows every read of its buffer's old value: only its own formula reads its old state,
-    and the parameter, which every formula may read, is stored last. On GPUs a chunk is a
+    follows every read of its buffer's old value (see TEUpdateOps.read_state). On GPUs a chunk is a
     thread block and each element stays with one thread through all results.
 
     Every result's loops are split into the same chunks and the chunk loops are merged, so a
@@ -299,28 +297,31 @@ class _Rewriter(PyExprMutator):
         self.fused.append(f"{call.op.name_hint} ({len(param_types)} parameters"
                           + (f" in {len(chunks)} kernels)" if len(chunks) > 1 else ")"))
         has_scalars = any(rule.scalar_state(k) for k in keys)
-        per_result = len([k for k in (*keys, PARAM) if not rule.scalar_state(k)])
-        kernel_results: dict[int, list[relax.Expr]] = {}
+        arg_key = [PARAM, None, *keys]  # a parameter's arguments: p, g, its state
+        kernel_results: dict[int, dict[str, relax.Expr]] = {}
         for c, chunk in enumerate(chunks):
             kernel, inplace = build_update_kernel(rule, flags, [param_types[j] for j in chunk], self.target)
             gv = self.builder_.add_func(kernel, f"{call.op.name_hint}_kernel" + (str(c) if len(chunks) > 1 else ""))
             args = [call.args[0]] + [a for j in chunk for a in call.args[1 + j * per_param: 1 + (j + 1) * per_param]]
             updated = relax.op.call_tir_inplace(gv, relax.Tuple(args), inplace, [args[i].ty for i in inplace])
+            # Result t overwrites argument inplace[t]: its position names the parameter and key.
+            named = [(chunk[(arg - 1) // per_param], arg_key[(arg - 1) % per_param]) for arg in inplace]
             if len(inplace) == 1:  # one result (plain SGD on one parameter): a tensor, no tuple
-                kernel_results[chunk[0]] = [self.builder_.emit(updated)]
+                kernel_results.setdefault(named[0][0], {})[named[0][1]] = self.builder_.emit(updated)
                 continue
-            if len(chunks) == 1 and not has_scalars:
+            layout = [(j, key) for j in chunk for key in (*keys, PARAM)]
+            if len(chunks) == 1 and named == layout:  # already the update function's result layout
                 return updated
             updated = self.builder_.emit(updated)
-            for pos, j in enumerate(chunk):
-                kernel_results[j] = [relax.TupleGetItem(updated, pos * per_result + t) for t in range(per_result)]
+            for t, (j, key) in enumerate(named):
+                kernel_results.setdefault(j, {})[key] = relax.TupleGetItem(updated, t)
         # The kernels' results, with the scalar state computed by Relax ops, back into the
         # update function's result layout.
         scalars = self._scalar_state(rule, flags, list(call.args), per_param) if has_scalars else None
         results = []
         for j in range(len(param_types)):
             for key in (*keys, PARAM):
-                results.append(scalars[j][key] if rule.scalar_state(key) else kernel_results[j].pop(0))
+                results.append(scalars[j][key] if rule.scalar_state(key) else kernel_results[j][key])
         return relax.Tuple(results)
 
     def _scalar_state(self, rule: UpdateRule, flags: dict[str, bool], args: list[relax.Expr],

@@ -13,10 +13,10 @@ an OptimizerError (`check_group`), never a silently different update.
 A formula is written once against `UpdateOps` (update_ops.py) and evaluated by two backends:
 Relax ops (one kernel per fused group after FuseOps) and TE (relay_passes/fuse_model_update.py:
 one in-place kernel per param group). `ops.output(key, value)` marks a result; results are
-produced in call order, which must be the order of `state_keys` (then PARAM last). A formula
-reads the old value of a state only until it outputs that state; a later step reads the new
-value through the value `output` returned. That is what makes the in-place kernel correct
-(a rule that cannot keep to it says `in_place() -> False`).
+stored in call order. A formula reads the old value of a state (or of the parameter) only until
+it outputs it; a later step reads the new value through the value `output` returned. That is
+what makes the in-place kernel correct (its TE backend checks it); a rule that cannot keep to
+it, as when two results each need the other's old value, says `in_place() -> False`.
 
 Each update follows torch's single-tensor implementation (torch/optim/*.py, `_single_tensor_*`)
 step for step; tests/numeric/test_training.py and test_optimizers.py compare training runs,
@@ -80,7 +80,8 @@ class UpdateRule:
 
     def update(self, ops: UpdateOps, p: Value, g: Value, state: dict[str, Value],
                h: dict[str, Value], flags: dict[str, bool]) -> None:
-        """Emit `ops.output(key, value)` for each new state value, then for PARAM."""
+        """Emit `ops.output(key, value)` for each new state value and for PARAM (see the
+        module docstring for the order)."""
         raise NotImplementedError
 
 
@@ -423,8 +424,9 @@ class RAdam(UpdateRule):
 class Adadelta(UpdateRule):
     """torch.optim.Adadelta: lr, rho, eps, weight_decay, maximize.
 
-    Not updated in place: the parameter's step reads the old `acc_delta`, whose new value reads
-    the step (and so, with weight decay, the old parameter)."""
+    The parameter's step reads the old `acc_delta`, so the parameter is stored first; with
+    weight decay the new `acc_delta` reads the old parameter too, and the update cannot be
+    done in place."""
 
     name = "adadelta"
     optimizer_class = torch.optim.Adadelta
@@ -447,7 +449,7 @@ class Adadelta(UpdateRule):
                 "acc_delta": torch.zeros_like(param)}
 
     def in_place(self, flags: dict[str, bool]) -> bool:
-        return False
+        return not flags["weight_decay"]
 
     def update(self, ops, p, g, state, h, flags) -> None:
         one, rho, eps = ops.const(1.0), h["rho"], h["eps"]
@@ -458,8 +460,8 @@ class Adadelta(UpdateRule):
         square_avg = ops.output("square_avg", state["square_avg"] * rho + (one - rho) * (g * g))
         std = ops.sqrt(square_avg + eps)
         delta = ops.sqrt(state["acc_delta"] + eps) / std * g
-        ops.output("acc_delta", state["acc_delta"] * rho + (one - rho) * (delta * delta))
         ops.output(PARAM, p - h["lr"] * delta)
+        ops.output("acc_delta", state["acc_delta"] * rho + (one - rho) * (delta * delta))
 
 
 class Rprop(UpdateRule):
