@@ -16,10 +16,11 @@ A parameter of OWN_KERNEL_MIN elements or more gets a kernel of its own (see `_c
 others of the group share one.
 
 In-place is safe because the formula produces its results in order, a later result reads an
-earlier one only through the value `output` returned (the new value, already stored), every
-result reads only the old value of its own state and of the parameter (stored last), and
-train_step calls all updates after all gradients are computed (later passes, which may move a
-kernel earlier, keep it after every other reader of what it overwrites).
+earlier one only through the value `output` returned (the new value, already stored), no
+result reads the old value of a state or of the parameter once it is stored (TEUpdateOps
+checks; rules that cannot keep to it are not `in_place` and stay Relax ops), and train_step
+calls all updates after all gradients are computed (later passes, which may move a kernel
+earlier, keep it after every other reader of what it overwrites).
 
 Scalar state (Adam's `step`) is not written by the kernel, which would have to order that
 store after every element loop: the kernel recomputes the new step where it reads it, and the
@@ -39,7 +40,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvmgraph.debug import logger
 from tvmgraph.training.optimizers import PARAM, RULES, UpdateRule
 from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR
-from tvmgraph.training.update_ops import RelaxUpdateOps
+from tvmgraph.training.update_ops import SCALAR_DTYPE, RelaxUpdateOps
 
 LANES = 16  # elements per vector on AVX-512 float32; 8 on AVX2 is handled by LLVM splitting
 PARALLEL_MIN = 1 << 15  # elements below which one thread updates a parameter alone
@@ -63,17 +64,11 @@ class TEValue:
     def __call__(self, index: tuple) -> tirx.PrimExpr:
         return self.fn(index)
 
-    def _binary(self, other: TEValue, combine) -> TEValue:
-        ops = self.ops
-        return ops.value(lambda i: combine(ops.cast(self(i)), ops.cast(other(i))), self.scalar and other.scalar)
-
-    def __add__(self, other): return self._binary(other, lambda a, b: a + b)  # noqa: E704
-    def __sub__(self, other): return self._binary(other, lambda a, b: a - b)  # noqa: E704
-    def __mul__(self, other): return self._binary(other, lambda a, b: a * b)  # noqa: E704
-    def __truediv__(self, other): return self._binary(other, lambda a, b: a / b)  # noqa: E704
-
-    def __neg__(self) -> TEValue:
-        return self.ops.value(lambda i: -self.ops.cast(self(i)), self.scalar)
+    def __add__(self, other): return self.ops.apply(lambda a, b: a + b, self, other)  # noqa: E704
+    def __sub__(self, other): return self.ops.apply(lambda a, b: a - b, self, other)  # noqa: E704
+    def __mul__(self, other): return self.ops.apply(lambda a, b: a * b, self, other)  # noqa: E704
+    def __truediv__(self, other): return self.ops.apply(lambda a, b: a / b, self, other)  # noqa: E704
+    def __neg__(self): return self.ops.apply(lambda a: -a, self)  # noqa: E704
 
 
 class TEUpdateOps:
@@ -84,36 +79,70 @@ class TEUpdateOps:
         self.shape, self.dtype, self.out_dtypes, self.tag = shape, dtype, out_dtypes, tag
         self.scalar_keys = scalar_keys  # results that are scalar state (not stored)
         self.outputs: dict[str, te.Tensor] = {}  # element-wise results, in formula order
+        self.stored: set[str] = set()  # keys whose buffer already holds the new value
 
     def value(self, fn, scalar: bool) -> TEValue:
         return TEValue(fn, scalar, self)
 
-    def read(self, tensor: te.Tensor) -> TEValue:
+    def read(self, tensor: te.Tensor, scalar: bool = False) -> TEValue:
         if len(tensor.shape) == 0:
-            return self.value(lambda i: tensor(), True)
+            return self.value(lambda i: tensor(), scalar)
         return self.value(lambda i: tensor(*i), False)
 
-    def cast(self, x: tirx.PrimExpr) -> tirx.PrimExpr:
-        return x if _dtype(x) == self.dtype else tirx.Cast(self.dtype, x)
+    def read_state(self, key: str, tensor: te.Tensor, scalar: bool) -> TEValue:
+        """The old value of state `key`, which a formula may read only until it stores `key`
+        (the kernel overwrites the buffer in place)."""
+        old = self.read(tensor, scalar)
+
+        def element(i):
+            if key in self.stored:
+                raise AssertionError(f"update formula reads the old {key!r} after storing the new one; "
+                                     f"read it before, or use the value output() returned")
+            return old(i)
+
+        return self.value(element, old.scalar)
+
+    def apply(self, fn, *args: TEValue) -> TEValue:
+        """`fn` of `args`' elements, in float64 if all are scalar, else in the parameter's dtype
+        (see update_ops.py)."""
+        scalar = all(a.scalar for a in args)
+        dtype = SCALAR_DTYPE if scalar else self.dtype
+
+        def element(i):
+            exprs = [a(i) for a in args]
+            return fn(*[x if _dtype(x) == dtype else tirx.Cast(dtype, x) for x in exprs])
+
+        return self.value(element, scalar)
 
     def const(self, value: float) -> TEValue:
-        return self.value(lambda i: tirx.const(value, self.dtype), True)
+        return self.value(lambda i: tirx.const(value, SCALAR_DTYPE), True)
 
     # Scalar sub-expressions (Adam's bias corrections) stay inline: they are loop-invariant,
     # and LLVM hoists them out of the element loop.
     def sqrt(self, x: TEValue) -> TEValue:
-        return self.value(lambda i: tirx.sqrt(self.cast(x(i))), x.scalar)
+        return self.apply(tirx.sqrt, x)
 
     def pow(self, base: TEValue, exponent: TEValue) -> TEValue:
-        return self.value(lambda i: tirx.power(self.cast(base(i)), self.cast(exponent(i))), base.scalar and exponent.scalar)
+        return self.apply(tirx.power, base, exponent)
+
+    def abs(self, x: TEValue) -> TEValue:
+        return self.apply(tirx.abs, x)
+
+    def sign(self, x: TEValue) -> TEValue:
+        def sign(a):
+            zero, one = tirx.const(0, _dtype(a)), tirx.const(1, _dtype(a))
+            return tirx.Select(a > zero, one, tirx.Select(a < zero, -one, zero))
+
+        return self.apply(sign, x)
 
     def maximum(self, a: TEValue, b: TEValue) -> TEValue:
-        return self.value(lambda i: tirx.max(self.cast(a(i)), self.cast(b(i))), a.scalar and b.scalar)
+        return self.apply(tirx.max, a, b)
+
+    def minimum(self, a: TEValue, b: TEValue) -> TEValue:
+        return self.apply(tirx.min, a, b)
 
     def where_gt(self, x: TEValue, threshold: TEValue, then: TEValue, otherwise: TEValue) -> TEValue:
-        return self.value(lambda i: tirx.Select(self.cast(x(i)) > self.cast(threshold(i)),
-                                                self.cast(then(i)), self.cast(otherwise(i))),
-                          x.scalar and threshold.scalar and then.scalar and otherwise.scalar)
+        return self.apply(lambda a, b, c, d: tirx.Select(a > b, c, d), x, threshold, then, otherwise)
 
     def output(self, key: str, value: TEValue) -> TEValue:
         dtype = self.out_dtypes[key]
@@ -130,6 +159,7 @@ class TEUpdateOps:
             return self.value(stored, True)
         out = te.compute(self.shape, lambda *i: stored(i), name=f"{self.tag}_{key}")
         self.outputs[key] = out
+        self.stored.add(key)
         return self.read(out)
 
 
@@ -151,10 +181,10 @@ def _chunks(param_types: list[relax.TensorType]) -> list[list[int]]:
 def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
                         target: tvm.target.Target) -> tuple[tirx.PrimFunc, list[int]]:
     """The in-place TIR kernel for one group, and for each of its results (the element-wise
-    state in key order, then the parameter, per parameter) the index of the argument it
+    state and the parameter, per parameter in formula order) the index of the argument it
     overwrites. Scalar state is read, not written (see TEUpdateOps.output)."""
     keys = rule.state_keys(flags)
-    hyper = te.placeholder((len(rule.hyper_keys),), "float32", name="hyper")
+    hyper = te.placeholder((len(rule.hyper_keys),), SCALAR_DTYPE, name="hyper")
     inputs, outputs, inplace, chains = [hyper], [], [], []
     for j, ty in enumerate(param_types):
         shape, dtype = tuple(int(d) for d in ty.shape), ty.dtype.dtype
@@ -168,8 +198,9 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
         ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}",
                           frozenset(k for k in keys if rule.scalar_state(k)))
         h = {k: ops.value(lambda i, n=n: hyper(n), True) for n, k in enumerate(rule.hyper_keys)}
-        rule.update(ops, ops.read(p), ops.read(g), {k: ops.read(s) for k, s in states.items()}, h, flags)
-        order = [k for k in (*keys, PARAM) if k in ops.outputs]
+        rule.update(ops, ops.read_state(PARAM, p, False), ops.read(g),
+                    {k: ops.read_state(k, s, rule.scalar_state(k)) for k, s in states.items()}, h, flags)
+        order = list(ops.outputs)  # stored in formula order
         outputs += [ops.outputs[k] for k in order]
         inplace += [arg_index[k] for k in order]
         chains.append([ops.outputs[k] for k in order])
@@ -201,8 +232,7 @@ def _chunk_outer(sch, block, shape: list[int], lanes: int):
 def _schedule(func: tirx.PrimFunc, chains, target: tvm.target.Target) -> tirx.PrimFunc:
     """Per parameter: one loop over chunks of its elements that computes and stores every
     result in formula order, each in its own inner loop. Within a chunk a result's store
-    follows every read of its buffer's old value: only its own formula reads its old state,
-    and the parameter, which every formula may read, is stored last. On GPUs a chunk is a
+    follows every read of its buffer's old value (see TEUpdateOps.read_state). On GPUs a chunk is a
     thread block and each element stays with one thread through all results.
 
     Every result's loops are split into the same chunks and the chunk loops are merged, so a
@@ -256,6 +286,9 @@ class _Rewriter(PyExprMutator):
             return call
         rule = RULES[str(func.attrs[MODEL_UPDATE_ATTR])]
         flags = {str(k): bool(v) for k, v in func.attrs[FLAGS_ATTR].items()}
+        if not rule.in_place(flags):
+            self.skipped.append(f"{call.op.name_hint} (its results read each other's old values)")
+            return call
         keys = rule.state_keys(flags)
         per_param = 2 + len(keys)
         param_types = [p.ty for p in func.params[1::per_param]]
@@ -264,28 +297,31 @@ class _Rewriter(PyExprMutator):
         self.fused.append(f"{call.op.name_hint} ({len(param_types)} parameters"
                           + (f" in {len(chunks)} kernels)" if len(chunks) > 1 else ")"))
         has_scalars = any(rule.scalar_state(k) for k in keys)
-        per_result = len([k for k in (*keys, PARAM) if not rule.scalar_state(k)])
-        kernel_results: dict[int, list[relax.Expr]] = {}
+        arg_key = [PARAM, None, *keys]  # a parameter's arguments: p, g, its state
+        kernel_results: dict[int, dict[str, relax.Expr]] = {}
         for c, chunk in enumerate(chunks):
             kernel, inplace = build_update_kernel(rule, flags, [param_types[j] for j in chunk], self.target)
             gv = self.builder_.add_func(kernel, f"{call.op.name_hint}_kernel" + (str(c) if len(chunks) > 1 else ""))
             args = [call.args[0]] + [a for j in chunk for a in call.args[1 + j * per_param: 1 + (j + 1) * per_param]]
             updated = relax.op.call_tir_inplace(gv, relax.Tuple(args), inplace, [args[i].ty for i in inplace])
+            # Result t overwrites argument inplace[t]: its position names the parameter and key.
+            named = [(chunk[(arg - 1) // per_param], arg_key[(arg - 1) % per_param]) for arg in inplace]
             if len(inplace) == 1:  # one result (plain SGD on one parameter): a tensor, no tuple
-                kernel_results[chunk[0]] = [self.builder_.emit(updated)]
+                kernel_results.setdefault(named[0][0], {})[named[0][1]] = self.builder_.emit(updated)
                 continue
-            if len(chunks) == 1 and not has_scalars:
+            layout = [(j, key) for j in chunk for key in (*keys, PARAM)]
+            if len(chunks) == 1 and named == layout:  # already the update function's result layout
                 return updated
             updated = self.builder_.emit(updated)
-            for pos, j in enumerate(chunk):
-                kernel_results[j] = [relax.TupleGetItem(updated, pos * per_result + t) for t in range(per_result)]
+            for t, (j, key) in enumerate(named):
+                kernel_results.setdefault(j, {})[key] = relax.TupleGetItem(updated, t)
         # The kernels' results, with the scalar state computed by Relax ops, back into the
         # update function's result layout.
         scalars = self._scalar_state(rule, flags, list(call.args), per_param) if has_scalars else None
         results = []
         for j in range(len(param_types)):
             for key in (*keys, PARAM):
-                results.append(scalars[j][key] if rule.scalar_state(key) else kernel_results[j].pop(0))
+                results.append(scalars[j][key] if rule.scalar_state(key) else kernel_results[j][key])
         return relax.Tuple(results)
 
     def _scalar_state(self, rule: UpdateRule, flags: dict[str, bool], args: list[relax.Expr],
@@ -300,8 +336,9 @@ class _Rewriter(PyExprMutator):
             p, g, *states = args[1 + j * per_param: 1 + (j + 1) * per_param]
             dtype = p.ty.dtype.dtype
             ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: s.ty.dtype.dtype for k, s in zip(keys, states)}})
-            rule.update(ops, ops.wrap(p), ops.wrap(g), {k: ops.wrap(s) for k, s in zip(keys, states)},
-                        {k: ops.wrap(v) for k, v in h.items()}, flags)
+            rule.update(ops, ops.wrap(p), ops.wrap(g),
+                        {k: ops.wrap(s, rule.scalar_state(k)) for k, s in zip(keys, states)},
+                        {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
             out.append({k: ops.outputs[k] for k in keys if rule.scalar_state(k)})
         return out
 

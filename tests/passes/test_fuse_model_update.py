@@ -47,12 +47,12 @@ def test_update_call_becomes_one_call_tir_inplace() -> None:
     @I.ir_module
     class Expected:
         @T.prim_func(private=True)
-        def update_0_kernel(hyper: T.Buffer((5,), "float32"), p0: T.Buffer((4, 8), "float32"),
+        def update_0_kernel(hyper: T.Buffer((5,), "float64"), p0: T.Buffer((4, 8), "float32"),
                             g0: T.Buffer((4, 8), "float32"), momentum_buffer0: T.Buffer((4, 8), "float32")):
             T.evaluate(0)  # stub: only the Relax side is compared here
 
         @R.function
-        def main(hyper: R.Tensor((5,), "float32"), p0: R.Tensor((4, 8), "float32"),
+        def main(hyper: R.Tensor((5,), "float64"), p0: R.Tensor((4, 8), "float32"),
                  g0: R.Tensor((4, 8), "float32"), momentum_buffer0: R.Tensor((4, 8), "float32")):
             cls = Expected
             gv = R.call_tir_inplace(cls.update_0_kernel, (hyper, p0, g0, momentum_buffer0), [3, 1],
@@ -90,7 +90,7 @@ def test_kernel_matches_torch_sgd_and_writes_in_place(options: dict, shape: tupl
     run = tvm.compile(tvm.IRModule({"k": kernel.with_attr("global_symbol", "k")}), target=CPU)["k"]
     p, g, buf = torch.randn(shape), torch.randn(shape), torch.randn(shape)
     expected_p, expected_buf = torch_sgd_step(p, g, buf, **options)
-    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float32)
+    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float64)
     run(hyper, p, g, buf)  # p and buf are updated in their own memory
     torch.testing.assert_close(buf, expected_buf, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(p, expected_p, atol=1e-6, rtol=1e-5)
@@ -152,7 +152,7 @@ def test_adam_kernel_and_relax_step_match_torch(options: dict) -> None:
     if flags["amsgrad"]:
         state["max_exp_avg_sq"] = state["exp_avg_sq"] + 0.05
     expected_p, expected_state = torch_adam_step(p, g, state, adamw=adamw, **torch_options)
-    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float32)
+    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float64)
     args = [p.clone(), g] + [state[k].clone() for k in rule.state_keys(flags)]
     results = run(hyper, *args)
     keys = [*rule.state_keys(flags), "param"]

@@ -37,8 +37,8 @@ class TrainingBinding:
             for param in group.params:
                 state = group.optimizer.state[param]
                 if any(k not in state for k in keys):
-                    state.update({k: v for k, v in group.rule.init_state(param, group.flags).items()
-                                  if k not in state})
+                    created = group.rule.init_state(param, group.flags, group.group)
+                    state.update({k: v for k, v in created.items() if k not in state})
                     fresh = True
                 for key in keys:
                     value = state[key]
@@ -46,7 +46,7 @@ class TrainingBinding:
                         value = state[key] = value.to(self.device)
                     states.append(value)
             values = group.rule.hyper_values(group.group, fresh)
-            hypers.append(torch.tensor(values, dtype=torch.float32, device=self.device))
+            hypers.append(torch.tensor(values, dtype=torch.float64, device=self.device))
         return states + hypers
 
     def write_back(self, results: Sequence[torch.Tensor], copied: Collection[int] = ()) -> None:

@@ -23,7 +23,7 @@ Output: the module with `main` replaced by
         return (new_s..., new_p, new_s..., new_p, ...)
 
 `states` are one tensor per (trained parameter, state key) in plan order and `hypers` one
-float32 vector per param group (its `UpdateRule.hyper_keys`). `main_adjoint` comes from
+float64 vector per param group (its `UpdateRule.hyper_keys`). `main_adjoint` comes from
 `relax.transform.Gradient` and is inlined, so the update can fuse with the backward pass. The
 update functions are inlined by the pipeline, or replaced by one in-place kernel each by
 relay_passes/fuse_model_update.py. All updates come after all gradients, so an in-place update
@@ -46,7 +46,7 @@ from ..errors import UnsupportedOpError
 from .gradient_check import check_gradients
 from .optimizers import PARAM, UpdateRule
 from .plan import GroupPlan, TrainingPlan
-from .update_ops import RelaxUpdateOps
+from .update_ops import SCALAR_DTYPE, RelaxUpdateOps
 
 FUNC_NAME = "train_step"
 MODEL_UPDATE_ATTR = "tvmgraph.model_update"  # rule name, on each group's update function
@@ -67,7 +67,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
     """The Relax function updating every parameter of one group (see the module docstring)."""
     keys = rule.state_keys(flags)
     bb = relax.BlockBuilder()
-    hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), "float32"))
+    hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), SCALAR_DTYPE))
     params, per_param = [hyper], []
     for i, ty in enumerate(param_types):
         p, g = relax.Var(f"p{i}", ty), relax.Var(f"g{i}", ty)
@@ -84,8 +84,9 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
             for p, g, states in per_param:
                 dtype = p.ty.dtype.dtype
                 ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: v.ty.dtype.dtype for k, v in states.items()}})
-                rule.update(ops, ops.wrap(p), ops.wrap(g), {k: ops.wrap(v) for k, v in states.items()},
-                            {k: ops.wrap(v) for k, v in h.items()}, flags)
+                rule.update(ops, ops.wrap(p), ops.wrap(g),
+                            {k: ops.wrap(v, rule.scalar_state(k)) for k, v in states.items()},
+                            {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
                 results += [ops.outputs[k] for k in keys] + [ops.outputs[PARAM]]
             out = bb.emit_output(relax.Tuple(results))
         bb.emit_func_output(out)
@@ -143,7 +144,7 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
                 shape, dtype = ((), "float32") if scalar else (tuple(int(d) for d in ty.shape), ty.dtype.dtype)
                 state_vars.append(relax.Var(f"{target.replace('.', '_')}__{key}", relax.TensorType(shape, dtype)))
                 state_shapes.append((target, key, shape, dtype))
-    hyper_vars = [relax.Var(f"hyper_{i}", relax.TensorType((len(g.rule.hyper_keys),), "float32"))
+    hyper_vars = [relax.Var(f"hyper_{i}", relax.TensorType((len(g.rule.hyper_keys),), SCALAR_DTYPE))
                   for i, g in enumerate(plan.groups)]
 
     with bb.function(FUNC_NAME, inputs + state_vars + hyper_vars):

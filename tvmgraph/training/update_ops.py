@@ -1,10 +1,16 @@
 """The little language optimizer formulas are written in, and its Relax backend.
 
 A formula (optimizers.py) combines `Value`s with + - * / and unary minus, and calls
-`ops.const`, `ops.sqrt`, `ops.pow`, `ops.maximum`, `ops.where_gt` and `ops.output`. Values
-are elementwise (shaped like the parameter) or scalar (hyperparameters, Adam's step); mixing
-them broadcasts. Hyperparameters and scalar state are float32; they are cast to the
-parameter's dtype where they meet it.
+`ops.const`, `ops.sqrt`, `ops.pow`, `ops.abs`, `ops.sign`, `ops.maximum`, `ops.minimum`,
+`ops.where_gt` and `ops.output`. Values are elementwise (shaped like the parameter) or scalar
+(hyperparameters, per-parameter scalar state such as Adam's step, constants); mixing them
+broadcasts.
+
+Scalar arithmetic is float64, as torch's is (its optimizers compute bias corrections, NAdam's
+momentum cache, RAdam's rectification in Python floats): hyperparameters travel as float64, and
+scalar state (float32 tensors in torch) is widened where it is read. A scalar meeting an
+elementwise value is cast to the parameter's dtype, as torch casts a Python scalar to the
+tensor's. Elementwise arithmetic is in the parameter's dtype.
 
 `RelaxUpdateOps` evaluates a formula into Relax bindings; relay_passes/fuse_model_update.py
 has the TE backend that builds one in-place kernel per param group.
@@ -15,6 +21,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from tvm import relax
+
+SCALAR_DTYPE = "float64"  # of hyperparameters and of scalar arithmetic
 
 
 class Value(Protocol):
@@ -29,24 +37,27 @@ class UpdateOps(Protocol):
     def const(self, value: float) -> Value: ...
     def sqrt(self, x: Value) -> Value: ...
     def pow(self, base: Value, exponent: Value) -> Value: ...
+    def abs(self, x: Value) -> Value: ...
+    def sign(self, x: Value) -> Value: ...  # -1, 0 or 1, as torch.sign
     def maximum(self, a: Value, b: Value) -> Value: ...
+    def minimum(self, a: Value, b: Value) -> Value: ...
     def where_gt(self, x: Value, threshold: Value, then: Value, otherwise: Value) -> Value: ...
     def output(self, key: str, value: Value) -> Value: ...
 
 
 class RelaxValue:
-    """A Relax expression and its dtype, with arithmetic operators; a float32 scalar meeting a
-    value of the parameter's dtype is cast to it."""
+    """A Relax expression, its dtype and whether it is scalar, with arithmetic operators."""
 
-    __slots__ = ("expr", "dtype", "ops")
+    __slots__ = ("expr", "dtype", "scalar", "ops")
 
-    def __init__(self, expr: relax.Expr, dtype: str, ops: RelaxUpdateOps):
+    def __init__(self, expr: relax.Expr, dtype: str, scalar: bool, ops: RelaxUpdateOps):
         self.expr = expr
         self.dtype = dtype
+        self.scalar = scalar
         self.ops = ops
 
     def _binary(self, other: RelaxValue, fn) -> RelaxValue:
-        return self.ops.result(fn(self.ops.cast(self), self.ops.cast(other)))
+        return self.ops.apply(fn, self, other)
 
     def __add__(self, other: RelaxValue) -> RelaxValue:
         return self._binary(other, relax.op.add)
@@ -61,12 +72,12 @@ class RelaxValue:
         return self._binary(other, relax.op.divide)
 
     def __neg__(self) -> RelaxValue:
-        return self.ops.result(relax.op.negative(self.ops.cast(self)))
+        return self.ops.apply(relax.op.negative, self)
 
 
 class RelaxUpdateOps:
-    """Evaluates a formula into Relax bindings of `bb`, computing in `dtype` (the parameter's);
-    `outputs` collects the results by key."""
+    """Evaluates a formula into Relax bindings of `bb`; elementwise values compute in `dtype`
+    (the parameter's); `outputs` collects the results by key."""
 
     def __init__(self, bb: relax.BlockBuilder, dtype: str, out_dtypes: dict[str, str]):
         self.bb = bb
@@ -74,30 +85,41 @@ class RelaxUpdateOps:
         self.out_dtypes = out_dtypes  # each result is stored in the dtype of what it replaces
         self.outputs: dict[str, relax.Var] = {}
 
-    def wrap(self, var: relax.Var) -> RelaxValue:
-        return RelaxValue(var, var.ty.dtype.dtype, self)
+    def wrap(self, var: relax.Var, scalar: bool = False) -> RelaxValue:
+        return RelaxValue(var, var.ty.dtype.dtype, scalar, self)
 
-    def result(self, expr: relax.Expr) -> RelaxValue:
-        return RelaxValue(expr, self.dtype, self)
-
-    def cast(self, value: RelaxValue) -> relax.Expr:
-        return value.expr if value.dtype == self.dtype else relax.op.astype(value.expr, self.dtype)
+    def apply(self, fn, *args: RelaxValue) -> RelaxValue:
+        """`fn` of `args`, in float64 if all are scalar, else in the parameter's dtype."""
+        scalar = all(a.scalar for a in args)
+        dtype = SCALAR_DTYPE if scalar else self.dtype
+        exprs = [a.expr if a.dtype == dtype else relax.op.astype(a.expr, dtype) for a in args]
+        return RelaxValue(fn(*exprs), dtype, scalar, self)
 
     def const(self, value: float) -> RelaxValue:
-        return self.result(relax.const(value, self.dtype))
+        return RelaxValue(relax.const(value, SCALAR_DTYPE), SCALAR_DTYPE, True, self)
 
     def sqrt(self, x: RelaxValue) -> RelaxValue:
-        return self.result(relax.op.sqrt(self.cast(x)))
+        return self.apply(relax.op.sqrt, x)
 
     def pow(self, base: RelaxValue, exponent: RelaxValue) -> RelaxValue:
-        return self.result(relax.op.power(self.cast(base), self.cast(exponent)))
+        return self.apply(relax.op.power, base, exponent)
+
+    def abs(self, x: RelaxValue) -> RelaxValue:
+        return self.apply(relax.op.abs, x)
+
+    def sign(self, x: RelaxValue) -> RelaxValue:
+        return self.apply(relax.op.sign, x)
 
     def maximum(self, a: RelaxValue, b: RelaxValue) -> RelaxValue:
-        return self.result(relax.op.maximum(self.cast(a), self.cast(b)))
+        return self.apply(relax.op.maximum, a, b)
+
+    def minimum(self, a: RelaxValue, b: RelaxValue) -> RelaxValue:
+        return self.apply(relax.op.minimum, a, b)
 
     def where_gt(self, x: RelaxValue, threshold: RelaxValue, then: RelaxValue, otherwise: RelaxValue) -> RelaxValue:
-        cond = relax.op.greater(self.cast(x), self.cast(threshold))
-        return self.result(relax.op.where(cond, self.cast(then), self.cast(otherwise)))
+        # The condition is passed as an operand so that it counts in the scalar-ness of the result.
+        return self.apply(lambda a, b, c, d: relax.op.where(relax.op.greater(a, b), c, d),
+                          x, threshold, then, otherwise)
 
     def output(self, key: str, value: RelaxValue) -> RelaxValue:
         """Bind `value` as result `key`, in the dtype of the state (or parameter) it replaces."""
@@ -105,4 +127,4 @@ class RelaxUpdateOps:
         expr = value.expr if value.dtype == dtype else relax.op.astype(value.expr, dtype)
         var = self.bb.emit(expr)
         self.outputs[key] = var
-        return RelaxValue(var, dtype, self)
+        return RelaxValue(var, dtype, value.scalar, self)
