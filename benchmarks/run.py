@@ -104,12 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
     engine_setup.TUNE = {"trials": args.tune_trials, "minutes": args.tune_minutes}
-    peak = None
+    fma_peak = None
     if "tuned" in engines:
         from .peak import fma_peak_gflops
 
-        peak = fma_peak_gflops()
-        print(f"fp32 FMA peak (benchmarks/peak.py): {peak:.1f} GFLOP/s")
+        fma_peak = fma_peak_gflops()
+        print(f"fp32 FMA peak (benchmarks/peak.py): {fma_peak:.1f} GFLOP/s")
     print(f"machine: {machine()}")
     header = f"{'case':<12} {'mode':<6} {'engine':<9} {'median':>10} {'x eager':>8} {'first call':>11} {'peak MiB':>9}"
     print(header)
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                     if k.flops >= 1e8 and k.default_us:
                         best = min(k.default_us, k.tuned_us or k.default_us)
                         print(f"{'':<12} {'':<6}   {k.name[:48]:<48} {k.flops / best / 1e3:7.1f} GFLOP/s "
-                              f"({k.flops / best / 1e3 / peak:4.0%} of peak; default "
-                              f"{k.flops / k.default_us / 1e3 / peak:4.0%})", flush=True)
+                              f"({k.flops / best / 1e3 / fma_peak:4.0%} of peak; default "
+                              f"{k.flops / k.default_us / 1e3 / fma_peak:4.0%})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "results": results}, f, indent=1)

@@ -110,7 +110,7 @@ class _Tuner:
         with self.out_path.open("w") as out, self.err_path.open("w") as err:
             self.process = subprocess.Popen([sys.executable, "-m", "tvmgraph.cli", "tune", f"{script}:factory",
                                              "--log-dir", str(log_dir), "--quiet", *extra], cwd=REPO, env=env,
-                                            stdout=out, stderr=err)
+                                            stdout=out, stderr=err, start_new_session=True)
 
     def wait(self, timeout: float = 1200) -> tuple[int, str, str]:
         rc = self.process.wait(timeout=timeout)
@@ -135,7 +135,7 @@ def test_tune_command_resumes_after_sigkill_and_plots(tmp_path: Path) -> None:
         assert first.process.poll() is None, first.err_path.read_text()[-3000:]
         assert time.monotonic() < deadline, "no record written in time"
         time.sleep(1)
-    first.process.send_signal(signal.SIGKILL)
+    os.killpg(first.process.pid, signal.SIGKILL)  # the tuner and its build/run workers
     first.process.wait()
     kept = [line for line in _records(log_dir) if line.endswith("\n")]
     second = _Tuner("--trials", str(len(kept) + 8), "--plot", str(tmp_path / "tuning.png"),
