@@ -61,9 +61,12 @@ class UpdateRule:
         """Keys of `optimizer.state[p]` this rule reads and writes, in a fixed order."""
         raise NotImplementedError
 
+    # Per-parameter scalar state (Adam's `step`); every other state key is a tensor shaped like p.
+    scalar_keys: tuple[str, ...] = ()
+
     def scalar_state(self, key: str) -> bool:
-        """True for per-parameter scalar state (Adam's `step`), False for tensors shaped like p."""
-        return False
+        """True for per-parameter scalar state, False for tensors shaped like p."""
+        return key in self.scalar_keys
 
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
         """Runtime inputs in `hyper_keys` order; `fresh` says the group's state was just created."""
@@ -83,6 +86,12 @@ class UpdateRule:
         """Emit `ops.output(key, value)` for each new state value and for PARAM (see the
         module docstring for the order)."""
         raise NotImplementedError
+
+
+def _adam_hypers(group: dict) -> list[float]:
+    """lr, beta1, beta2, eps, weight_decay: the runtime inputs the Adam family shares."""
+    beta1, beta2 = group["betas"]
+    return [_lr(group), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])]
 
 
 def _lr(group: dict) -> float:
@@ -134,6 +143,7 @@ class Adam(UpdateRule):
     name = "adam"
     optimizer_class = torch.optim.Adam
     hyper_keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    scalar_keys = ("step",)
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"amsgrad": bool(group["amsgrad"]), "maximize": bool(group["maximize"]),
@@ -143,12 +153,8 @@ class Adam(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if flags["amsgrad"] else ())
 
-    def scalar_state(self, key: str) -> bool:
-        return key == "step"
-
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
-        beta1, beta2 = group["betas"]
-        return [_lr(group), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])]
+        return _adam_hypers(group)
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
         state = {"step": torch.tensor(0.0, dtype=torch.float32, device=param.device),
@@ -208,6 +214,7 @@ class RMSprop(UpdateRule):
     name = "rmsprop"
     optimizer_class = torch.optim.RMSprop
     hyper_keys = ("lr", "alpha", "eps", "weight_decay", "momentum")
+    scalar_keys = ("step",)
 
     def flags(self, group: dict) -> dict[str, bool]:
         # momentum > 0 and centered decide which state torch creates.
@@ -217,9 +224,6 @@ class RMSprop(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return (("step", "square_avg") + (("grad_avg",) if flags["centered"] else ())
                 + (("momentum_buffer",) if flags["momentum"] else ()))
-
-    def scalar_state(self, key: str) -> bool:
-        return key == "step"
 
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
         return [_lr(group), float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]),
@@ -255,15 +259,13 @@ class Adagrad(UpdateRule):
     name = "adagrad"
     optimizer_class = torch.optim.Adagrad
     hyper_keys = ("lr", "lr_decay", "weight_decay", "eps")
+    scalar_keys = ("step",)
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"maximize": bool(group["maximize"]), "weight_decay": group["weight_decay"] != 0}
 
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "sum")
-
-    def scalar_state(self, key: str) -> bool:
-        return key == "step"
 
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
         return [_lr(group), float(group["lr_decay"]), float(group["weight_decay"]), float(group["eps"])]
@@ -291,6 +293,7 @@ class Adamax(UpdateRule):
     name = "adamax"
     optimizer_class = torch.optim.Adamax
     hyper_keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    scalar_keys = ("step",)
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"maximize": bool(group["maximize"]), "weight_decay": group["weight_decay"] != 0}
@@ -298,12 +301,8 @@ class Adamax(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "exp_avg", "exp_inf")
 
-    def scalar_state(self, key: str) -> bool:
-        return key == "step"
-
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
-        beta1, beta2 = group["betas"]
-        return [_lr(group), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])]
+        return _adam_hypers(group)
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
         return {"step": _scalar(0.0), "exp_avg": torch.zeros_like(param), "exp_inf": torch.zeros_like(param)}
@@ -327,6 +326,7 @@ class NAdam(UpdateRule):
     name = "nadam"
     optimizer_class = torch.optim.NAdam
     hyper_keys = ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum_decay")
+    scalar_keys = ("step", "mu_product")
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"maximize": bool(group["maximize"]), "weight_decay": group["weight_decay"] != 0,
@@ -335,13 +335,8 @@ class NAdam(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "mu_product", "exp_avg", "exp_avg_sq")
 
-    def scalar_state(self, key: str) -> bool:
-        return key in ("step", "mu_product")
-
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
-        beta1, beta2 = group["betas"]
-        return [_lr(group), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                float(group["momentum_decay"])]
+        return [*_adam_hypers(group), float(group["momentum_decay"])]
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
         return {"step": _scalar(0.0), "mu_product": _scalar(1.0),
@@ -379,6 +374,7 @@ class RAdam(UpdateRule):
     name = "radam"
     optimizer_class = torch.optim.RAdam
     hyper_keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    scalar_keys = ("step",)
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"maximize": bool(group["maximize"]), "weight_decay": group["weight_decay"] != 0,
@@ -387,12 +383,8 @@ class RAdam(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "exp_avg", "exp_avg_sq")
 
-    def scalar_state(self, key: str) -> bool:
-        return key == "step"
-
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
-        beta1, beta2 = group["betas"]
-        return [_lr(group), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])]
+        return _adam_hypers(group)
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
         return {"step": _scalar(0.0), "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
@@ -431,15 +423,13 @@ class Adadelta(UpdateRule):
     name = "adadelta"
     optimizer_class = torch.optim.Adadelta
     hyper_keys = ("lr", "rho", "eps", "weight_decay")
+    scalar_keys = ("step",)
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"maximize": bool(group["maximize"]), "weight_decay": group["weight_decay"] != 0}
 
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "square_avg", "acc_delta")
-
-    def scalar_state(self, key: str) -> bool:
-        return key == "step"
 
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
         return [_lr(group), float(group["rho"]), float(group["eps"]), float(group["weight_decay"])]
@@ -470,15 +460,13 @@ class Rprop(UpdateRule):
     name = "rprop"
     optimizer_class = torch.optim.Rprop
     hyper_keys = ("etaminus", "etaplus", "step_size_min", "step_size_max")
+    scalar_keys = ("step",)
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"maximize": bool(group["maximize"])}
 
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "step_size", "prev")  # the order the formula stores them in
-
-    def scalar_state(self, key: str) -> bool:
-        return key == "step"
 
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
         (etaminus, etaplus), (low, high) = group["etas"], group["step_sizes"]
@@ -511,15 +499,13 @@ class ASGD(UpdateRule):
     name = "asgd"
     optimizer_class = torch.optim.ASGD
     hyper_keys = ("lr", "lambd", "alpha", "t0", "weight_decay")
+    scalar_keys = ("step", "eta", "mu")
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"maximize": bool(group["maximize"]), "weight_decay": group["weight_decay"] != 0}
 
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "ax", "eta", "mu")
-
-    def scalar_state(self, key: str) -> bool:
-        return key in ("step", "eta", "mu")
 
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
         return [_lr(group), float(group["lambd"]), float(group["alpha"]), float(group["t0"]),
