@@ -48,14 +48,9 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import converters_nn, converters_reduce, converters_special
+from .converters_nn import _arg
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default: object) -> object:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:

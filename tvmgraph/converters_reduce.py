@@ -34,20 +34,9 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+from .converters_nn import _arg, _static_shape
+
 op = relax.op
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default: object) -> object:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _shape(expr: relax.Expr, what: str) -> list[int]:
-    shape = expr.ty.shape
-    if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
-        raise NotImplementedError(f"{what} needs a static input shape, got {shape}")
-    return [int(d) for d in shape]
 
 
 def _dtype(expr: relax.Expr) -> str:
@@ -178,7 +167,7 @@ def median(ignore_nan: bool):
         data = x if with_dim else bb.emit(op.reshape(x, [-1]))
         dim = int(node.args[1]) % x.ty.ndim if with_dim else 0
         keepdim = bool(_arg(node, 2, "keepdim", False))
-        length = _shape(data, node.target.__name__)[dim]
+        length = _static_shape(data, node.target.__name__)[dim]
         one, zero = relax.const(1, "int64"), relax.const(0, "int64")
         if "float" not in _dtype(x):
             index = _sorted_index(bb, data, dim, (length - 1) // 2)
@@ -234,7 +223,7 @@ def mode(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     if x.ty.ndim == 0:
         return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
     dim = int(_arg(node, 1, "dim", -1)) % x.ty.ndim
-    n = _shape(x, "mode")[dim]
+    n = _static_shape(x, "mode")[dim]
     pairs = bb.emit(op.equal(op.expand_dims(x, dim + 1), op.expand_dims(x, dim)))
     counts = bb.emit(op.sum(op.astype(pairs, "int64"), [dim + 1]))
     best = bb.emit(op.equal(counts, op.max(counts, [dim], keepdims=True)))
@@ -248,7 +237,7 @@ def mode(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
 def _cum_extremum_index(bb: relax.BlockBuilder, x: relax.Expr, dim: int, largest: bool) -> relax.Expr:
     """Index of the running max (min) along `dim`: its last occurrence so far, or the last NaN so
     far (torch's cummax/cummin), from a prefix mask over every pair (i, j <= i)."""
-    n = _shape(x, "cummax")[dim]
+    n = _static_shape(x, "cummax")[dim]
     dtype = _dtype(x)
     trailing = [1] * (x.ty.ndim - dim - 1)
     prefix = relax.const(np.tril(np.ones((n, n), dtype=bool)).reshape([n, n] + trailing), "bool")
@@ -290,7 +279,7 @@ def logcumsumexp(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     if x.ty.ndim == 0:
         return x
     dim = int(node.args[1]) % x.ty.ndim
-    n = _shape(x, "logcumsumexp")[dim]
+    n = _static_shape(x, "logcumsumexp")[dim]
     dtype = _dtype(x)
     rows = bb.emit(op.expand_dims(x, dim))  # [..., 1 (i), n (j), ...]
     prefix = np.tril(np.ones((n, n), dtype=bool)).reshape([n, n] + [1] * (x.ty.ndim - dim - 1))
@@ -307,12 +296,12 @@ def _scatter_reduce(bb: relax.BlockBuilder, x: relax.Expr, dim: int, index: rela
                     reduce: str, include_self: bool) -> relax.Expr:
     """torch's scatter_reduce(x, dim, index, src, reduce, include_self) for a full-size index."""
     dtype = _dtype(x)
-    shape = _shape(x, "scatter_reduce")
+    shape = _static_shape(x, "scatter_reduce")
 
     def scattered(base: relax.Expr, updates: relax.Expr, reduction: str) -> relax.Expr:
         return bb.emit(op.scatter_elements(base, index, updates, axis=dim, reduction=reduction))
 
-    ones = relax.const(np.ones(_shape(index, "scatter_reduce")), dtype)
+    ones = relax.const(np.ones(_static_shape(index, "scatter_reduce")), dtype)
     if not include_self or reduce == "mean":
         count = scattered(relax.const(np.full(shape, int(include_self)), dtype), ones, "add")
     if not include_self:
@@ -329,7 +318,7 @@ def _scatter_reduce(bb: relax.BlockBuilder, x: relax.Expr, dim: int, index: rela
 
 def _src_like_index(bb: relax.BlockBuilder, src: relax.Expr, index: relax.Expr) -> relax.Expr:
     """src cut to the index's shape (torch uses only that corner of a larger src)."""
-    src_shape, index_shape = _shape(src, "scatter"), _shape(index, "scatter")
+    src_shape, index_shape = _static_shape(src, "scatter"), _static_shape(index, "scatter")
     if src_shape == index_shape:
         return src
     return bb.emit(op.strided_slice(src, axes=list(range(len(index_shape))), begin=[0] * len(index_shape),
@@ -351,7 +340,7 @@ def scatter_reduce(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
     if squeezed:
         x, index, src = (bb.emit(op.reshape(v, [1])) for v in (x, index, src))
     dim = int(node.args[1]) % x.ty.ndim
-    index = _clamped_index(bb, index, _shape(x, "scatter")[dim])
+    index = _clamped_index(bb, index, _static_shape(x, "scatter")[dim])
     src = _src_like_index(bb, src, index)
     if node.target.__name__ == "scatter_add.default":
         reduce, include_self = "sum", True
@@ -371,10 +360,10 @@ def index_reduce(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     if squeezed:
         x, src = (bb.emit(op.reshape(v, [1])) for v in (x, src))
     dim = int(node.args[1]) % x.ty.ndim
-    src_shape = _shape(src, "index_reduce")
+    src_shape = _static_shape(src, "index_reduce")
     index = bb.emit(op.astype(index, "int64"))
     index = bb.emit(op.reshape(index, [-1] + [1] * (len(src_shape) - dim - 1)))
-    index = _clamped_index(bb, bb.emit(op.broadcast_to(index, src_shape)), _shape(x, "index_reduce")[dim])
+    index = _clamped_index(bb, bb.emit(op.broadcast_to(index, src_shape)), _static_shape(x, "index_reduce")[dim])
     out = _scatter_reduce(bb, x, dim, index, src, reduce, include_self)
     return bb.emit(op.reshape(out, [])) if squeezed else out
 
@@ -383,13 +372,13 @@ def masked_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
     """x where mask is false; the next element of source (in row-major order) where it is true."""
     bb = importer.block_builder
     x, mask, source = (importer.env[a] for a in node.args[:3])
-    shape = list(np.broadcast_shapes(tuple(_shape(x, "masked_scatter")), tuple(_shape(mask, "masked_scatter"))))
-    x = bb.emit(op.broadcast_to(x, shape)) if _shape(x, "") != shape else x
-    mask = bb.emit(op.broadcast_to(mask, shape)) if _shape(mask, "") != shape else mask
+    shape = list(np.broadcast_shapes(tuple(_static_shape(x, "masked_scatter")), tuple(_static_shape(mask, "masked_scatter"))))
+    x = bb.emit(op.broadcast_to(x, shape)) if _static_shape(x, "") != shape else x
+    mask = bb.emit(op.broadcast_to(mask, shape)) if _static_shape(mask, "") != shape else mask
     flat_mask = bb.emit(op.reshape(mask, [-1]))
     position = bb.emit(op.subtract(op.cumsum(op.astype(flat_mask, "int64"), axis=0), relax.const(1, "int64")))
     # An empty source (nothing is masked) still needs an element for take to read.
-    flat_source = bb.emit(op.reshape(source, [-1])) if math.prod(_shape(source, "masked_scatter")) else \
+    flat_source = bb.emit(op.reshape(source, [-1])) if math.prod(_static_shape(source, "masked_scatter")) else \
         bb.emit(op.zeros([1], _dtype(source)))
     picked = bb.emit(op.take(flat_source, position, axis=0, mode="clip"))
     return bb.emit(op.where(mask, op.reshape(picked, shape), x))
@@ -404,8 +393,8 @@ def searchsorted(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
         values = relax.const(node.args[1], _dtype(sequence))
     right = bool(node.kwargs.get("right", False)) or node.kwargs.get("side") == "right"
     dtype = "int32" if node.kwargs.get("out_int32", False) else "int64"
-    if _shape(sequence, "searchsorted")[-1] == 0:  # nothing to search: every value goes first
-        return bb.emit(op.zeros(_shape(values, "searchsorted"), dtype))
+    if _static_shape(sequence, "searchsorted")[-1] == 0:  # nothing to search: every value goes first
+        return bb.emit(op.zeros(_static_shape(values, "searchsorted"), dtype))
     sorter = _env(importer, node.kwargs.get("sorter"))
     if sorter is not None:
         sequence = bb.emit(op.gather_elements(sequence, sorter, axis=-1))
@@ -424,7 +413,7 @@ def nonzero_static(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
     x = importer.env[node.args[0]]
     size = int(node.kwargs.get("size", node.args[1] if len(node.args) > 1 else 0))
     fill = int(node.kwargs.get("fill_value", -1))
-    shape = _shape(x, "nonzero_static")
+    shape = _static_shape(x, "nonzero_static")
     numel = math.prod(shape)
     flat = bb.emit(op.reshape(x, [-1]))
     nonzero = flat if _dtype(x) == "bool" else bb.emit(op.not_equal(flat, relax.const(0, _dtype(x))))
@@ -458,7 +447,7 @@ def _storage_positions(node: torch.fx.Node, x: relax.Expr, at: int) -> np.ndarra
     size, stride = [int(v) for v in node.args[at]], [int(v) for v in node.args[at + 1]]
     offset = int(_arg(node, at + 2, "storage_offset", 0) or 0)
     positions = _strided_positions(size, stride, offset)
-    numel = math.prod(_shape(x, "as_strided"))
+    numel = math.prod(_static_shape(x, "as_strided"))
     if positions.size and (positions.max() >= numel or positions.min() < 0):
         raise NotImplementedError("as_strided reads outside the (contiguous) input tensor")
     return positions
@@ -470,7 +459,7 @@ def as_strided(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.
     x = importer.env[node.args[0]]
     positions = _storage_positions(node, x, 1)
     contiguous = _strided_positions(list(positions.shape), _contiguous_strides(list(positions.shape)), 0)
-    if np.array_equal(positions, contiguous) and positions.size == math.prod(_shape(x, "as_strided")):
+    if np.array_equal(positions, contiguous) and positions.size == math.prod(_static_shape(x, "as_strided")):
         return bb.emit(op.reshape(x, list(positions.shape)))
     flat = bb.emit(op.reshape(x, [-1]))
     picked = bb.emit(op.take(flat, relax.const(positions.reshape(-1), "int64"), axis=0, mode="clip"))
@@ -479,7 +468,7 @@ def as_strided(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.
 
 def _scatter_positions(bb: relax.BlockBuilder, x: relax.Expr, src: relax.Expr, positions: np.ndarray) -> relax.Expr:
     """x (contiguous) with the storage `positions` replaced by src's elements, in order."""
-    numel = math.prod(_shape(x, "scatter"))
+    numel = math.prod(_static_shape(x, "scatter"))
     source = np.zeros(numel, dtype="int64")
     hit = np.zeros(numel, dtype=bool)
     source[positions.reshape(-1)] = np.arange(positions.size)
@@ -488,7 +477,7 @@ def _scatter_positions(bb: relax.BlockBuilder, x: relax.Expr, src: relax.Expr, p
     picked = bb.emit(op.take(flat_src, relax.const(source, "int64"), axis=0, mode="clip")) if positions.size else \
         bb.emit(op.reshape(x, [-1]))
     out = bb.emit(op.where(relax.const(hit, "bool"), picked, op.reshape(x, [-1])))
-    return bb.emit(op.reshape(out, _shape(x, "scatter")))
+    return bb.emit(op.reshape(out, _static_shape(x, "scatter")))
 
 
 def as_strided_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -500,7 +489,7 @@ def as_strided_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -
 def diagonal_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """x with its diagonal(offset, dim1, dim2) replaced by src."""
     x, src = importer.env[node.args[0]], importer.env[node.args[1]]
-    shape = _shape(x, "diagonal_scatter")
+    shape = _static_shape(x, "diagonal_scatter")
     rank = len(shape)
     offset = int(_arg(node, 2, "offset", 0))
     dim1, dim2 = int(_arg(node, 3, "dim1", 0)) % rank, int(_arg(node, 4, "dim2", 1)) % rank
@@ -521,7 +510,7 @@ def unfold(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
     if x.ty.ndim == 0:
         return bb.emit(op.broadcast_to(op.reshape(x, [1]), [size]))
     dim = int(node.args[1]) % x.ty.ndim
-    n = _shape(x, "unfold")[dim]
+    n = _static_shape(x, "unfold")[dim]
     windows = (n - size) // step + 1
     index = np.arange(windows, dtype="int64")[:, None] * step + np.arange(size, dtype="int64")[None, :]
     taken = bb.emit(op.take(x, relax.const(index, "int64"), axis=dim, mode="clip"))  # [..., windows, size, ...]
@@ -541,7 +530,7 @@ def addbmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
     if alpha != 1:
         product = bb.emit(op.multiply(product, relax.const(alpha, dtype)))
     if beta == 0:
-        return bb.emit(op.broadcast_to(product, _shape(bias, "addbmm"))) if bias.ty.ndim == 2 else product
+        return bb.emit(op.broadcast_to(product, _static_shape(bias, "addbmm"))) if bias.ty.ndim == 2 else product
     if beta != 1:
         bias = bb.emit(op.multiply(bias, relax.const(beta, dtype)))
     return bb.emit(op.add(bias, product))
@@ -592,7 +581,7 @@ def pdist(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """_pdist_forward(x [N, M], p): the p-distance of rows i < j, in row-major order of (i, j)."""
     bb = importer.block_builder
     x = importer.env[node.args[0]]
-    n = _shape(x, "pdist")[0]
+    n = _static_shape(x, "pdist")[0]
     pairs = np.array(list(itertools.combinations(range(n), 2)), dtype="int64").reshape(-1, 2)
     if not len(pairs):
         return bb.emit(op.zeros([0], _dtype(x)))
@@ -617,8 +606,8 @@ def embedding_bag(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
     padding_idx = _arg(node, 8, "padding_idx", -1)
     padding_idx = -1 if padding_idx is None else int(padding_idx)
     dtype = _dtype(weight)
-    length = _shape(indices, "embedding_bag")[0]
-    bags = _shape(offsets, "embedding_bag")[0] - int(include_last)
+    length = _static_shape(indices, "embedding_bag")[0]
+    bags = _static_shape(offsets, "embedding_bag")[0] - int(include_last)
     offsets = bb.emit(op.astype(offsets, "int64"))
     starts = bb.emit(op.strided_slice(offsets, axes=[0], begin=[0], end=[bags]))
     if include_last:
