@@ -53,8 +53,8 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
     candidates measured in all (default: 32 per kernel worth tuning); `minutes`: stop after
     that long. `name`: the log's graph name (default: graph.config's, else the Graph subclass's
     name); given, the graph also compiles with that log from now on
-    (`graph.config.enable_tuning(name=name)`). `log_dir`: a tuning root other than $TVMGRAPH_CACHE_DIR/tuning. `rpc`: measure on a
-    remote device through a TVM RPC tracker. `check_graph`: time the whole program with and
+    (`graph.config.enable_tuning(name=name)`). `log_dir`: a tuning root other than
+    $TVMGRAPH_CACHE_DIR/tuning. `rpc`: measure on a remote device through a TVM RPC tracker. `check_graph`: time the whole program with and
     without the tuned kernels (local targets). `eager`: also time build() in eager PyTorch.
     """
     started = time.monotonic()
@@ -72,11 +72,11 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
 
     fused = get_pipeline(tvm_target, options, graph=graph.name, checks=False).until("tvmgraph.ApplyTuningLog")(
         lowered.mod)
-    kernels = extract_kernels(fused, measure.tuning_target(tvm_target), options)
+    measured_target = measure.tuning_target(tvm_target)
+    kernels = extract_kernels(fused, measured_target, options)
     if not kernels:
         raise TuningError(f"tune({graph.name}): the program has no kernel to tune")
     build, run = measure.builder(), measure.runner(rpc)
-    measured_target = measure.tuning_target(tvm_target)
     for kernel, seconds in zip(kernels, measure.measure_seconds([k.default for k in kernels], measured_target,
                                                                 build, run)):
         kernel.default_s = seconds
@@ -93,14 +93,15 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
         remaining = budget - sum(len(r) for r in done.values())
         measured = 0
         if remaining > 0 and chosen:
-            measured = _search(chosen, measured_target, database, build, run, remaining, minutes, progress, history)
+            measured = _search(chosen, measured_target, database, build, run, remaining, minutes, progress, history,
+                               [best_seconds(done[k.workload]) for k in chosen])
         choices = _choose(kernels, chosen, database)
         if check_graph and rpc is None:
             choices.graph_untuned_ms, choices.graph_tuned_ms = _time_graph(lowered, tvm_target, options, log, choices)
             choices.enabled = bool(choices.graph_tuned_ms <= choices.graph_untuned_ms)
         log.write_choices(choices)
     report = TuningReport(log_name, str(tvm_target.export().get("mcpu") or tvm_target.kind.name), log.directory,
-                          [k for k in choices.kernels], len(kernels) - len(chosen), measured,
+                          list(choices.kernels), len(kernels) - len(chosen), measured,
                           time.monotonic() - started, choices.graph_untuned_ms, choices.graph_tuned_ms,
                           enabled=choices.enabled, history=history)
     if eager and args is not None:
@@ -166,7 +167,8 @@ class _OutOfTime(Exception):
 
 
 def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, build: Any, run: Any,
-            trials: int, minutes: float | None, progress: bool, history: list[tuple[int, float]]) -> int:
+            trials: int, minutes: float | None, progress: bool, history: list[tuple[int, float]],
+            logged_s: list[float]) -> int:
     """Run MetaSchedule on `kernels` for `trials` candidates (or `minutes`); returns how many
     were measured. Every measured candidate is in `database` (the log) when this returns."""
     from tvm.s_tir import meta_schedule as ms
@@ -179,7 +181,7 @@ def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, bui
                                    search_strategy="evolutionary", task_name=k.name, logger=quiet,
                                    num_threads=threads).clone() for k in kernels]
     deadline = time.monotonic() + 60 * minutes if minutes else None
-    watcher = _progress_callback(kernels, database, trials, deadline, progress, history)
+    watcher = _progress_callback(kernels, logged_s, trials, deadline, progress, history)
     callbacks = [*ms.measure_callback.MeasureCallback.create("default"), watcher]
     cost_model = ms.cost_model.XGBModel(num_tuning_cores=threads)
     with tempfile.TemporaryDirectory(prefix="tvmgraph-tune-") as work_dir:
@@ -195,7 +197,7 @@ def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, bui
     return watcher.measured
 
 
-def _progress_callback(kernels, database, trials, deadline, show, history):
+def _progress_callback(kernels, logged_s, trials, deadline, show, history):
     from tvm.s_tir import meta_schedule as ms
     from tvm.ir.utils import derived_object
 
@@ -206,7 +208,7 @@ def _progress_callback(kernels, database, trials, deadline, show, history):
         def __init__(self) -> None:
             self.measured = 0
             self.out_of_time = False
-            self.best = [min(k.default_s or math.inf, best_seconds(_records(database, k))) for k in kernels]
+            self.best = [min(k.default_s or math.inf, logged) for k, logged in zip(kernels, logged_s)]
             self.bar = None
             if show:
                 from tqdm import tqdm
@@ -256,17 +258,19 @@ def _time_graph(lowered: Any, target: tvm.target.Target, options: Any, log: Tuni
     """Median ms of the program without and with the kernels `choices` selects, interleaved."""
     log.write_choices(Choices(choices.kernels))  # what applied() reads, before the graph verdict
     applied = log.applied()
+    # No kernel chose its tuned schedule: both programs are the same one, timed once.
+    tunings = (None, applied) if applied is not None else (None,)
     programs = []
-    for tuning in (None, applied):
+    for tuning in tunings:
         _, executable = lowered.build(target, options, tuning=tuning, checks=False)
         programs.append(relax.VirtualMachine(executable, tvm.cpu(0)))
     args = _random_args(lowered.mod[lowered.entry])
-    times: list[list[float]] = [[], []]
+    times: list[list[float]] = [[] for _ in programs]
     for _ in range(5):
         for i, vm in enumerate(programs):
             timer = vm.time_evaluator(lowered.entry, tvm.cpu(0), number=1, repeat=3, min_repeat_ms=100)
             times[i].append(float(timer(*args).median) * 1e3)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return statistics.median(times[0]), statistics.median(times[-1])
 
 
 def _random_args(func: relax.Function) -> list[tvm.runtime.Tensor]:
