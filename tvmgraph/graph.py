@@ -20,7 +20,7 @@ import collections
 import inspect
 import itertools
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +50,9 @@ from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
 from .training.optimizers import rule_for
 from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 _instance_counters: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
@@ -246,6 +249,16 @@ class Graph:
         `ranks` picks which torch.distributed ranks print (default 0; -1 for all).
         """
         self._state().log.configure(v_level, ranks, mode)
+
+    def profile(self, *args: Any, repeat: int = 5) -> Profile:
+        """Run `self(*args)` with every kernel timed; `print()` the result to see where the time
+        goes (each kernel's time, share of the call, FLOPs and share of the machine's limit).
+
+        A training graph runs real steps, then gets its state back: profiling changes nothing.
+        """
+        from .profile import profile_graph
+
+        return profile_graph(self, args, repeat)
 
     def named_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """Every registered module and its submodules, with their paths in the graph."""

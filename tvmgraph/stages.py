@@ -180,11 +180,16 @@ class CompiledGraph:
         self._lowered = lowered
         self.optimized = optimized
         vm = relax.VirtualMachine(lib, tvm_device(device), memory_cfg=settings.vm_allocator)
-        self._entry: Callable = vm[TRAIN_STEP if train_layout is not None else "main"]
+        self._entry: Callable = vm[self.entry_name]
         self._num_mutations = len(signature.mutations)
         self._num_user_outputs = signature.num_user_outputs
         self._has_rng = any(s.kind == "rng" for s in signature.inputs)
         self._index_guard = IndexGuard.of(traced.graph_name, traced.result.exported)
+
+    @property
+    def entry_name(self) -> str:
+        """The function of the program that a call runs: `main`, or `train_step` for training."""
+        return TRAIN_STEP if self.train_layout is not None else "main"
 
     @property
     def lowered(self) -> LoweredGraph:
