@@ -179,7 +179,8 @@ class Graph:
 
         Each call of a training graph runs `build()` (which must call `loss.backward()`),
         the gradients, gradient clipping if a param group sets `clip_grad_max_norm`, the
-        optimizer step and `zero_grad`, all in one compiled program; then `lr_sch.step()`.
+        optimizer step and `zero_grad`, all in one compiled program; then `lr_sch.step()`
+        (any torch scheduler but ReduceLROnPlateau, which the user steps with their metric).
         Supported: torch.optim.SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam,
         Adadelta, Rprop, ASGD, with any param groups (docs/training.md).
         """

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,7 +115,8 @@ def test_reduce_on_plateau_is_refused_by_add_optimizer() -> None:
     model = mlp((8, 16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plateau = S.ReduceLROnPlateau(opt)
-    with pytest.raises(OptimizerError, match=r"lr_sch=ReduceLROnPlateau\) cannot work.*plateau.step\(metric\) yourself"):
+    message = r"lr_sch=ReduceLROnPlateau\) cannot work.*plateau.step\(metric\) yourself"
+    with pytest.raises(OptimizerError, match=message):
         TrainGraph(model, nn.MSELoss(), opt, lr_sch=plateau)
 
 
@@ -183,3 +186,16 @@ def test_each_optimizer_steps_its_own_scheduler() -> None:
         for (opt, _), (ref_opt, _) in zip(pairs, ref_pairs):
             assert watched(opt) == watched(ref_opt), f"step {step}"
     assert graph.num_compiled == 1
+
+
+@pytest.mark.slow  # two programs of its own (other graph classes and shapes)
+def test_docs_example_runs() -> None:
+    """The examples of docs/training.md's "Learning-rate schedulers" section, in order."""
+    text = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
+    section = text.split("## Learning-rate schedulers")[1].split("\n## ")[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/training.md", "exec"), namespace)
+    assert namespace["graph"].num_compiled == 1 and namespace["plateau"].last_epoch == 3

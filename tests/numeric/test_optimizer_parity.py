@@ -32,7 +32,8 @@ def assert_same_optimizer_state(opt: torch.optim.Optimizer, ref: torch.optim.Opt
     for index, values in ref_state["state"].items():
         assert state["state"][index].keys() == values.keys(), index
         for key, value in values.items():
-            torch.testing.assert_close(state["state"][index][key], value, **STEP_TOL, msg=lambda m: f"{index} {key}: {m}")
+            torch.testing.assert_close(state["state"][index][key], value, **STEP_TOL,
+                                       msg=lambda m, i=index, k=key: f"state {i} {k}: {m}")
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
