@@ -182,7 +182,8 @@ class Graph:
 
         Each call of a training graph runs `build()` (which must call `loss.backward()`),
         the gradients, gradient clipping if a param group sets `clip_grad_max_norm`, the
-        optimizer step and `zero_grad`, all in one compiled program; then `lr_sch.step()`.
+        optimizer step and `zero_grad`, all in one compiled program; then `lr_sch.step()`
+        (any torch scheduler but ReduceLROnPlateau, which the user steps with their metric).
         Supported: torch.optim.SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam,
         Adadelta, Rprop, ASGD, with any param groups (docs/training.md).
         """
@@ -193,6 +194,12 @@ class Graph:
         if lr_sch is not None and getattr(lr_sch, "optimizer", None) is not optim:
             raise OptimizerError(f"{st.name}: lr_sch must be a scheduler of the optimizer passed with it "
                                  f"(torch.optim.lr_scheduler.X(optimizer, ...))")
+        if isinstance(lr_sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise OptimizerError(
+                f"{st.name}: add_optimizer(lr_sch=ReduceLROnPlateau) cannot work: it steps on a metric (a "
+                f"validation loss) the graph does not have. Leave it out of add_optimizer() and call "
+                f"plateau.step(metric) yourself (e.g. after each epoch's validation); the graph reads the "
+                f"reduced lr at its next call, without recompiling.")
         if any(o is optim for o, _ in st.optimizers):
             raise OptimizerError(f"{st.name}: this optimizer was already added")
         rule_for(optim, f"{st.name}: add_optimizer()")  # fail now, not at the first call
