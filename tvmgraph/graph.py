@@ -48,6 +48,7 @@ from .graph_repr import graph_repr
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
+from .training.accumulation import first_micro_batch
 from .training.optimizers import rule_for
 from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE
 
@@ -406,6 +407,11 @@ class Graph:
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
+        steps = signature.options.gradient_accumulation_steps
+        if steps > 1:  # the program is compiled for one micro-batch (training/accumulation.py)
+            names = self._arg_names(st, len(args_tree.children))
+            paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
+            flat = first_micro_batch(st.name, paths, flat, steps, bool(st.optimizers))
         with st.log.stage("tracing build()"):
             result = trace_build(st.name, self.build, st.modules, args_tree, flat,
                                  self._leaf_names(st, args_tree))
