@@ -407,11 +407,6 @@ class Graph:
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
-        steps = signature.options.gradient_accumulation_steps
-        if steps > 1:  # the program is compiled for one micro-batch (training/accumulation.py)
-            names = self._arg_names(st, len(args_tree.children))
-            paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
-            flat = first_micro_batch(st.name, paths, flat, steps, bool(st.optimizers))
         with st.log.stage("tracing build()"):
             result = trace_build(st.name, self.build, st.modules, args_tree, flat,
                                  self._leaf_names(st, args_tree))
@@ -430,6 +425,11 @@ class Graph:
 
     def _compile(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                  flat: list[torch.Tensor]) -> CompiledGraph:
+        steps = signature.options.gradient_accumulation_steps
+        if steps > 1:  # the program is compiled for one micro-batch (training/accumulation.py)
+            names = self._arg_names(st, len(args_tree.children))
+            paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
+            flat = first_micro_batch(st.name, paths, flat, steps, bool(st.optimizers))
         if st.last is not None:
             old = st.last.traced.signature
             arg_names = self._arg_names(st, len(args_tree.children))
