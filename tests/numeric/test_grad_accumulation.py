@@ -141,6 +141,11 @@ def test_outputs_concatenate_on_dim_0_and_scalars_average() -> None:
     torch.testing.assert_close(loss, ref_losses.mean(), **TOL)
     micro_peaks = torch.stack([part.abs().max() for part in ref_logits.chunk(4)])
     torch.testing.assert_close(peak, micro_peaks.mean(), **TOL)
+    # Compiled for one micro-batch (run 4 times, one after another); graph.trace keeps the full batch.
+    micro_x = graph.lowered.mod["accumulate_grads"].params[0]
+    assert [int(d) for d in micro_x.ty.shape] == [4, 32]
+    full_x = graph.trace(x, y).lower().mod["main"].params[0]
+    assert [int(d) for d in full_x.ty.shape] == [16, 32]
 
 
 def test_indivisible_batch_is_an_error_naming_graph_argument_and_fix() -> None:
