@@ -160,12 +160,12 @@ class GraphConfig:
         self.fuse_cast_scale = _flag("allow_fuse_cast_scale", mode)
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
-        """Accumulate gradients over `value` micro-batches before one optimizer step."""
+        """Accumulate gradients over `value` micro-batches before one optimizer step: each call
+        of a training graph splits its batch on dim 0 and runs the micro-batches one after another
+        (tvmgraph/training/accumulation.py; docs/training.md, "Gradient accumulation")."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"GraphConfig.set_gradient_accumulation_steps(value) takes an int >= 1, "
                               f"got {value!r}")
-        if value > 1:
-            raise _not_yet("set_gradient_accumulation_steps(>1)", "gradient accumulation is planned")
         self.gradient_accumulation_steps = value
 
     def enable_cudnn_conv_heuristic_search_algo(self, mode: bool = True) -> None:

@@ -82,6 +82,10 @@ class UnsupportedOptionError(TvmGraphError, NotImplementedError):
     """A documented option (OneFlow's) that tvmgraph does not implement yet was switched on."""
 
 
+class MicroBatchError(TvmGraphError, ValueError):
+    """Gradient accumulation cannot split a call's batch into equal micro-batches."""
+
+
 class RecompileLimitError(TvmGraphError, RuntimeError):
     """A graph was asked to compile more entries than `GraphConfig.set_recompile_limit` allows."""
 

@@ -48,6 +48,7 @@ from .graph_repr import graph_repr
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
+from .training.accumulation import first_micro_batch
 from .training.optimizers import rule_for
 from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE
 
@@ -444,6 +445,11 @@ class Graph:
 
     def _compile(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                  flat: list[torch.Tensor]) -> CompiledGraph:
+        steps = signature.options.gradient_accumulation_steps
+        if steps > 1:  # the program is compiled for one micro-batch (training/accumulation.py)
+            names = self._arg_names(st, len(args_tree.children))
+            paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
+            flat = first_micro_batch(st.name, paths, flat, steps, bool(st.optimizers))
         if st.last is not None:
             old = st.last.traced.signature
             arg_names = self._arg_names(st, len(args_tree.children))

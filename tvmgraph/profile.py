@@ -28,6 +28,7 @@ from tvm import relax
 from .config import settings
 from .hardware import Limits
 from .target import tvm_device
+from .training.accumulation import APPLY_UPDATE
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -172,12 +173,18 @@ def profile_graph(graph: Graph, args: tuple, repeat: int = 5, limits: Limits | N
         vm.set_instrument(recorder)
         plain = compiled._entry
         compiled._entry = vm[compiled.entry_name]
+        accumulation = compiled._accumulation  # gradient accumulation's update runs on its own
+        plain_update = accumulation.apply_update if accumulation is not None else None
+        if accumulation is not None:
+            accumulation.apply_update = vm[APPLY_UPDATE]
         try:
             for _ in range(repeat):
                 recorder.new_run()
                 graph(*args)
         finally:
             compiled._entry = plain
+            if accumulation is not None:
+                accumulation.apply_update = plain_update
     finally:
         if saved is not None:
             graph.load_state_dict(saved)

@@ -8,7 +8,8 @@
 persistent compiled cache (tvmgraph/artifact.py): a program compiled once, by any process, is
 loaded instead of compiled again. A training graph (build() called loss.backward() and the
 graph has optimizers) lowers to a `train_step` function instead of `main`
-(tvmgraph/training/train_step.py).
+(tvmgraph/training/train_step.py), or, with gradient accumulation, to `accumulate_grads` run
+once per micro-batch and `apply_update` (tvmgraph/training/accumulation.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
 from .trace import ModuleIO, TraceResult
+from .training.accumulation import MICRO_STEP, Accumulation, append_accumulation
 from .training.plan import TrainingPlan
 from .training.runtime import TrainingBinding
 from .training.train_step import FUNC_NAME as TRAIN_STEP
@@ -79,8 +81,14 @@ class TracedGraph:
             index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
             grad_indices = [index_of[t] for t in plan.targets]
             loss_index = len(sig.mutations) + sig.num_user_outputs
-            mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name,
-                                            lowering.relax_origins(exported))
+            origins = lowering.relax_origins(exported)
+            steps = self.signature.options.gradient_accumulation_steps
+            if steps > 1:
+                mod, layout = append_accumulation(mod, plan, grad_indices, loss_index, steps, report,
+                                                  self.graph_name, origins)
+            else:
+                mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name,
+                                                origins)
         return LoweredGraph(self, mod, sig, exported, plan, layout)
 
 
@@ -101,8 +109,9 @@ class LoweredGraph:
 
     @property
     def entry(self) -> str:
-        """Name of the function a call runs: `main`, or `train_step` for a training graph."""
-        return TRAIN_STEP if self.train_layout is not None else "main"
+        """Name of the function a call runs: `main`, or `train_step` for a training graph
+        (`accumulate_grads`, run once per micro-batch, with gradient accumulation)."""
+        return _entry_name(self.train_layout)
 
     def as_text(self) -> str:
         """TVMScript of the Relax module."""
@@ -161,7 +170,7 @@ class CompiledGraph:
 
     __slots__ = ("traced", "plan", "signature", "train_layout", "lib", "target", "device", "binder",
                  "training", "_lowered", "optimized", "_entry", "_num_mutations", "_num_user_outputs",
-                 "_has_rng", "_index_guard")
+                 "_has_rng", "_index_guard", "_accumulation")
 
     def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, signature: lowering.LoweredSignature,
                  train_layout: TrainStepLayout | None, lib: tvm.runtime.Module | relax.VMExecutable,
@@ -181,6 +190,8 @@ class CompiledGraph:
         self.optimized = optimized
         vm = relax.VirtualMachine(lib, tvm_device(device), memory_cfg=settings.vm_allocator)
         self._entry: Callable = vm[self.entry_name]
+        steps = train_layout.accumulation_steps if train_layout is not None else 1
+        self._accumulation = Accumulation(vm, steps) if steps > 1 else None
         self._num_mutations = len(signature.mutations)
         self._num_user_outputs = signature.num_user_outputs
         self._has_rng = any(s.kind == "rng" for s in signature.inputs)
@@ -188,8 +199,9 @@ class CompiledGraph:
 
     @property
     def entry_name(self) -> str:
-        """The function of the program that a call runs: `main`, or `train_step` for training."""
-        return TRAIN_STEP if self.train_layout is not None else "main"
+        """The function of the program that a call runs: `main`, `train_step` for training, or
+        `accumulate_grads` (run once per micro-batch) with gradient accumulation."""
+        return _entry_name(self.train_layout)
 
     @property
     def lowered(self) -> LoweredGraph:
@@ -217,9 +229,21 @@ class CompiledGraph:
         """
         if self._index_guard is not None:
             self._index_guard.check(flat_inputs)
+        if self._accumulation is not None:
+            return self._accumulation.run(self, flat_inputs)
+        extra = self.training.inputs() if self.training is not None else []
+        user, loss, tail, copied = self.run_entry(flat_inputs, extra)
+        if self.training is not None:
+            self.training.write_back(tail, copied)
+        return user, loss
+
+    def run_entry(self, flat_inputs: Sequence[torch.Tensor], extra: Sequence[torch.Tensor]
+                  ) -> tuple[list[torch.Tensor], torch.Tensor | None, Sequence[torch.Tensor], set[int]]:
+        """One call of the entry function with `extra` inputs after the model's tensors, its
+        mutations written back: the user outputs, the loss, the results after the loss, and the
+        `id`s of the state tensors the program was given a copy of."""
         state = self.binder.tensors()
         rng = [_draw_seed(self.device)] if self._has_rng else []
-        extra = self.training.inputs() if self.training is not None else []
         inputs, _ = runnable_all(flat_inputs)
         passed_state, copied = runnable_all(state, thorough=False)
         passed_extra, _ = runnable_all(extra, thorough=False)
@@ -235,9 +259,9 @@ class CompiledGraph:
         # no tensor argument at all (build() returning torch.zeros(3)) gets TVM's own tensors.
         user = [r if isinstance(r, torch.Tensor) else torch.from_dlpack(r) for r in results[n_mut:n_mut + n_user]]
         loss = results[n_mut + n_user] if self.signature.has_loss else None
-        if self.training is not None:
-            self.training.write_back(results[n_mut + n_user + 1:], {id(state[i]) for i in copied})
-        return user, loss
+        if self.training is None:
+            return user, loss, (), set()
+        return user, loss, results[n_mut + n_user + 1:], {id(state[i]) for i in copied}
 
     def _write_back(self, flat_inputs: Sequence[torch.Tensor], state: list[torch.Tensor], new_values) -> None:
         named = dict(zip((s.target for s in self.binder.sources), state))
@@ -263,6 +287,12 @@ class CompiledGraph:
                     f"{self.device}; move the module with .to({str(self.device)!r}) or the inputs with "
                     f".to({str(t.device)!r})."
                 )
+
+
+def _entry_name(layout: TrainStepLayout | None) -> str:
+    if layout is None:
+        return "main"
+    return MICRO_STEP if layout.accumulation_steps > 1 else TRAIN_STEP
 
 
 def _draw_seed(device: torch.device) -> torch.Tensor:

@@ -45,7 +45,7 @@ from .. import gradients as _gradients  # noqa: F401  (registers the gradients T
 from ..errors import UnsupportedOpError
 from .gradient_check import check_gradients
 from .optimizers import PARAM, UpdateRule
-from .plan import GroupPlan, TrainingPlan
+from .plan import TrainingPlan
 from .update_ops import SCALAR_DTYPE, RelaxUpdateOps
 
 FUNC_NAME = "train_step"
@@ -60,6 +60,8 @@ class TrainStepLayout:
     grad_indices: tuple[int, ...]  # main parameters that are trained, in plan order
     state_shapes: tuple[tuple[str, str, tuple[int, ...], str], ...]  # (target, key, shape, dtype)
     num_groups: int
+    # > 1: the module holds accumulate_grads and apply_update instead (accumulation.py)
+    accumulation_steps: int = 1
 
 
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
@@ -118,24 +120,83 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     """Replace `main` with `train_step` (see the module docstring for the contract); `graph`
     names the graph in warnings and errors, `origins` the torch op each Relax variable came
     from (`tvmgraph.lower.relax_origins`) in the error listing the ops without gradients."""
+    main = mod["main"]
+    num_outputs = len(main.ret_ty.fields)
+    mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins)
+    adjoint_gv = mod.get_global_var("main_adjoint")
+
+    bb = relax.BlockBuilder(mod)
+    inputs = [relax.Var(v.name, v.ty) for v in main.params]
+    updates = declare_updates(bb, plan, [main.params[i].ty for i in grad_indices])
+    with bb.function(FUNC_NAME, inputs + updates.state_vars + updates.hyper_vars):
+        with bb.dataflow():
+            ret = bb.emit(relax.Call(adjoint_gv, inputs))
+            outs = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 0), i)) for i in range(num_outputs)]
+            grads = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 1), j)) for j in range(len(grad_indices))]
+            new_params, new_states = updates.emit(bb, [inputs[i] for i in grad_indices], grads)
+            result = bb.emit_output(relax.Tuple(outs + new_params + new_states))
+        bb.emit_func_output(result)
+    # `main` is dropped: a training graph's calls run train_step, and compiling the forward pass
+    # a second time on its own made the CNN's training graph compile 1 s longer.
+    mod = finish_module(bb.get(), updates, [FUNC_NAME])
+    return mod, TrainStepLayout(tuple(grad_indices), tuple(updates.state_shapes), len(plan.groups))
+
+
+def differentiate_main(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
+                       report: Callable[[str], None] | None, graph: str, origins: Mapping[str, str] | None,
+                       loss_divisor: int = 1) -> tvm.IRModule:
+    """`mod` plus `main_adjoint`, the gradients of `loss / loss_divisor` (after the checks and
+    RecomputeAttention that every training program gets)."""
     from relay_passes.recompute_attention import RecomputeAttention  # relay_passes import tvmgraph
 
     from ..pipeline import run_pass
 
     # Checked always (one check of the forward program): a broken result would fail in autodiff.
     mod = run_pass(RecomputeAttention(plan.recompute_attention, report), mod, graph, check=True)
-    main = mod["main"]
-    check_gradients(main, loss_index, origins or {}, graph)
-    num_outputs = len(main.ret_ty.fields)
-    mod = _differentiate(mod, grad_indices, loss_index, graph)
-    adjoint_gv = mod.get_global_var("main_adjoint")
+    check_gradients(mod["main"], loss_index, origins or {}, graph)
+    return _differentiate(mod, grad_indices, loss_index, graph, loss_divisor)
 
-    bb = relax.BlockBuilder(mod)
-    inputs = [relax.Var(v.name, v.ty) for v in main.params]
-    state_vars, state_shapes = [], []
-    update_gvs = []
+
+@dataclass
+class GroupUpdates:
+    """The update functions, state and hyperparameter variables of a plan (`declare_updates`)."""
+
+    plan: TrainingPlan
+    update_gvs: list[relax.GlobalVar]
+    state_vars: list[relax.Var]
+    state_shapes: list[tuple[str, str, tuple[int, ...], str]]
+    hyper_vars: list[relax.Var]
+
+    def emit(self, bb: relax.BlockBuilder, params: list[relax.Expr],
+             grads: list[relax.Expr]) -> tuple[list[relax.Expr], list[relax.Expr]]:
+        """Clip each group's gradients when configured, then call its update: new params, new states."""
+        new_params, new_states = [], []
+        cursor, state_cursor = 0, 0
+        for group, hyper, update_gv in zip(self.plan.groups, self.hyper_vars, self.update_gvs):
+            n, keys = len(group.targets), group.state_keys
+            group_grads = grads[cursor:cursor + n]
+            if group.clip is not None and n:
+                group_grads = _clip(bb, group_grads, *group.clip)
+            args = [hyper]
+            for k in range(n):
+                args += [params[cursor + k], group_grads[k], *self.state_vars[state_cursor:state_cursor + len(keys)]]
+                state_cursor += len(keys)
+            updated = bb.emit(relax.Call(update_gv, args))
+            for k in range(n):
+                base = k * (len(keys) + 1)
+                new_states += [bb.emit(relax.TupleGetItem(updated, base + j)) for j in range(len(keys))]
+                new_params.append(bb.emit(relax.TupleGetItem(updated, base + len(keys))))
+            cursor += n
+        return new_params, new_states
+
+
+def declare_updates(bb: relax.BlockBuilder, plan: TrainingPlan, param_types: list[relax.TensorType]) -> GroupUpdates:
+    """Add one update function per param group to `bb`'s module; `param_types` in plan order."""
+    state_vars, state_shapes, update_gvs = [], [], []
+    cursor = 0
     for index, group in enumerate(plan.groups):
-        types = [main.params[i].ty for i in _indices_of(group, plan, grad_indices)]
+        types = param_types[cursor:cursor + len(group.targets)]
+        cursor += len(group.targets)
         name = f"update_{index}_{group.rule.name}"
         update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name), name))
         for target, ty in zip(group.targets, types):
@@ -146,59 +207,36 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
                 state_shapes.append((target, key, shape, dtype))
     hyper_vars = [relax.Var(f"hyper_{i}", relax.TensorType((len(g.rule.hyper_keys),), SCALAR_DTYPE))
                   for i, g in enumerate(plan.groups)]
+    return GroupUpdates(plan, update_gvs, state_vars, state_shapes, hyper_vars)
 
-    with bb.function(FUNC_NAME, inputs + state_vars + hyper_vars):
-        with bb.dataflow():
-            ret = bb.emit(relax.Call(adjoint_gv, inputs))
-            outs = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 0), i)) for i in range(num_outputs)]
-            grads = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 1), j)) for j in range(len(grad_indices))]
-            new_params, new_states = [], []
-            cursor, state_cursor = 0, 0
-            for group, hyper, update_gv in zip(plan.groups, hyper_vars, update_gvs):
-                n, keys = len(group.targets), group.state_keys
-                group_grads = grads[cursor:cursor + n]
-                if group.clip is not None and n:
-                    group_grads = _clip(bb, group_grads, *group.clip)
-                args = [hyper]
-                for k in range(n):
-                    args += [inputs[grad_indices[cursor + k]], group_grads[k],
-                             *state_vars[state_cursor:state_cursor + len(keys)]]
-                    state_cursor += len(keys)
-                updated = bb.emit(relax.Call(update_gv, args))
-                for k in range(n):
-                    base = k * (len(keys) + 1)
-                    new_states += [bb.emit(relax.TupleGetItem(updated, base + j)) for j in range(len(keys))]
-                    new_params.append(bb.emit(relax.TupleGetItem(updated, base + len(keys))))
-                cursor += n
-            result = bb.emit_output(relax.Tuple(outs + new_params + new_states))
-        bb.emit_func_output(result)
-    mod = bb.get()
 
-    # Inline the adjoint so that the update can fuse with the backward pass; drop what is unused,
-    # `main` included: a training graph's calls run train_step, and compiling the forward pass
-    # a second time on its own made the CNN's training graph compile 1 s longer.
+def finish_module(mod: tvm.IRModule, updates: GroupUpdates, entries: list[str]) -> tvm.IRModule:
+    """Drop `main`, inline the adjoint into `entries` (so that the update can fuse with the
+    backward pass), drop what is unused, and make the update functions private."""
     del mod["main"]
     mod["main_adjoint"] = mod["main_adjoint"].without_attr("global_symbol")
     mod = tvm.transform.Sequential([
         relax.transform.InlinePrivateFunctions(),
         relax.transform.CanonicalizeBindings(),
-        relax.transform.DeadCodeElimination([FUNC_NAME]),
+        relax.transform.DeadCodeElimination(entries),
     ])(mod)
-    for gv in update_gvs:  # the pipeline fuses them (FuseModelUpdate) or inlines them
+    for gv in updates.update_gvs:  # the pipeline fuses them (FuseModelUpdate) or inlines them
         mod[gv] = mod[gv].without_attr("global_symbol")
-    layout = TrainStepLayout(tuple(grad_indices), tuple(state_shapes), len(plan.groups))
-    return mod, layout
+    return mod
 
 
 # The NotImplementedError messages of tvmgraph/gradients: a configuration they do not cover.
 _NOT_COVERED = re.compile(r"gradient of relax\.[\w.]+ .*|tvmgraph\.gradients need static shapes.*")
 
 
-def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, graph: str) -> tvm.IRModule:
-    """`main_adjoint` added to `mod`: `Gradient` of the loss w.r.t. the parameters at `grad_indices`.
+def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, graph: str,
+                   loss_divisor: int = 1) -> tvm.IRModule:
+    """`main_adjoint` added to `mod`: `Gradient` of the loss (over `loss_divisor`) w.r.t. the
+    parameters at `grad_indices`.
 
     `Gradient` takes float16/32/64 targets only: a bfloat16 loss is differentiated through an
-    extra float32 output (a cast, exact), which the train step does not return. Gradients that
+    extra float32 output (a cast, exact), which the train step does not return; so is the loss
+    over a `loss_divisor` other than 1 (gradient accumulation's n). Gradients that
     tvmgraph cannot compute become UnsupportedOpError: a configuration a registered gradient does
     not cover (its NotImplementedError), and shapes that depend on data (`match_cast`, from
     `nonzero` or boolean masks), which `Gradient` rejects ("Check failed: (var_binding)").
@@ -206,10 +244,15 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
     main = mod["main"]
     loss = main.body.body.fields[loss_index]
     target_index = loss_index
-    if loss.ty.dtype.dtype not in ("float16", "float32", "float64"):
-        cast = relax.Var("loss_float32", relax.TensorType((), "float32"))
+    dtype = loss.ty.dtype.dtype
+    if dtype not in ("float16", "float32", "float64") or loss_divisor != 1:
+        target_dtype = dtype if dtype in ("float16", "float32", "float64") else "float32"
+        cast = relax.Var("loss_target", relax.TensorType((), target_dtype))
+        value = relax.op.astype(loss, target_dtype) if target_dtype != dtype else loss
+        if loss_divisor != 1:  # as eager's (loss / n).backward()
+            value = relax.op.divide(value, relax.const(loss_divisor, target_dtype))
         blocks = list(main.body.blocks)
-        bindings = [*blocks[-1].bindings, relax.VarBinding(cast, relax.op.astype(loss, "float32"))]
+        bindings = [*blocks[-1].bindings, relax.VarBinding(cast, value)]
         blocks[-1] = relax.DataflowBlock(bindings)
         fields = [*main.body.body.fields, cast]
         body = relax.SeqExpr(blocks, relax.Tuple(fields))
@@ -235,7 +278,3 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
                                  f"through it. Run that part outside the graph (compute it before calling the "
                                  f"graph).") from None
 
-
-def _indices_of(group: GroupPlan, plan: TrainingPlan, grad_indices: list[int]) -> list[int]:
-    start = sum(len(g.targets) for g in plan.groups[:plan.groups.index(group)])
-    return grad_indices[start:start + len(group.targets)]
