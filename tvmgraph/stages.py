@@ -34,6 +34,7 @@ from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
 from .trace import ModuleIO, TraceResult
+from .training.checkpoint_regions import checkpoint_regions
 from .training.plan import TrainingPlan
 from .training.runtime import TrainingBinding
 from .training.train_step import FUNC_NAME as TRAIN_STEP
@@ -79,9 +80,20 @@ class TracedGraph:
             index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
             grad_indices = [index_of[t] for t in plan.targets]
             loss_index = len(sig.mutations) + sig.num_user_outputs
+            regions = self._checkpoint_regions(exported, mod, plan, report)
             mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name,
-                                            lowering.relax_origins(exported))
+                                            lowering.relax_origins(exported), regions)
         return LoweredGraph(self, mod, sig, exported, plan, layout)
+
+    def _checkpoint_regions(self, exported: torch.export.ExportedProgram, mod: tvm.IRModule, plan: TrainingPlan,
+                            report: Callable[[str], None] | None) -> list[list[str]]:
+        """The bindings of each call of a module with activation_checkpointing on."""
+        if not plan.activation_checkpointing:
+            return []
+        regions, idle = checkpoint_regions(exported, mod, plan.activation_checkpointing)
+        if idle and report is not None:
+            report(f"activation_checkpointing: {', '.join(sorted(idle))} ran no op in build(); nothing to recompute")
+        return regions
 
 
 class LoweredGraph:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import tvm
@@ -114,15 +114,19 @@ def _clip(bb: relax.BlockBuilder, grads: list[relax.Expr], max_norm: float, norm
 
 def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
                       report: Callable[[str], None] | None = None, graph: str = "graph",
-                      origins: Mapping[str, str] | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
+                      origins: Mapping[str, str] | None = None,
+                      checkpoint_regions: Sequence[Collection[str]] = ()) -> tuple[tvm.IRModule, TrainStepLayout]:
     """Replace `main` with `train_step` (see the module docstring for the contract); `graph`
     names the graph in warnings and errors, `origins` the torch op each Relax variable came
     from (`tvmgraph.lower.relax_origins`) in the error listing the ops without gradients."""
-    from relay_passes.recompute_attention import RecomputeAttention  # relay_passes import tvmgraph
+    from relay_passes.checkpoint_modules import CheckpointModules  # relay_passes import tvmgraph
+    from relay_passes.recompute_attention import RecomputeAttention
 
     from ..pipeline import run_pass
 
     # Checked always (one check of the forward program): a broken result would fail in autodiff.
+    # Module checkpointing first: it finds its bindings by the names the importer gave them.
+    mod = run_pass(CheckpointModules(checkpoint_regions, report), mod, graph, check=True)
     mod = run_pass(RecomputeAttention(plan.recompute_attention, report), mod, graph, check=True)
     main = mod["main"]
     check_gradients(main, loss_index, origins or {}, graph)
