@@ -91,6 +91,7 @@ def test_cnn_with_batch_norm_updates_running_stats_once_per_step() -> None:
     assert recomputed(graph)
 
 
+@pytest.mark.slow
 def test_recomputed_dropout_reuses_the_forward_mask() -> None:
     """Dropout inside a checkpointed module: with the same seeds, training with and without
     checkpointing takes the same steps (a fresh mask in the recomputation would change the
@@ -142,6 +143,7 @@ def test_checkpointed_transformer_layers_plan_less_memory() -> None:
     assert peaks[True] < 0.7 * peaks[False], peaks
 
 
+@pytest.mark.slow
 def test_flag_reads_back_and_a_change_recompiles(caplog: pytest.LogCaptureFixture) -> None:
     model = mlp()
     graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.05))
