@@ -35,7 +35,7 @@ are tvmgraph's choices, the natural reading of one call covering the full batch)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,11 +82,13 @@ def micro_batches(flat: Sequence[torch.Tensor], steps: int) -> list[list[torch.T
 
 def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
                         steps: int, report: Callable[[str], None] | None = None, graph: str = "graph",
-                        origins: Mapping[str, str] | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
+                        origins: Mapping[str, str] | None = None,
+                        checkpoint_regions: Sequence[Collection[str]] = ()) -> tuple[tvm.IRModule, TrainStepLayout]:
     """Replace `main` with `accumulate_grads` and `apply_update` (the module docstring)."""
     main = mod["main"]
     num_outputs = len(main.ret_ty.fields)
-    mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins, loss_divisor=steps)
+    mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins, loss_divisor=steps,
+                             checkpoint_regions=checkpoint_regions)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
