@@ -45,6 +45,7 @@ from .errors import (
 )
 from .guards import StructureGuard, modules_of
 from .graph_repr import graph_repr
+from .amp import autocast_args, check_scaler
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
@@ -406,9 +407,11 @@ class Graph:
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
+        options = signature.options
+        device = flat[0].device if flat else entry.module_device(st.modules)
         with st.log.stage("tracing build()"):
-            result = trace_build(st.name, self.build, st.modules, args_tree, flat,
-                                 self._leaf_names(st, args_tree))
+            result = trace_build(st.name, self.build, st.modules, args_tree, flat, self._leaf_names(st, args_tree),
+                                 autocast_args(device, options.amp, options.amp_dtype))
         traced = TracedGraph(st.name, signature, args_tree, result)
         if st.log.on(1):
             for path, io in result.module_io.items():
