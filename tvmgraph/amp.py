@@ -73,4 +73,4 @@ def scaler_tensors(scaler: torch.amp.GradScaler, device: torch.device) -> tuple[
 def scaler_hypers(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:
     """[growth_factor, backoff_factor, growth_interval]: inputs, so changing them needs no recompile."""
     return torch.tensor([scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval],
-                        dtype=torch.float32, device=device)
+                        dtype=torch.float64, device=device)

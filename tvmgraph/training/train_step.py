@@ -43,6 +43,7 @@ from tvm import relax
 
 from .. import gradients as _gradients  # noqa: F401  (registers the gradients TVM lacks)
 from ..errors import UnsupportedOpError
+from . import loss_scale
 from .gradient_check import check_gradients
 from .optimizers import PARAM, UpdateRule
 from .plan import GroupPlan, TrainingPlan
@@ -60,11 +61,13 @@ class TrainStepLayout:
     grad_indices: tuple[int, ...]  # main parameters that are trained, in plan order
     state_shapes: tuple[tuple[str, str, tuple[int, ...], str], ...]  # (target, key, shape, dtype)
     num_groups: int
+    loss_scaling: bool = False  # a GradScaler's scale and tracker go in and out last (loss_scale.py)
 
 
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
-                    name: str) -> relax.Function:
-    """The Relax function updating every parameter of one group (see the module docstring)."""
+                    name: str, fusable: bool = True) -> relax.Function:
+    """The Relax function updating every parameter of one group (see the module docstring);
+    not `fusable`: untagged, so FuseModelUpdate leaves it as Relax ops (loss_scale.py)."""
     keys = rule.state_keys(flags)
     bb = relax.BlockBuilder()
     hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), SCALAR_DTYPE))
@@ -76,7 +79,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
         params += [p, g, *states.values()]
         per_param.append((p, g, states))
     # Public while the adjoint is inlined (see append_train_step), private afterwards.
-    with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags}):
+    with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags} if fusable else None):
         with bb.dataflow():
             h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
                  for i, k in enumerate(rule.hyper_keys)}
@@ -127,7 +130,8 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     main = mod["main"]
     check_gradients(main, loss_index, origins or {}, graph)
     num_outputs = len(main.ret_ty.fields)
-    mod = _differentiate(mod, grad_indices, loss_index, graph)
+    scaling = plan.loss_scaling
+    mod = _differentiate(mod, grad_indices, loss_index, graph, scaling)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
@@ -137,7 +141,7 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     for index, group in enumerate(plan.groups):
         types = [main.params[i].ty for i in _indices_of(group, plan, grad_indices)]
         name = f"update_{index}_{group.rule.name}"
-        update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name), name))
+        update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name, not scaling), name))
         for target, ty in zip(group.targets, types):
             for key in group.state_keys:
                 scalar = group.rule.scalar_state(key)
@@ -147,30 +151,40 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     hyper_vars = [relax.Var(f"hyper_{i}", relax.TensorType((len(g.rule.hyper_keys),), SCALAR_DTYPE))
                   for i, g in enumerate(plan.groups)]
 
-    with bb.function(FUNC_NAME, inputs + state_vars + hyper_vars):
+    scaler = loss_scale.scaler_vars() if scaling else ()
+    with bb.function(FUNC_NAME, inputs + state_vars + hyper_vars + list(scaler)):
         with bb.dataflow():
-            ret = bb.emit(relax.Call(adjoint_gv, inputs))
+            ret = bb.emit(relax.Call(adjoint_gv, inputs + list(scaler[:1])))
             outs = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 0), i)) for i in range(num_outputs)]
             grads = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 1), j)) for j in range(len(grad_indices))]
+            found = _unscale(bb, plan, grads, scaler[0]) if scaling else None
             new_params, new_states = [], []
             cursor, state_cursor = 0, 0
             for group, hyper, update_gv in zip(plan.groups, hyper_vars, update_gvs):
                 n, keys = len(group.targets), group.state_keys
                 group_grads = grads[cursor:cursor + n]
+                old = []
                 if group.clip is not None and n:
                     group_grads = _clip(bb, group_grads, *group.clip)
                 args = [hyper]
                 for k in range(n):
-                    args += [inputs[grad_indices[cursor + k]], group_grads[k],
-                             *state_vars[state_cursor:state_cursor + len(keys)]]
+                    states = state_vars[state_cursor:state_cursor + len(keys)]
+                    args += [inputs[grad_indices[cursor + k]], group_grads[k], *states]
+                    old += [*states, inputs[grad_indices[cursor + k]]]
                     state_cursor += len(keys)
                 updated = bb.emit(relax.Call(update_gv, args))
+                results = [bb.emit(relax.TupleGetItem(updated, i)) for i in range(n * (len(keys) + 1))]
+                if found is not None:  # an overflow skips the step: every value stays as it was
+                    results = [loss_scale.keep_if_found(bb, found[id(group.optimizer)], o, r)
+                               for o, r in zip(old, results)]
                 for k in range(n):
                     base = k * (len(keys) + 1)
-                    new_states += [bb.emit(relax.TupleGetItem(updated, base + j)) for j in range(len(keys))]
-                    new_params.append(bb.emit(relax.TupleGetItem(updated, base + len(keys))))
+                    new_states += results[base:base + len(keys)]
+                    new_params.append(results[base + len(keys)])
                 cursor += n
-            result = bb.emit_output(relax.Tuple(outs + new_params + new_states))
+            scaler_out = list(loss_scale.update_scale(bb, scaler[0], scaler[1], found["any"], scaler[2])) \
+                if found is not None else []
+            result = bb.emit_output(relax.Tuple(outs + new_params + new_states + scaler_out))
         bb.emit_func_output(result)
     mod = bb.get()
 
@@ -186,16 +200,37 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     ])(mod)
     for gv in update_gvs:  # the pipeline fuses them (FuseModelUpdate) or inlines them
         mod[gv] = mod[gv].without_attr("global_symbol")
-    layout = TrainStepLayout(tuple(grad_indices), tuple(state_shapes), len(plan.groups))
+    layout = TrainStepLayout(tuple(grad_indices), tuple(state_shapes), len(plan.groups), scaling)
     return mod, layout
+
+
+def _unscale(bb: relax.BlockBuilder, plan: TrainingPlan, grads: list[relax.Expr],
+             scale: relax.Var) -> dict[int | str, relax.Expr]:
+    """Unscale `grads` in place (in the list) and return each optimizer's overflow flag (by
+    `id`), and under "any" the flag of the whole step, which updates the scale."""
+    by_optimizer: dict[int, list[int]] = {}
+    cursor = 0
+    for group in plan.groups:
+        by_optimizer.setdefault(id(group.optimizer), []).extend(range(cursor, cursor + len(group.targets)))
+        cursor += len(group.targets)
+    found: dict[int | str, relax.Expr] = {}
+    for key, indices in by_optimizer.items():
+        unscaled, found[key] = loss_scale.unscale(bb, [grads[i] for i in indices], scale)
+        for i, g in zip(indices, unscaled):
+            grads[i] = g
+    flags = list(found.values())
+    found["any"] = flags[0] if len(flags) == 1 else bb.emit(relax.op.max(relax.op.stack(flags)))
+    return found
 
 
 # The NotImplementedError messages of tvmgraph/gradients: a configuration they do not cover.
 _NOT_COVERED = re.compile(r"gradient of relax\.[\w.]+ .*|tvmgraph\.gradients need static shapes.*")
 
 
-def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, graph: str) -> tvm.IRModule:
-    """`main_adjoint` added to `mod`: `Gradient` of the loss w.r.t. the parameters at `grad_indices`.
+def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, graph: str,
+                   scaling: bool = False) -> tvm.IRModule:
+    """`main_adjoint` added to `mod`: `Gradient` of the loss w.r.t. the parameters at `grad_indices`;
+    with `scaling`, of the loss times a new last parameter `loss_scale` (loss_scale.py).
 
     `Gradient` takes float16/32/64 targets only: a bfloat16 loss is differentiated through an
     extra float32 output (a cast, exact), which the train step does not return. Gradients that
@@ -206,7 +241,11 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
     main = mod["main"]
     loss = main.body.body.fields[loss_index]
     target_index = loss_index
-    if loss.ty.dtype.dtype not in ("float16", "float32", "float64"):
+    if scaling:
+        main, target_index = loss_scale.with_scaled_loss(main, loss_index)
+        mod = mod.clone()
+        mod["main"] = main
+    elif loss.ty.dtype.dtype not in ("float16", "float32", "float64"):
         cast = relax.Var("loss_float32", relax.TensorType((), "float32"))
         blocks = list(main.body.blocks)
         bindings = [*blocks[-1].bindings, relax.VarBinding(cast, relax.op.astype(loss, "float32"))]
