@@ -60,11 +60,17 @@ def _meta(value: object) -> str:
 
 
 def program_text(exported: torch.export.ExportedProgram) -> str:
-    """Every node of the traced program with its op, arguments and result shapes, one a line."""
+    """Every node of the traced program with its op, arguments and result shapes, one a line;
+    the bodies of its submodules too (an autocast region, torch.cond's branches), which the
+    top graph names only (`wrap_with_autocast(..., submod_1, ...)`)."""
     lines = [str(exported.graph_signature)]
-    for node in exported.graph.nodes:
-        lines.append(f"{node.op} {node.name} {node.target} {node.args} {node.kwargs} "
-                     f"{_meta(node.meta.get('val'))}")
+    for path, module in exported.graph_module.named_modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        lines.append(f"module {path}")
+        for node in module.graph.nodes:
+            lines.append(f"{node.op} {node.name} {node.target} {node.args} {node.kwargs} "
+                         f"{_meta(node.meta.get('val'))}")
     return "\n".join(lines)
 
 
