@@ -7,8 +7,9 @@ training drifts away from eager. TVM's bfloat16 legalization also fails to compi
 bfloat16 accumulator (a vector zero stored into the uint16 buffer it becomes). This pass rewrites
 
     matmul(a, b)                        -> astype(matmul(a, b, out_dtype="float32"), dt)
-    nn.conv2d(x, w)                     -> astype(nn.conv2d(x, w, out_dtype="float32"), dt)
-    sum/mean/collapse_sum_to/_like(x)   -> astype(op(astype(x, "float32")), dt)
+    nn.conv*d(x, w), conv*d_transpose   -> astype(nn.conv*d(x, w, out_dtype="float32"), dt)
+    sum/mean/variance/collapse_sum_*(x) -> astype(op(astype(x, "float32")), dt)
+    avg_pool*d/adaptive_avg_pool*d(x)   -> the same
     max/avg_pool2d_backward(dy, x)      -> astype(op(astype(dy, "float32"), astype(x, "float32")), dt)
 
 for every such call whose result dtype `dt` is bfloat16 or float16 (autocast's ops, and the
@@ -32,7 +33,9 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from relay_passes.rebind import rebind
 
 LOW_PRECISION = ("bfloat16", "float16")
-_CAST_INPUT = ("relax.sum", "relax.mean", "relax.collapse_sum_to", "relax.collapse_sum_like",
+_CAST_INPUT = ("relax.sum", "relax.mean", "relax.variance", "relax.collapse_sum_to", "relax.collapse_sum_like",
+               "relax.nn.avg_pool1d", "relax.nn.avg_pool2d", "relax.nn.avg_pool3d", "relax.nn.adaptive_avg_pool1d",
+               "relax.nn.adaptive_avg_pool2d", "relax.nn.adaptive_avg_pool3d",
                "relax.grad.max_pool2d_backward", "relax.grad.avg_pool2d_backward")
 
 
@@ -57,10 +60,16 @@ class _Accumulator(PyExprMutator):
         low, name, op = _dtype(call), call.op.name, relax.op
         if name == "relax.matmul":
             wide = op.matmul(*call.args, out_dtype="float32")
-        elif name == "relax.nn.conv2d":
+        elif name in ("relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d"):
             a = call.attrs
-            wide = op.nn.conv2d(*call.args, a.strides, a.padding, a.dilation, a.groups, a.data_layout,
-                                a.kernel_layout, a.out_layout, "float32")
+            conv = getattr(op.nn, name.rsplit(".", 1)[1])
+            wide = conv(*call.args, a.strides, a.padding, a.dilation, a.groups, a.data_layout, a.kernel_layout,
+                        a.out_layout, "float32")
+        elif name in ("relax.nn.conv1d_transpose", "relax.nn.conv2d_transpose"):  # conv's input gradient
+            a = call.attrs
+            conv = getattr(op.nn, name.rsplit(".", 1)[1])
+            wide = conv(*call.args, a.strides, a.padding, a.output_padding, a.dilation, a.groups, a.data_layout,
+                        a.kernel_layout, a.out_layout, "float32")
         elif name in _CAST_INPUT:
             args = [self.builder_.emit(op.astype(a, "float32")) if _dtype(a) == low else a for a in call.args]
             wide = relax.Call(call.op, args, call.attrs)
