@@ -1,13 +1,14 @@
 """Run the reference suite: torch eager, torch.compile and tvmgraph, interleaved in one run.
 
-    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer] [--modes infer,train]
+    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer] [--modes infer,train,train_amp]
                              [--engines eager,compile,tvmgraph,tuned] [--rounds 15] [--seconds 0.2]
                              [--tune-trials N] [--tune-minutes M]
                              [--no-memory] [--warm-caches] [--json results.json]
 
 `tvmgraph` is untuned (default schedules); `tuned` tunes each graph first (`tvmgraph.tune`,
 default budget: 32 trials per kernel worth tuning) and prints the trials and tuning minutes.
-For every case and mode it prints the median time per call of each engine, its ratio to eager
+Mode `train_amp` is the training step in bfloat16 mixed precision with a GradScaler (engines.py),
+to compare with the float32 `train` rows. For every case and mode it prints the median time per call of each engine, its ratio to eager
 (below 1.00 is faster than eager), the first-call (compile) time, and the peak memory of the
 steady-state step. Timing rounds rotate through the engines so that all three see the same
 machine conditions. Peak memory is measured in a fresh subprocess per engine (see memory.py).
@@ -36,7 +37,7 @@ if __name__ == "__main__" and "--warm-caches" not in sys.argv:
 import torch  # noqa: E402  (after the cache directories are chosen)
 
 from . import engines as engine_setup  # noqa: E402
-from .engines import ENGINES, make_step  # noqa: E402
+from .engines import ENGINES, MODES, make_step  # noqa: E402
 from .memory import measure_peak_memory  # noqa: E402
 from .suite import CASES  # noqa: E402
 
@@ -91,7 +92,7 @@ def time_case(case_name: str, mode: str, engines: list[str], rounds: int, second
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--modes", default="infer,train")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seconds", type=float, default=0.2, help="target duration of one timing block")

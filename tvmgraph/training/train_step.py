@@ -29,6 +29,10 @@ update functions are inlined by the pipeline, or replaced by one in-place kernel
 relay_passes/fuse_model_update.py. All updates come after all gradients, so an in-place update
 never overwrites a parameter that the backward pass still reads (a later pass that moves an
 update earlier keeps it after every other reader of what it overwrites).
+
+With a GradScaler (`plan.loss_scaling`), train_step also takes `loss_scale, growth_tracker,
+scaler_hyper` last and returns the new scale and tracker last; the gradient is that of the
+scaled loss, unscaled before clipping, and an overflow keeps every old value (loss_scale.py).
 """
 
 from __future__ import annotations
