@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         fma_peak = fma_peak_gflops()
         print(f"fp32 FMA peak (benchmarks/peak.py): {fma_peak:.1f} GFLOP/s")
     print(f"machine: {machine()}")
-    header = f"{'case':<12} {'mode':<6} {'engine':<9} {'median':>10} {'x eager':>8} {'first call':>11} {'peak MiB':>9}"
+    header = f"{'case':<12} {'mode':<9} {'engine':<9} {'median':>10} {'x eager':>8} {'first call':>11} {'peak MiB':>9}"
     print(header)
     print("-" * len(header))
     results = []
@@ -128,16 +128,16 @@ def main(argv: list[str] | None = None) -> None:
                 ratio = f"{median / eager:8.2f}" if eager else f"{'-':>8}"
                 peak = result.get("peak_bytes", {}).get(engine)
                 peak_text = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
-                print(f"{case_name:<12} {mode:<6} {engine:<9} {median * 1e3:8.3f}ms {ratio} "
+                print(f"{case_name:<12} {mode:<9} {engine:<9} {median * 1e3:8.3f}ms {ratio} "
                       f"{result['compile_s'][engine]:10.2f}s {peak_text}", flush=True)
             report = engine_setup.TUNE_REPORTS.get(f"{case_name} {mode}")
             if report is not None:
-                print(f"{'':<12} {'':<6} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "
+                print(f"{'':<12} {'':<9} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "
                       f"{sum(k.use_tuned for k in report.kernels)} kernel(s) from the log", flush=True)
                 for k in report.kernels:
                     if k.flops >= 1e8 and k.default_us:
                         best = min(k.default_us, k.tuned_us or k.default_us)
-                        print(f"{'':<12} {'':<6}   {k.name[:48]:<48} {k.flops / best / 1e3:7.1f} GFLOP/s "
+                        print(f"{'':<12} {'':<9}   {k.name[:48]:<48} {k.flops / best / 1e3:7.1f} GFLOP/s "
                               f"({k.flops / best / 1e3 / fma_peak:4.0%} of peak; default "
                               f"{k.flops / k.default_us / 1e3 / fma_peak:4.0%})", flush=True)
     if args.json:
