@@ -7,8 +7,9 @@
 
 `tvmgraph` is untuned (default schedules); `tuned` tunes each graph first (`tvmgraph.tune`,
 default budget: 32 trials per kernel worth tuning) and prints the trials and tuning minutes.
-Mode `train_amp` is the training step in bfloat16 mixed precision with a GradScaler (engines.py),
-to compare with the float32 `train` rows. For every case and mode it prints the median time per call of each engine, its ratio to eager
+Mode `train_amp` is the training step in bfloat16 mixed precision with a GradScaler
+(engines.py), to compare with the float32 `train` rows.
+For every case and mode it prints the median time per call of each engine, its ratio to eager
 (below 1.00 is faster than eager), the first-call (compile) time, and the peak memory of the
 steady-state step. Timing rounds rotate through the engines so that all three see the same
 machine conditions. Peak memory is measured in a fresh subprocess per engine (see memory.py).

@@ -323,3 +323,11 @@ def test_float16_train_step_with_scaler_compiles_for_cuda() -> None:
     kinds = [m.kind for m in host.imports]
     source = host.imports[kinds.index("cuda")].inspect_source()
     assert "__global__" in source and "half" in source
+
+
+def test_bfloat16_kernels_storing_constants_compile() -> None:
+    """A bfloat16 max pool's init stores -inf into its output, which TVM 0.27 cannot vectorize
+    (tvmgraph/codegen.py builds such kernels with serial loops); the values are torch's."""
+    graph = ModuleGraph(nn.MaxPool2d(3, stride=1, padding=1))
+    x = torch.randn(2, 4, 8, 8).bfloat16()
+    assert torch.equal(graph(x), nn.functional.max_pool2d(x, 3, 1, 1))
