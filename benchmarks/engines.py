@@ -1,7 +1,10 @@
 """The ways of running a case: torch eager, torch.compile, tvmgraph untuned and tuned.
 
 Each engine owns its copy of the model (same initial weights) and, for training, an
-SGD-with-momentum optimizer; `step()` runs one inference call or one training step.
+SGD-with-momentum optimizer; `step()` runs one inference call or one training step. Mode
+`train_amp` is the training step in bfloat16 mixed precision with dynamic loss scaling (eager:
+`torch.autocast` + `torch.amp.GradScaler`; tvmgraph: `enable_amp(True)` + `set_grad_scaler`),
+to set beside the float32 `train` rows.
 `tvmgraph` compiles with the default schedules only (tuning off); `tuned` first tunes the
 graph (`tvmgraph.tune`, `TUNE` sets the budget), then compiles with its log.
 """
@@ -20,6 +23,7 @@ from .suite import Case
 
 LR, MOMENTUM = 0.01, 0.9
 ENGINES = ("eager", "compile", "tvmgraph", "tuned")
+MODES = ("infer", "train", "train_amp")
 # `tuned`: None uses the tuning log as it is (the memory probe's subprocess), else
 # {"trials": N or None (the default budget), "minutes": M or None}; tuning reports are kept here.
 TUNE: dict | None = None
@@ -68,17 +72,24 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
 
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    amp = mode == "train_amp"
     if engine in ("tvmgraph", "tuned"):
         graph = _TrainGraph(model, loss_fn, optimizer)
+        if amp:
+            graph.config.enable_amp(True)
+            graph.set_grad_scaler(torch.amp.GradScaler("cpu"))
         _tuning(graph, engine, case, mode, case.inputs())
         return graph
     fn = torch.compile(model) if engine == "compile" else model
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)  # disabled: scale() and step() are plain
 
     def train(x, y):
-        loss = loss_fn(fn(x), y)
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            loss = loss_fn(fn(x), y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         return loss
 
     return train

@@ -1,12 +1,14 @@
 """Run the reference suite: torch eager, torch.compile and tvmgraph, interleaved in one run.
 
-    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt] [--modes infer,train]
+    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt] [--modes infer,train,train_amp]
                              [--engines eager,compile,tvmgraph,tuned] [--rounds 15] [--seconds 0.2]
                              [--tune-trials N] [--tune-minutes M]
                              [--no-memory] [--warm-caches] [--json results.json]
 
 `tvmgraph` is untuned (default schedules); `tuned` tunes each graph first (`tvmgraph.tune`,
 default budget: 32 trials per kernel worth tuning) and prints the trials and tuning minutes.
+Mode `train_amp` is the training step in bfloat16 mixed precision with a GradScaler
+(engines.py), to compare with the float32 `train` rows.
 For every case and mode it prints the median time per call of each engine, its ratio to eager
 (below 1.00 is faster than eager), the first-call (compile) time, and the peak memory of the
 steady-state step. Timing rounds rotate through the engines so that all three see the same
@@ -38,7 +40,7 @@ if __name__ == "__main__" and "--warm-caches" not in sys.argv:
 import torch  # noqa: E402  (after the cache directories are chosen)
 
 from . import engines as engine_setup  # noqa: E402
-from .engines import ENGINES, make_step  # noqa: E402
+from .engines import ENGINES, MODES, make_step  # noqa: E402
 from .memory import accumulation_rows, checkpointing_row, format_checkpointing_row, measure_peak_memory  # noqa: E402
 from .suite import CASES  # noqa: E402
 
@@ -93,7 +95,7 @@ def time_case(case_name: str, mode: str, engines: list[str], rounds: int, second
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--modes", default="infer,train")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seconds", type=float, default=0.2, help="target duration of one timing block")
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         fma_peak = fma_peak_gflops()
         print(f"fp32 FMA peak (benchmarks/peak.py): {fma_peak:.1f} GFLOP/s")
     print(f"machine: {machine()}")
-    header = f"{'case':<12} {'mode':<6} {'engine':<9} {'median':>10} {'x eager':>8} {'first call':>11} {'peak MiB':>9}"
+    header = f"{'case':<12} {'mode':<9} {'engine':<9} {'median':>10} {'x eager':>8} {'first call':>11} {'peak MiB':>9}"
     print(header)
     print("-" * len(header))
     results = []
@@ -129,18 +131,18 @@ def main(argv: list[str] | None = None) -> None:
                 ratio = f"{median / eager:8.2f}" if eager else f"{'-':>8}"
                 peak = result.get("peak_bytes", {}).get(engine)
                 peak_text = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
-                print(f"{case_name:<12} {mode:<6} {engine:<9} {median * 1e3:8.3f}ms {ratio} "
+                print(f"{case_name:<12} {mode:<9} {engine:<9} {median * 1e3:8.3f}ms {ratio} "
                       f"{result['compile_s'][engine]:10.2f}s {peak_text}", flush=True)
             if not args.no_memory and case_name == "transformer" and mode == "train" and "tvmgraph" in engines:
                 print(format_checkpointing_row(case_name, *checkpointing_row(case_name)), flush=True)
             report = engine_setup.TUNE_REPORTS.get(f"{case_name} {mode}")
             if report is not None:
-                print(f"{'':<12} {'':<6} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "
+                print(f"{'':<12} {'':<9} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "
                       f"{sum(k.use_tuned for k in report.kernels)} kernel(s) from the log", flush=True)
                 for k in report.kernels:
                     if k.flops >= 1e8 and k.default_us:
                         best = min(k.default_us, k.tuned_us or k.default_us)
-                        print(f"{'':<12} {'':<6}   {k.name[:48]:<48} {k.flops / best / 1e3:7.1f} GFLOP/s "
+                        print(f"{'':<12} {'':<9}   {k.name[:48]:<48} {k.flops / best / 1e3:7.1f} GFLOP/s "
                               f"({k.flops / best / 1e3 / fma_peak:4.0%} of peak; default "
                               f"{k.flops / k.default_us / 1e3 / fma_peak:4.0%})", flush=True)
     accumulation = {}

@@ -60,11 +60,17 @@ def _meta(value: object) -> str:
 
 
 def program_text(exported: torch.export.ExportedProgram) -> str:
-    """Every node of the traced program with its op, arguments and result shapes, one a line."""
+    """Every node of the traced program with its op, arguments and result shapes, one a line;
+    the bodies of its submodules too (an autocast region, torch.cond's branches), which the
+    top graph names only (`wrap_with_autocast(..., submod_1, ...)`)."""
     lines = [str(exported.graph_signature)]
-    for node in exported.graph.nodes:
-        lines.append(f"{node.op} {node.name} {node.target} {node.args} {node.kwargs} "
-                     f"{_meta(node.meta.get('val'))}")
+    for path, module in exported.graph_module.named_modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        lines.append(f"module {path}")
+        for node in module.graph.nodes:
+            lines.append(f"{node.op} {node.name} {node.target} {node.args} {node.kwargs} "
+                         f"{_meta(node.meta.get('val'))}")
     return "\n".join(lines)
 
 
@@ -212,6 +218,7 @@ def layout_to_json(layout: TrainStepLayout) -> dict[str, Any]:
         "state_shapes": [[target, key, list(shape), dtype] for target, key, shape, dtype in layout.state_shapes],
         "num_groups": layout.num_groups,
         "accumulation_steps": layout.accumulation_steps,
+        "loss_scaling": layout.loss_scaling,
     }
 
 
@@ -222,7 +229,7 @@ def layout_from_json(doc: Mapping[str, Any]) -> TrainStepLayout:
         _dtype(dtype)
         states.append((_str(target), _str(key), _shape(shape), dtype))
     return TrainStepLayout(tuple(_int(i) for i in _list(doc["grad_indices"])), tuple(states),
-                           _int(doc["num_groups"]), _int(doc["accumulation_steps"]))
+                           _int(doc["num_groups"]), _int(doc["accumulation_steps"]), doc.get("loss_scaling", False) is True)
 
 
 def encode_meta(meta: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:

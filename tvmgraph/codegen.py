@@ -12,6 +12,7 @@ same executable `tvm.compile` makes, with its kernels spread over several LLVM m
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,25 @@ from .native_output import to_debug_log
 
 
 PARTS_PER_THREAD = 4
+
+_BF16_PARAM = re.compile(r"(\w+): T\.Buffer\(\([^\"]*\), \"bfloat16\"\)")
+
+
+def _unvectorizable(func: tvm.tirx.PrimFunc) -> bool:
+    """True for a kernel that stores a bfloat16 constant into one of its parameters (a zero
+    init of a reduction's output). TVM 0.27's BF16StorageLegalize rejects such a store once
+    VectorizeLoop has made it a vector store (it legalizes scalar constants only), so these
+    kernels are built with their loops serial."""
+    text = func.script()
+    names = _BF16_PARAM.findall(text.split("\n    ", 1)[0])  # the parameters, on the `def` line
+    return any(re.search(rf"\b{name}\[[^\n]*\] = T\.bfloat16\(", text) for name in names)
+
+
+def _build_part(part: tvm.IRModule, target: tvm.target.Target, vectorize: bool) -> tvm.runtime.Module:
+    if vectorize:
+        return tvm.tirx.build(part, target=target)
+    with tvm.transform.PassContext(config={"tirx.disable_vectorize": True}):
+        return tvm.tirx.build(part, target=target)
 
 
 def _parts(tir_mod: tvm.IRModule, jobs: int) -> list[tvm.IRModule]:
@@ -41,7 +61,7 @@ def build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | N
 
 def _build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | None) -> relax.VMExecutable:
     jobs = jobs or os.cpu_count() or 1
-    if jobs == 1 or "gpu" in target.keys:  # device modules keep TVM's single-module path
+    if "gpu" in target.keys:  # device modules keep TVM's single-module path
         return tvm.compile(mod, target=target, relax_pipeline=None)
     attrs = dict(mod.attrs) if mod.attrs else {}
     ext_libs = list(attrs.get("external_mods", []))
@@ -54,9 +74,14 @@ def _build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | 
     # More parts than threads: a thread that finishes its part takes the next one, so one slow
     # part does not leave the other cores idle (with one part per core, the CNN training step's
     # two parts took 2.0 and 5.0 s to emit).
-    parts = _parts(tir_mod, jobs * PARTS_PER_THREAD)
+    serial = {gv: f for gv, f in tir_mod.functions_items() if _unvectorizable(f)}
+    if serial:
+        tir_mod = tvm.IRModule({gv: f for gv, f in tir_mod.functions_items() if gv not in serial},
+                               attrs=tir_mod.attrs)
+    parts = [(part, True) for part in _parts(tir_mod, jobs * PARTS_PER_THREAD)]
+    parts += [(tvm.IRModule(serial, attrs=tir_mod.attrs), False)] if serial else []
     with ThreadPoolExecutor(jobs) as pool:
-        libs = list(pool.map(lambda part: tvm.tirx.build(part, target=target), parts))
+        libs = list(pool.map(lambda item: _build_part(item[0], target, item[1]), parts))
     lib = libs[0]
     for other in libs[1:]:
         lib.import_module(other)

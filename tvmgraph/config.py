@@ -57,6 +57,7 @@ class CompileOptions:
     """
 
     amp: bool = False
+    amp_dtype: str | None = None  # "bfloat16" / "float16"; None: the device's default (amp.py)
     zero: bool = False
     gradient_accumulation_steps: int = 1
     fuse_model_update_ops: bool = True
@@ -91,7 +92,7 @@ class GraphConfig:
     GraphConfig(training=False, straighten_algorithm='Disable', )
     """
 
-    _OPTIONS = ("amp", "zero", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
+    _OPTIONS = ("amp", "amp_dtype", "zero", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
                 "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name",
                 "activation_checkpointing")
@@ -99,6 +100,7 @@ class GraphConfig:
     def __init__(self) -> None:
         self.training = False
         self.amp = False
+        self.amp_dtype = None
         self.zero = False
         self.fuse_model_update_ops = True
         self.fuse_add_to_output = True
@@ -122,11 +124,19 @@ class GraphConfig:
 
     # ---- the options, in the order of OneFlow's documentation ----
 
-    def enable_amp(self, mode: bool = True) -> None:
-        """Mixed precision: compute in float16/bfloat16 where safe, keep float32 master weights."""
-        if _flag("enable_amp", mode):
-            raise _not_yet("enable_amp", "AMP with a grad scaler is planned")
-        self.amp = False
+    def enable_amp(self, mode: bool = True, dtype: object = None) -> None:
+        """Mixed precision: build() runs under `torch.autocast`, so each op computes in the
+        dtype autocast's policy gives it; parameters and optimizer state stay float32.
+
+        `dtype`: torch.bfloat16 or torch.float16; None (default) is the device's autocast
+        default, bfloat16 on CPU and float16 on CUDA (tvmgraph/amp.py). Pair float16 with
+        `graph.set_grad_scaler(...)` for loss scaling.
+        """
+        from .amp import dtype_name
+
+        name = dtype_name(dtype)  # checked even when turning AMP off: a typo is never silent
+        self.amp = _flag("enable_amp", mode)
+        self.amp_dtype = name if mode else None
 
     def enable_zero(self, mode: bool = True) -> None:
         """ZeRO: shard optimizer state over the ranks of `torch.distributed`."""
@@ -266,7 +276,7 @@ class GraphConfig:
         snap = self.__dict__.get("_snapshot")
         if snap is None:
             snap = CompileOptions(
-                amp=self.amp, zero=self.zero, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                amp=self.amp, amp_dtype=self.amp_dtype, zero=self.zero, gradient_accumulation_steps=self.gradient_accumulation_steps,
                 fuse_model_update_ops=self.fuse_model_update_ops, fuse_add_to_output=self.fuse_add_to_output,
                 fuse_cast_scale=self.fuse_cast_scale,
                 straighten_algorithm=self.straighten_algorithm != "Disable",

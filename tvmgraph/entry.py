@@ -31,9 +31,9 @@ PIPELINE = "default"
 
 def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                   named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]],
-                  options: CompileOptions) -> TrainingPlan | None:
+                  options: CompileOptions, grad_scaler: Any = None) -> TrainingPlan | None:
     """The plan of what the graph updates, None for inference; loss.backward() and optimizers
-    must come together."""
+    must come together. `grad_scaler`: an enabled torch.amp.GradScaler, or None."""
     if traced.result.has_backward and not optimizers:
         raise BackwardError(f"{graph_name}: build() called loss.backward() but the graph has no optimizer; "
                             f"add one in __init__: self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))")
@@ -41,9 +41,13 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
         raise BackwardError(f"{graph_name}: the graph has an optimizer but build() never called "
                             f"loss.backward(); call it on the scalar loss and return the loss")
     if not optimizers:
+        if grad_scaler is not None:
+            raise OptimizerError(f"{graph_name}: set_grad_scaler() was called but the graph has no optimizer; "
+                                 f"loss scaling is for training graphs: add_optimizer() too, or "
+                                 f"set_grad_scaler(None)")
         return None
     plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), options.recompute_attention,
-                              options.activation_checkpointing)
+                              options.activation_checkpointing, grad_scaler)
     if not plan.targets:
         raise OptimizerError(f"{graph_name}: the optimizers have no parameter that requires grad")
     return plan

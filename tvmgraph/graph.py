@@ -40,12 +40,12 @@ from .errors import (
     StaleGraphError,
     StateDictError,
     TvmGraphError,
-    UnsupportedOptionError,
     reason_of,
 )
 from .graph_module import ModuleProxy, unwrap
 from .guards import StructureGuard, modules_of
 from .graph_repr import graph_repr
+from .amp import autocast_args, check_scaler
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
@@ -73,7 +73,7 @@ class _GraphState:
     attributes and ours never collide."""
 
     __slots__ = ("name", "config", "log", "modules", "guard", "entries",
-                 "last", "build_params", "optimizers", "step")
+                 "last", "build_params", "optimizers", "step", "grad_scaler")
 
     def __init__(self, name: str, cls: str):
         self.name = name
@@ -86,6 +86,7 @@ class _GraphState:
         self.build_params: list[inspect.Parameter] | None = None
         self.optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, lr_sch)
         self.step = 0  # training steps run, part of the graph's state_dict
+        self.grad_scaler: torch.amp.GradScaler | None = None  # set_grad_scaler (tvmgraph/amp.py)
 
 
 class Graph:
@@ -210,9 +211,16 @@ class Graph:
         st.optimizers.append((optim, lr_sch))
 
     def set_grad_scaler(self, grad_scaler: Any = None) -> None:
-        """Set a GradScaler for loss scaling (AMP); not built yet."""
-        raise UnsupportedOptionError(f"{self.name}: set_grad_scaler() is not implemented in tvmgraph yet "
-                                     f"(AMP with a grad scaler is planned); train in float32 for now.")
+        """Scale the loss dynamically with `grad_scaler`, a `torch.amp.GradScaler` (or
+        `tvmgraph.amp.GradScaler`, OneFlow's signature); None turns loss scaling off.
+
+        Each training step then does what `scaler.scale(loss).backward(); scaler.unscale_(opt);
+        scaler.step(opt); scaler.update()` does eagerly, inside the compiled program: a step
+        with an inf/NaN gradient changes no parameter or optimizer state and backs the scale
+        off (tvmgraph/training/loss_scale.py). The scaler's state stays in the scaler
+        (`scaler.get_scale()`) and is part of `graph.state_dict()`.
+        """
+        self._state().grad_scaler = check_scaler(self.name, grad_scaler)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole training state: module parameters and buffers, optimizer and lr scheduler
@@ -223,6 +231,7 @@ class Graph:
             "optimizers": [o.state_dict() for o, _ in st.optimizers],
             "lr_schedulers": [s.state_dict() if s is not None else None for _, s in st.optimizers],
             "step": st.step,
+            "grad_scaler": st.grad_scaler.state_dict() if st.grad_scaler is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -248,6 +257,8 @@ class Graph:
             if scheduler is not None and sch_state is not None:
                 scheduler.load_state_dict(sch_state)
         st.step = int(state_dict["step"])
+        if st.grad_scaler is not None and state_dict.get("grad_scaler"):
+            st.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     @property
     def step(self) -> int:
@@ -425,14 +436,19 @@ class Graph:
         structure = st.guard.current(identities=bool(st.optimizers))
         modes = tuple(map(_TRAINING, st.guard.modules))
         training = tuple(_optimizer_structure(o) for o, _ in st.optimizers)
+        scaler = _enabled(st.grad_scaler)
+        if scaler is not None:  # the program reads this scaler's tensors
+            training += (("grad_scaler", id(scaler)),)
         return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training, structure,
                          st.config.snapshot())
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
+        options = signature.options
+        device = flat[0].device if flat else entry.module_device(st.modules)
         with st.log.stage("tracing build()"):
-            result = trace_build(st.name, self.build, st.modules, args_tree, flat,
-                                 self._leaf_names(st, args_tree))
+            result = trace_build(st.name, self.build, st.modules, args_tree, flat, self._leaf_names(st, args_tree),
+                                 autocast_args(device, options.amp, options.amp_dtype))
         traced = TracedGraph(st.name, signature, args_tree, result)
         if st.log.on(1):
             for path, io in result.module_io.items():
@@ -470,7 +486,8 @@ class Graph:
             st.log.note(f"recompiling (program #{len(st.entries) + 1}): guard failed: {reason}")
         traced = self._trace(st, signature, args_tree, flat)
         options = signature.options
-        plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters, options)
+        plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters, options,
+                                   _enabled(st.grad_scaler))
         device = flat[0].device if flat else entry.module_device(st.modules)
         compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, options, st.modules,
                                          st.log, self.build)
@@ -480,6 +497,11 @@ class Graph:
 
 
 _TRAINING = operator.attrgetter("training")
+
+
+def _enabled(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
+    """The scaler if it scales (a disabled GradScaler is a no-op in eager torch too)."""
+    return scaler if scaler is not None and scaler.is_enabled() else None
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 

@@ -36,6 +36,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "CheckpointModules": "graph.<module>.to(tvmgraph.nn.GraphModule).activation_checkpointing = False",
     "RecomputeAttention": "graph.config.enable_recompute_attention(False)",
     "FuseModelUpdate": "graph.config.allow_fuse_model_update_ops(False)",
+    "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
     "FuseEpilogue": "graph.config.allow_fuse_add_to_output(False)",
@@ -168,6 +169,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     """
     # NOTE: relay_passes and autotune import tvmgraph, so they are imported here, not at module level.
     from autotune.apply import ApplyTuningLog
+    from relay_passes.accumulate_float32 import AccumulateFloat32
     from relay_passes.compress_memory import CompressMemory
     from relay_passes.fuse_cast_scale import FuseCastScale
     from relay_passes.fuse_epilogue import FuseEpilogue
@@ -187,6 +189,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    kernel (allow_fuse_model_update_ops), or its Relax function is inlined.
         FuseModelUpdate(config.fuse_model_update_ops, report),
         T.InlinePrivateFunctions(),
+        #    bfloat16/float16 matmuls, convolutions and sums accumulate in float32, as torch's do.
+        AccumulateFloat32(report),
         # 3. Matmuls read broadcast operands in place (MHA's expand + bmm and its gradient);
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),

@@ -27,7 +27,7 @@ from . import lower as lowering
 from .debug import logger
 from .binding import TensorBinder
 from .config import CompileOptions, GraphConfig, compile_options, settings
-from .errors import DeviceMismatchError, StaleGraphError
+from .errors import DeviceMismatchError, StaleGraphError, UnsupportedOptionError
 from .index_guard import IndexGuard
 from .inputs import runnable_all
 from .native_output import to_debug_log
@@ -85,6 +85,11 @@ class TracedGraph:
             origins = lowering.relax_origins(exported)
             regions = self._checkpoint_regions(exported, mod, plan, report)
             steps = self.signature.options.gradient_accumulation_steps
+            if steps > 1 and plan.loss_scaling:
+                raise UnsupportedOptionError(
+                    f"{self.graph_name}: a grad scaler (set_grad_scaler) with gradient accumulation is not "
+                    f"implemented yet; use one of them: bfloat16 AMP on CPU needs no loss scaling "
+                    f"(set_grad_scaler(None)), or set_gradient_accumulation_steps(1).")
             if steps > 1:
                 mod, layout = append_accumulation(mod, plan, grad_indices, loss_index, steps, report,
                                                   self.graph_name, origins, regions)

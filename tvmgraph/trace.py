@@ -68,6 +68,7 @@ class _Record:
     """Facts collected while build() runs (kept off the module: export restores module state)."""
 
     graph_name: str
+    autocast: tuple[str, torch.dtype] | None = None  # (device_type, dtype) for AMP (tvmgraph/amp.py)
     out_tree: TreeDef | None = None
     backward: BackwardCall | None = None
 
@@ -86,7 +87,8 @@ class _BuildRoot(torch.nn.Module):
     def forward(self, *flat_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         record = self._record
         args = self._args_tree.unflatten(flat_inputs)
-        with _capture_backward(record):
+        amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
+        with _capture_backward(record), amp:  # export records autocast's casts as ops
             out = self._build_fn(*args)
         try:
             leaves, record.out_tree = flatten(out, "output")
@@ -154,9 +156,11 @@ def trace_build(
     args_tree: TreeDef,
     flat_inputs: list[torch.Tensor],
     arg_names: list[str],
+    autocast: tuple[str, torch.dtype] | None = None,
 ) -> TraceResult:
-    """Export `build(*args)` with torch.export (non-strict) and record module inputs/outputs."""
-    record = _Record(graph_name)
+    """Export `build(*args)` with torch.export (non-strict) and record module inputs/outputs;
+    with `autocast` (device_type, dtype), build() runs under `torch.autocast` (AMP)."""
+    record = _Record(graph_name, autocast)
     root = _named_inputs(_BuildRoot, arg_names)(record, build, modules, args_tree)
     module_io: dict[str, ModuleIO] = {}
     handles = []

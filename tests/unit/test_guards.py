@@ -230,7 +230,7 @@ def test_every_compile_option_is_part_of_the_cache_key(field: str) -> None:
     elif isinstance(value, tuple):  # activation_checkpointing: module paths
         new = (*value, "model")
     else:
-        new = "other-name" if field == "tuning_name" else value + 1
+        new = "other-name" if field in ("tuning_name", "amp_dtype") else value + 1
     changed = dataclasses.replace(base, **{field: new})
     target = target_for(torch.device("cpu"))
     assert (artifact.graph_key("G", traced, None, base, target, "default")

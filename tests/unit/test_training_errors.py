@@ -105,9 +105,12 @@ def test_bad_clip_settings() -> None:
         graph(torch.ones(4, 3))
 
 
-def test_set_grad_scaler_is_not_built_yet() -> None:
-    with pytest.raises(errors.UnsupportedOptionError, match=r"set_grad_scaler\(\) is not implemented"):
-        Train().set_grad_scaler(None)
+def test_set_grad_scaler_takes_a_grad_scaler_or_none() -> None:
+    graph = Train()
+    graph.set_grad_scaler(None)  # loss scaling off
+    with pytest.raises(errors.OptimizerError, match=r"set_grad_scaler\(grad_scaler\) takes a torch.amp.GradScaler "
+                                                    r"\(or tvmgraph.amp.GradScaler\) or None, got float"):
+        graph.set_grad_scaler(2.0**16)
 
 
 def test_load_state_dict_of_another_graph() -> None:

@@ -60,6 +60,13 @@ class TrainingPlan:
     recompute_attention: bool = True
     # Paths of the modules whose activations the backward pass recomputes (GraphModule).
     activation_checkpointing: tuple[str, ...] = ()
+    # Graph.set_grad_scaler's torch.amp.GradScaler, when enabled: the step scales the loss
+    # (tvmgraph/training/loss_scale.py) and reads and writes the scaler's state.
+    grad_scaler: torch.amp.GradScaler | None = None
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.grad_scaler is not None
 
     @property
     def targets(self) -> list[str]:
@@ -67,19 +74,20 @@ class TrainingPlan:
         return [t for g in self.groups for t in g.targets]
 
     def structure(self) -> tuple:
-        """Everything about the optimizers that changes the compiled program."""
-        return tuple(g.structure() for g in self.groups)
+        """Everything about the optimizers (and loss scaling) that changes the compiled program."""
+        return tuple(g.structure() for g in self.groups) + (("loss_scaling",) if self.loss_scaling else ())
 
     @staticmethod
     def build(graph_name: str, optimizers: list[tuple[torch.optim.Optimizer, object]],
               named_parameters: list[tuple[str, torch.nn.Parameter]],
-              recompute_attention: bool = True, activation_checkpointing: tuple[str, ...] = ()) -> TrainingPlan:
+              recompute_attention: bool = True, activation_checkpointing: tuple[str, ...] = (),
+              grad_scaler: torch.amp.GradScaler | None = None) -> TrainingPlan:
         path_of: dict[int, str] = {}
         for path, p in named_parameters:  # a shared parameter goes by its first path, as in lowering
             path_of.setdefault(id(p), path)
         plan = TrainingPlan(lr_schedulers=[s for _, s in optimizers if s is not None],
                             recompute_attention=recompute_attention,
-                            activation_checkpointing=activation_checkpointing)
+                            activation_checkpointing=activation_checkpointing, grad_scaler=grad_scaler)
         seen: dict[int, str] = {}
         for opt_index, (optimizer, _) in enumerate(optimizers):
             rule = rule_for(optimizer, f"{graph_name}: add_optimizer() #{opt_index}")

@@ -14,6 +14,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from ..amp import scaler_hypers, scaler_tensors
 from .plan import TrainingPlan
 from .train_step import TrainStepLayout
 
@@ -29,7 +30,8 @@ class TrainingBinding:
         self.device = device
 
     def inputs(self) -> list[torch.Tensor]:
-        """State tensors in layout order, then one hyperparameter vector per group."""
+        """State tensors in layout order, one hyperparameter vector per group, then with loss
+        scaling the GradScaler's scale, growth tracker and factors (training/loss_scale.py)."""
         states, hypers = [], []
         for group in self.plan.groups:
             fresh = False
@@ -47,10 +49,14 @@ class TrainingBinding:
                     states.append(value)
             values = group.rule.hyper_values(group.group, fresh)
             hypers.append(torch.tensor(values, dtype=torch.float64, device=self.device))
+        if self.layout.loss_scaling:
+            scaler = self.plan.grad_scaler
+            hypers += [*scaler_tensors(scaler, self.device), scaler_hypers(scaler, self.device)]
         return states + hypers
 
     def write_back(self, results: Sequence[torch.Tensor], copied: Collection[int] = ()) -> None:
-        """Store `new_params..., new_states...` (the tail of train_step's results).
+        """Store `new_params..., new_states...[, scale, growth_tracker]` (the tail of
+        train_step's results); the scale and tracker go back into the GradScaler.
 
         `copied` holds the `id`s of parameters the program was given a copy of (a misaligned
         view, channels_last: see inputs.py); their new values are copied into them, keeping
@@ -58,6 +64,10 @@ class TrainingBinding:
         """
         params = [p for g in self.plan.groups for p in g.params]
         new_params, new_states = results[:len(params)], results[len(params):]
+        if self.layout.loss_scaling:
+            scaler = self.plan.grad_scaler
+            scaler._scale, scaler._growth_tracker = new_states[-2:]
+            new_states = new_states[:-2]
         for param, value in zip(params, new_params):
             if id(param) in copied:
                 with torch.no_grad():

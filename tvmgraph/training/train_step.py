@@ -29,6 +29,10 @@ update functions are inlined by the pipeline, or replaced by one in-place kernel
 relay_passes/fuse_model_update.py. All updates come after all gradients, so an in-place update
 never overwrites a parameter that the backward pass still reads (a later pass that moves an
 update earlier keeps it after every other reader of what it overwrites).
+
+With a GradScaler (`plan.loss_scaling`), train_step also takes `loss_scale, growth_tracker,
+scaler_hyper` last and returns the new scale and tracker last; the gradient is that of the
+scaled loss, unscaled before clipping, and an overflow keeps every old value (loss_scale.py).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from tvm import relax
 
 from .. import gradients as _gradients  # noqa: F401  (registers the gradients TVM lacks)
 from ..errors import UnsupportedOpError
+from . import loss_scale
 from .gradient_check import check_gradients
 from .optimizers import PARAM, UpdateRule
 from .plan import TrainingPlan
@@ -62,11 +67,13 @@ class TrainStepLayout:
     num_groups: int
     # > 1: the module holds accumulate_grads and apply_update instead (accumulation.py)
     accumulation_steps: int = 1
+    loss_scaling: bool = False  # a GradScaler's scale and tracker go in and out last (loss_scale.py)
 
 
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
-                    name: str) -> relax.Function:
-    """The Relax function updating every parameter of one group (see the module docstring)."""
+                    name: str, fusable: bool = True) -> relax.Function:
+    """The Relax function updating every parameter of one group (see the module docstring);
+    not `fusable`: untagged, so FuseModelUpdate leaves it as Relax ops (loss_scale.py)."""
     keys = rule.state_keys(flags)
     bb = relax.BlockBuilder()
     hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), SCALAR_DTYPE))
@@ -78,7 +85,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
         params += [p, g, *states.values()]
         per_param.append((p, g, states))
     # Public while the adjoint is inlined (see append_train_step), private afterwards.
-    with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags}):
+    with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags} if fusable else None):
         with bb.dataflow():
             h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
                  for i, k in enumerate(rule.hyper_keys)}
@@ -124,32 +131,40 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     `checkpoint_regions` the bindings of each module call whose activations are recomputed."""
     main = mod["main"]
     num_outputs = len(main.ret_ty.fields)
+    scaling = plan.loss_scaling
     mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins,
-                             checkpoint_regions=checkpoint_regions)
+                             checkpoint_regions=checkpoint_regions, scaling=scaling)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
     inputs = [relax.Var(v.name, v.ty) for v in main.params]
     updates = declare_updates(bb, plan, [main.params[i].ty for i in grad_indices])
-    with bb.function(FUNC_NAME, inputs + updates.state_vars + updates.hyper_vars):
+    scaler = loss_scale.scaler_vars() if scaling else ()
+    with bb.function(FUNC_NAME, inputs + updates.state_vars + updates.hyper_vars + list(scaler)):
         with bb.dataflow():
-            ret = bb.emit(relax.Call(adjoint_gv, inputs))
+            ret = bb.emit(relax.Call(adjoint_gv, inputs + list(scaler[:1])))
             outs = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 0), i)) for i in range(num_outputs)]
             grads = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 1), j)) for j in range(len(grad_indices))]
-            new_params, new_states = updates.emit(bb, [inputs[i] for i in grad_indices], grads)
-            result = bb.emit_output(relax.Tuple(outs + new_params + new_states))
+            found = _unscale(bb, plan, grads, scaler[0]) if scaling else None
+            new_params, new_states = updates.emit(bb, [inputs[i] for i in grad_indices], grads, found)
+            scaler_out = list(loss_scale.update_scale(bb, scaler[0], scaler[1], found["any"], scaler[2])) \
+                if found is not None else []
+            result = bb.emit_output(relax.Tuple(outs + new_params + new_states + scaler_out))
         bb.emit_func_output(result)
     # `main` is dropped: a training graph's calls run train_step, and compiling the forward pass
     # a second time on its own made the CNN's training graph compile 1 s longer.
     mod = finish_module(bb.get(), updates, [FUNC_NAME])
-    return mod, TrainStepLayout(tuple(grad_indices), tuple(updates.state_shapes), len(plan.groups))
+    return mod, TrainStepLayout(tuple(grad_indices), tuple(updates.state_shapes), len(plan.groups),
+                                loss_scaling=scaling)
 
 
 def differentiate_main(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
                        report: Callable[[str], None] | None, graph: str, origins: Mapping[str, str] | None,
-                       loss_divisor: int = 1, checkpoint_regions: Sequence[Collection[str]] = ()) -> tvm.IRModule:
+                       loss_divisor: int = 1, checkpoint_regions: Sequence[Collection[str]] = (),
+                       scaling: bool = False) -> tvm.IRModule:
     """`mod` plus `main_adjoint`, the gradients of `loss / loss_divisor` (after the checks,
-    CheckpointModules and RecomputeAttention that every training program gets)."""
+    CheckpointModules and RecomputeAttention that every training program gets); with `scaling`,
+    of the loss times a new last parameter `loss_scale` (loss_scale.py)."""
     from relay_passes.checkpoint_modules import CheckpointModules  # relay_passes import tvmgraph
     from relay_passes.recompute_attention import RecomputeAttention
 
@@ -160,7 +175,7 @@ def differentiate_main(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list
     mod = run_pass(CheckpointModules(checkpoint_regions, report), mod, graph, check=True)
     mod = run_pass(RecomputeAttention(plan.recompute_attention, report), mod, graph, check=True)
     check_gradients(mod["main"], loss_index, origins or {}, graph)
-    return _differentiate(mod, grad_indices, loss_index, graph, loss_divisor)
+    return _differentiate(mod, grad_indices, loss_index, graph, loss_divisor, scaling)
 
 
 @dataclass
@@ -173,9 +188,10 @@ class GroupUpdates:
     state_shapes: list[tuple[str, str, tuple[int, ...], str]]
     hyper_vars: list[relax.Var]
 
-    def emit(self, bb: relax.BlockBuilder, params: list[relax.Expr],
-             grads: list[relax.Expr]) -> tuple[list[relax.Expr], list[relax.Expr]]:
-        """Clip each group's gradients when configured, then call its update: new params, new states."""
+    def emit(self, bb: relax.BlockBuilder, params: list[relax.Expr], grads: list[relax.Expr],
+             found: dict[int | str, relax.Expr] | None = None) -> tuple[list[relax.Expr], list[relax.Expr]]:
+        """Clip each group's gradients when configured, then call its update: new params, new
+        states. `found` (loss scaling): each optimizer's overflow flag, which keeps the old values."""
         new_params, new_states = [], []
         cursor, state_cursor = 0, 0
         for group, hyper, update_gv in zip(self.plan.groups, self.hyper_vars, self.update_gvs):
@@ -183,15 +199,20 @@ class GroupUpdates:
             group_grads = grads[cursor:cursor + n]
             if group.clip is not None and n:
                 group_grads = _clip(bb, group_grads, *group.clip)
-            args = [hyper]
+            args, old = [hyper], []
             for k in range(n):
-                args += [params[cursor + k], group_grads[k], *self.state_vars[state_cursor:state_cursor + len(keys)]]
+                states = self.state_vars[state_cursor:state_cursor + len(keys)]
+                args += [params[cursor + k], group_grads[k], *states]
+                old += [*states, params[cursor + k]]
                 state_cursor += len(keys)
             updated = bb.emit(relax.Call(update_gv, args))
+            results = [bb.emit(relax.TupleGetItem(updated, i)) for i in range(n * (len(keys) + 1))]
+            if found is not None:  # an overflow skips the step: every value stays as it was
+                results = [loss_scale.keep_if_found(bb, found[id(group.optimizer)], o, r) for o, r in zip(old, results)]
             for k in range(n):
                 base = k * (len(keys) + 1)
-                new_states += [bb.emit(relax.TupleGetItem(updated, base + j)) for j in range(len(keys))]
-                new_params.append(bb.emit(relax.TupleGetItem(updated, base + len(keys))))
+                new_states += results[base:base + len(keys)]
+                new_params.append(results[base + len(keys)])
             cursor += n
         return new_params, new_states
 
@@ -204,7 +225,8 @@ def declare_updates(bb: relax.BlockBuilder, plan: TrainingPlan, param_types: lis
         types = param_types[cursor:cursor + len(group.targets)]
         cursor += len(group.targets)
         name = f"update_{index}_{group.rule.name}"
-        update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name), name))
+        fusable = not plan.loss_scaling  # a skipped step needs the old values after the update
+        update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name, fusable), name))
         for target, ty in zip(group.targets, types):
             for key in group.state_keys:
                 scalar = group.rule.scalar_state(key)
@@ -231,14 +253,34 @@ def finish_module(mod: tvm.IRModule, updates: GroupUpdates, entries: list[str]) 
     return mod
 
 
+def _unscale(bb: relax.BlockBuilder, plan: TrainingPlan, grads: list[relax.Expr],
+             scale: relax.Var) -> dict[int | str, relax.Expr]:
+    """Unscale `grads` in place (in the list) and return each optimizer's overflow flag (by
+    `id`), and under "any" the flag of the whole step, which updates the scale."""
+    by_optimizer: dict[int, list[int]] = {}
+    cursor = 0
+    for group in plan.groups:
+        by_optimizer.setdefault(id(group.optimizer), []).extend(range(cursor, cursor + len(group.targets)))
+        cursor += len(group.targets)
+    found: dict[int | str, relax.Expr] = {}
+    for key, indices in by_optimizer.items():
+        unscaled, found[key] = loss_scale.unscale(bb, [grads[i] for i in indices], scale)
+        for i, g in zip(indices, unscaled):
+            grads[i] = g
+    flags = list(found.values())
+    found["any"] = flags[0] if len(flags) == 1 else bb.emit(relax.op.max(relax.op.stack(flags)))
+    return found
+
+
 # The NotImplementedError messages of tvmgraph/gradients: a configuration they do not cover.
 _NOT_COVERED = re.compile(r"gradient of relax\.[\w.]+ .*|tvmgraph\.gradients need static shapes.*")
 
 
 def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, graph: str,
-                   loss_divisor: int = 1) -> tvm.IRModule:
+                   loss_divisor: int = 1, scaling: bool = False) -> tvm.IRModule:
     """`main_adjoint` added to `mod`: `Gradient` of the loss (over `loss_divisor`) w.r.t. the
-    parameters at `grad_indices`.
+    parameters at `grad_indices`; with `scaling`, of the loss times a new last parameter
+    `loss_scale` (loss_scale.py; not combined with a `loss_divisor`).
 
     `Gradient` takes float16/32/64 targets only: a bfloat16 loss is differentiated through an
     extra float32 output (a cast, exact), which the train step does not return; so is the loss
@@ -251,7 +293,11 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
     loss = main.body.body.fields[loss_index]
     target_index = loss_index
     dtype = loss.ty.dtype.dtype
-    if dtype not in ("float16", "float32", "float64") or loss_divisor != 1:
+    if scaling:
+        main, target_index = loss_scale.with_scaled_loss(main, loss_index)
+        mod = mod.clone()
+        mod["main"] = main
+    elif dtype not in ("float16", "float32", "float64") or loss_divisor != 1:
         target_dtype = dtype if dtype in ("float16", "float32", "float64") else "float32"
         cast = relax.Var("loss_target", relax.TensorType((), target_dtype))
         value = relax.op.astype(loss, target_dtype) if target_dtype != dtype else loss
