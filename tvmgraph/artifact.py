@@ -212,6 +212,7 @@ def layout_to_json(layout: TrainStepLayout) -> dict[str, Any]:
         "state_shapes": [[target, key, list(shape), dtype] for target, key, shape, dtype in layout.state_shapes],
         "num_groups": layout.num_groups,
         "accumulation_steps": layout.accumulation_steps,
+        "ranks": layout.ranks,
     }
 
 
@@ -222,7 +223,7 @@ def layout_from_json(doc: Mapping[str, Any]) -> TrainStepLayout:
         _dtype(dtype)
         states.append((_str(target), _str(key), _shape(shape), dtype))
     return TrainStepLayout(tuple(_int(i) for i in _list(doc["grad_indices"])), tuple(states),
-                           _int(doc["num_groups"]), _int(doc["accumulation_steps"]))
+                           _int(doc["num_groups"]), _int(doc["accumulation_steps"]), _int(doc["ranks"]))
 
 
 def encode_meta(meta: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:

@@ -35,7 +35,8 @@ from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
 from .trace import ModuleIO, TraceResult
-from .training.accumulation import MICRO_STEP, Accumulation, append_accumulation
+from .training.accumulation import MICRO_STEP, Accumulation, append_accumulation, update_positions
+from .training.data_parallel import DataParallel, update_plan
 from .training.plan import TrainingPlan
 from .training.runtime import TrainingBinding
 from .training.train_step import FUNC_NAME as TRAIN_STEP
@@ -82,10 +83,12 @@ class TracedGraph:
             grad_indices = [index_of[t] for t in plan.targets]
             loss_index = len(sig.mutations) + sig.num_user_outputs
             origins = lowering.relax_origins(exported)
-            steps = self.signature.options.gradient_accumulation_steps
-            if steps > 1:
+            options = self.signature.options
+            steps, ranks = options.gradient_accumulation_steps, options.data_parallel
+            if steps > 1 or ranks > 1:
                 mod, layout = append_accumulation(mod, plan, grad_indices, loss_index, steps, report,
-                                                  self.graph_name, origins)
+                                                  self.graph_name, origins, ranks,
+                                                  update_plan(plan, options, self.graph_name))
             else:
                 mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name,
                                                 origins)
@@ -170,7 +173,7 @@ class CompiledGraph:
 
     __slots__ = ("traced", "plan", "signature", "train_layout", "lib", "target", "device", "binder",
                  "training", "_lowered", "optimized", "_entry", "_num_mutations", "_num_user_outputs",
-                 "_has_rng", "_index_guard", "_accumulation")
+                 "_has_rng", "_index_guard", "_accumulation", "data_parallel")
 
     def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, signature: lowering.LoweredSignature,
                  train_layout: TrainStepLayout | None, lib: tvm.runtime.Module | relax.VMExecutable,
@@ -185,13 +188,17 @@ class CompiledGraph:
         self.target = target
         self.device = device
         self.binder = TensorBinder(signature.inputs, modules, signature.constants)
-        self.training = TrainingBinding(plan, train_layout, device) if train_layout is not None else None
+        updated = update_plan(plan, traced.signature.options, traced.graph_name) if plan is not None else None
+        self.training = TrainingBinding(updated, train_layout, device) if train_layout is not None else None
+        self.data_parallel: DataParallel | None = None  # set by the graph in a process group
         self._lowered = lowered
         self.optimized = optimized
         vm = relax.VirtualMachine(lib, tvm_device(device), memory_cfg=settings.vm_allocator)
         self._entry: Callable = vm[_entry_name(train_layout)]
-        steps = train_layout.accumulation_steps if train_layout is not None else 1
-        self._accumulation = Accumulation(vm, steps) if steps > 1 else None
+        self._accumulation = None
+        if train_layout is not None and train_layout.split:
+            positions = update_positions(plan, updated) if updated is not plan else None
+            self._accumulation = Accumulation(vm, train_layout.accumulation_steps, positions)
         self._num_mutations = len(signature.mutations)
         self._num_user_outputs = signature.num_user_outputs
         self._has_rng = any(s.kind == "rng" for s in signature.inputs)
@@ -286,7 +293,7 @@ class CompiledGraph:
 def _entry_name(layout: TrainStepLayout | None) -> str:
     if layout is None:
         return "main"
-    return MICRO_STEP if layout.accumulation_steps > 1 else TRAIN_STEP
+    return MICRO_STEP if layout.split else TRAIN_STEP
 
 
 def _draw_seed(device: torch.device) -> torch.Tensor:
