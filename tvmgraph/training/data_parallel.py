@@ -30,6 +30,7 @@ graph, the rank and the step, raised on every rank within the process group's ti
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -195,6 +196,7 @@ class DataParallel:
         self.collectives = Collectives(graph, ranks)
         self.synced = False
         self._digests: dict[object, tuple[int, str]] = {}
+        self.comm_seconds = 0.0  # time in the gradient all-reduce and ZeRO's broadcasts (benchmarks)
 
     def before_call(self, key: object, describe: Callable[[], tuple[list[object], str]],
                     modules: Mapping[str, nn.Module]) -> None:
@@ -213,16 +215,20 @@ class DataParallel:
 
     def reduce_gradients(self, grads: Sequence[torch.Tensor]) -> None:
         """Sum the gradients over the ranks (each already divided by the number of ranks)."""
+        start = time.perf_counter()
         self.collectives.all_reduce_sum(grads)
+        self.comm_seconds += time.perf_counter() - start
 
     def after_update(self, params: Sequence[torch.Tensor], zero: bool) -> None:
         """ZeRO: every owner broadcasts the parameters it updated."""
         if not zero:
             return
+        start = time.perf_counter()
         owner = owners([p.numel() for p in params], self.ranks.world)
         for rank in range(self.ranks.world):
             mine = [p for p, o in zip(params, owner) if o == rank]
             self.collectives.broadcast(mine, rank, f"broadcasting the parameters rank {rank} updated")
+        self.comm_seconds += time.perf_counter() - start
 
     def gather_optimizer_states(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict]:
         """ZeRO: each optimizer's torch state_dict with the state of every parameter (a collective)."""
