@@ -26,9 +26,7 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any
 
 import tvm
 
+from tvmgraph.artifact_format import write_atomically
 from tvmgraph.config import settings
 from tvmgraph.errors import ConfigError
 
@@ -305,15 +304,4 @@ def _json_lines(path: Path) -> tuple[list[Any], int]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, text.encode())

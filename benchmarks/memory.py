@@ -15,6 +15,10 @@ So that RSS follows live tensors for every engine, the child runs with glibc's m
 fixed at 64 KiB (large blocks are returned to the kernel when freed; the default threshold
 adapts upwards and keeps them) and with TVM's "naive" VM allocator (blocks freed after each
 call instead of pooled). Both change where memory is cached, not how much a step uses.
+
+`accumulation_rows` compares gradient accumulation with its micro-batch: a tvmgraph training
+step over `steps` x the micro-batch with `set_gradient_accumulation_steps(steps)` against one
+over the micro-batch alone (batch 256 with n = 4 against batch 64; the target is within 20%).
 """
 
 from __future__ import annotations
@@ -59,8 +63,10 @@ def warm_up_engine(engine: str, mode: str, case: Case) -> None:
     gc.collect()
 
 
-def probe(case_name: str, mode: str, engine: str, calls: int = 3) -> int:
-    """Run in the child: the step's peak memory in bytes."""
+def probe(case_name: str, mode: str, engine: str, calls: int = 3, batch: int | None = None,
+          accumulation_steps: int = 1) -> int:
+    """Run in the child: the step's peak memory in bytes. `batch` replaces the case's batch size
+    (its rows repeated); `accumulation_steps` is tvmgraph's set_gradient_accumulation_steps."""
     import torch
 
     from .engines import make_step
@@ -70,7 +76,12 @@ def probe(case_name: str, mode: str, engine: str, calls: int = 3) -> int:
     torch.manual_seed(0)
     warm_up_engine(engine, mode, case)
     step = make_step(engine, mode, case, case.make_model())
+    if accumulation_steps > 1:
+        step.config.set_gradient_accumulation_steps(accumulation_steps)
     x, y = case.inputs()
+    if batch is not None:
+        rows = torch.arange(batch) % x.shape[0]
+        x, y = x[rows], y[rows]
     before = _status_kib("VmRSS")
     step(x, y)  # compiles (torch.compile) or loads (tvmgraph); creates optimizer state
     with open("/proc/self/clear_refs", "w") as f:
@@ -80,13 +91,26 @@ def probe(case_name: str, mode: str, engine: str, calls: int = 3) -> int:
     return max(0, _status_kib("VmHWM") - before) * 1024
 
 
-def measure_peak_memory(case_name: str, mode: str, engine: str) -> int | None:
+def measure_peak_memory(case_name: str, mode: str, engine: str, **probe_args: int) -> int | None:
     """Run `probe` in a fresh interpreter; None if the probe failed."""
+    extra = "".join(f", {k}={v!r}" for k, v in probe_args.items())
     code = (f"import json, benchmarks.memory as m; "
-            f"print(json.dumps(m.probe({case_name!r}, {mode!r}, {engine!r})))")
+            f"print(json.dumps(m.probe({case_name!r}, {mode!r}, {engine!r}{extra})))")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", TVMGRAPH_VM_ALLOCATOR="naive")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        print(f"  (peak-memory probe failed for {case_name}/{mode}/{engine}: {proc.stderr.strip().splitlines()[-1:]})")
+        print(f"  (peak-memory probe failed for {case_name}/{mode}/{engine}{extra}: "
+              f"{proc.stderr.strip().splitlines()[-1:]})")
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def accumulation_rows(case_name: str = "cnn", micro_batch: int = 64, steps: int = 4) -> dict[str, int | None]:
+    """Peak memory of a tvmgraph training step over `steps * micro_batch` rows with `steps`
+    micro-batches, and of one over `micro_batch` rows without accumulation (bytes, by row name)."""
+    return {
+        f"batch {steps * micro_batch}, {steps} micro-batches": measure_peak_memory(
+            case_name, "train", "tvmgraph", batch=steps * micro_batch, accumulation_steps=steps),
+        f"batch {micro_batch}, no accumulation": measure_peak_memory(case_name, "train", "tvmgraph",
+                                                                      batch=micro_batch),
+    }

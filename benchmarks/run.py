@@ -1,6 +1,6 @@
 """Run the reference suite: torch eager, torch.compile and tvmgraph, interleaved in one run.
 
-    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer] [--modes infer,train]
+    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt] [--modes infer,train]
                              [--engines eager,compile,tvmgraph,tuned] [--rounds 15] [--seconds 0.2]
                              [--tune-trials N] [--tune-minutes M]
                              [--no-memory] [--warm-caches] [--json results.json]
@@ -10,7 +10,9 @@ default budget: 32 trials per kernel worth tuning) and prints the trials and tun
 For every case and mode it prints the median time per call of each engine, its ratio to eager
 (below 1.00 is faster than eager), the first-call (compile) time, and the peak memory of the
 steady-state step. Timing rounds rotate through the engines so that all three see the same
-machine conditions. Peak memory is measured in a fresh subprocess per engine (see memory.py).
+machine conditions. Peak memory is measured in a fresh subprocess per engine (see memory.py);
+with tvmgraph among the engines, two more rows compare the CNN's training step at batch 256 with
+4 accumulation micro-batches against batch 64 without accumulation (memory.py, accumulation_rows).
 
 The first-call column is a cold compile for both compilers: unless `--warm-caches` is given,
 tvmgraph's compiled cache and TorchInductor's caches point at a fresh temporary directory (set
@@ -37,7 +39,7 @@ import torch  # noqa: E402  (after the cache directories are chosen)
 
 from . import engines as engine_setup  # noqa: E402
 from .engines import ENGINES, make_step  # noqa: E402
-from .memory import measure_peak_memory  # noqa: E402
+from .memory import accumulation_rows, measure_peak_memory  # noqa: E402
 from .suite import CASES  # noqa: E402
 
 
@@ -139,9 +141,16 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"{'':<12} {'':<6}   {k.name[:48]:<48} {k.flops / best / 1e3:7.1f} GFLOP/s "
                               f"({k.flops / best / 1e3 / fma_peak:4.0%} of peak; default "
                               f"{k.flops / k.default_us / 1e3 / fma_peak:4.0%})", flush=True)
+    accumulation = {}
+    if not args.no_memory and "tvmgraph" in engines:
+        accumulation = accumulation_rows()
+        for row, peak in accumulation.items():
+            peak_text = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
+            print(f"{'cnn':<12} {'train':<6} {'tvmgraph':<9} {row:<32} {peak_text} MiB peak", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "results": results}, f, indent=1)
+            json.dump({"machine": machine(), "results": results, "accumulation_peak_bytes": accumulation}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import dataclasses
 import inspect
 import itertools
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +54,9 @@ from .training.accumulation import first_micro_batch
 from .training.data_parallel import DataParallel, Ranks
 from .training.optimizers import rule_for
 from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 _instance_counters: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
@@ -184,7 +187,8 @@ class Graph:
 
         Each call of a training graph runs `build()` (which must call `loss.backward()`),
         the gradients, gradient clipping if a param group sets `clip_grad_max_norm`, the
-        optimizer step and `zero_grad`, all in one compiled program; then `lr_sch.step()`.
+        optimizer step and `zero_grad`, all in one compiled program; then `lr_sch.step()`
+        (any torch scheduler but ReduceLROnPlateau, which the user steps with their metric).
         Supported: torch.optim.SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam,
         Adadelta, Rprop, ASGD, with any param groups (docs/training.md).
         """
@@ -195,6 +199,12 @@ class Graph:
         if lr_sch is not None and getattr(lr_sch, "optimizer", None) is not optim:
             raise OptimizerError(f"{st.name}: lr_sch must be a scheduler of the optimizer passed with it "
                                  f"(torch.optim.lr_scheduler.X(optimizer, ...))")
+        if isinstance(lr_sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise OptimizerError(
+                f"{st.name}: add_optimizer(lr_sch=ReduceLROnPlateau) cannot work: it steps on a metric (a "
+                f"validation loss) the graph does not have. Leave it out of add_optimizer() and call "
+                f"plateau.step(metric) yourself (e.g. after each epoch's validation); the graph reads the "
+                f"reduced lr at its next call, without recompiling.")
         if any(o is optim for o, _ in st.optimizers):
             raise OptimizerError(f"{st.name}: this optimizer was already added")
         rule_for(optim, f"{st.name}: add_optimizer()")  # fail now, not at the first call
@@ -260,6 +270,16 @@ class Graph:
         `ranks` picks which torch.distributed ranks print (default 0; -1 for all).
         """
         self._state().log.configure(v_level, ranks, mode)
+
+    def profile(self, *args: Any, repeat: int = 5) -> Profile:
+        """Run `self(*args)` with every kernel timed; `print()` the result to see where the time
+        goes (each kernel's time, share of the call, FLOPs and share of the machine's limit).
+
+        A training graph runs real steps, then gets its state back: profiling changes nothing.
+        """
+        from .profile import profile_graph
+
+        return profile_graph(self, args, repeat)
 
     def named_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """Every registered module and its submodules, with their paths in the graph."""
@@ -461,11 +481,6 @@ class Graph:
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
-        steps = signature.options.gradient_accumulation_steps
-        if steps > 1:  # the program is compiled for one micro-batch (training/accumulation.py)
-            names = self._arg_names(st, len(args_tree.children))
-            paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
-            flat = first_micro_batch(st.name, paths, flat, steps, bool(st.optimizers))
         with st.log.stage("tracing build()"):
             result = trace_build(st.name, self.build, st.modules, args_tree, flat,
                                  self._leaf_names(st, args_tree))
@@ -484,6 +499,11 @@ class Graph:
 
     def _compile(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                  flat: list[torch.Tensor]) -> CompiledGraph:
+        steps = signature.options.gradient_accumulation_steps
+        if steps > 1:  # the program is compiled for one micro-batch (training/accumulation.py)
+            names = self._arg_names(st, len(args_tree.children))
+            paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
+            flat = first_micro_batch(st.name, paths, flat, steps, bool(st.optimizers))
         if st.last is not None:
             old = st.last.traced.signature
             arg_names = self._arg_names(st, len(args_tree.children))

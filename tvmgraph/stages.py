@@ -194,7 +194,7 @@ class CompiledGraph:
         self._lowered = lowered
         self.optimized = optimized
         vm = relax.VirtualMachine(lib, tvm_device(device), memory_cfg=settings.vm_allocator)
-        self._entry: Callable = vm[_entry_name(train_layout)]
+        self._entry: Callable = vm[self.entry_name]
         self._accumulation = None
         if train_layout is not None and train_layout.split:
             positions = update_positions(plan, updated) if updated is not plan else None
@@ -203,6 +203,12 @@ class CompiledGraph:
         self._num_user_outputs = signature.num_user_outputs
         self._has_rng = any(s.kind == "rng" for s in signature.inputs)
         self._index_guard = IndexGuard.of(traced.graph_name, traced.result.exported)
+
+    @property
+    def entry_name(self) -> str:
+        """The function of the program that a call runs: `main`, `train_step` for training, or
+        `accumulate_grads` (run once per micro-batch) with gradient accumulation."""
+        return _entry_name(self.train_layout)
 
     @property
     def lowered(self) -> LoweredGraph:

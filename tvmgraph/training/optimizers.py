@@ -540,5 +540,11 @@ def rule_for(optimizer: torch.optim.Optimizer, where: str) -> UpdateRule:
         if type(optimizer) is rule.optimizer_class:
             return rule
     names = ", ".join(f"torch.optim.{r.optimizer_class.__name__}" for r in RULES.values())
-    raise OptimizerError(f"{where}: {type(optimizer).__module__}.{type(optimizer).__name__} cannot be "
-                         f"lowered into a graph; supported optimizers: {names}.")
+    cls = type(optimizer)
+    # A subclass may override step(): running its base class's update would be silently wrong.
+    base = next((r.optimizer_class for r in RULES.values() if isinstance(optimizer, r.optimizer_class)), None)
+    why = (f" (it subclasses torch.optim.{base.__name__}, but graph mode runs only torch's own update rules, "
+           f"not an overridden step(); train it eagerly, or use torch.optim.{base.__name__} itself)"
+           if base is not None else "")
+    raise OptimizerError(f"{where}: {cls.__module__}.{cls.__qualname__} cannot be lowered into a graph{why}; "
+                         f"supported optimizers: {names}.")

@@ -1,0 +1,167 @@
+"""Models in the shapes users bring, after their well-known designs (random weights, no downloads).
+
+torchvision's ResNet BasicBlock, nanoGPT's block with tied embeddings, a GRU/LSTM classifier, a
+U-Net with skip concatenation, a ViT patch embedding: not shapes tvmgraph was built around. The
+defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
+at full size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock: two 3x3 conv-bn, identity or 1x1 projection shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """CIFAR-style ResNet-18 (3x3 stem, [2, 2, 2, 2] BasicBlocks), width-scaled for CI."""
+
+    def __init__(self, width: int = 8, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        layers, cin = [], width
+        for i, stride in enumerate((1, 2, 2, 2)):
+            cout = width * 2 ** i
+            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention: one qkv projection, split, causal scaled-dot-product attention."""
+
+    def __init__(self, d: int, heads: int, block: int):
+        super().__init__()
+        self.heads = heads
+        # nanoGPT's bias=False: a key bias has a zero gradient in exact arithmetic, and AdamW turns
+        # float32 rounding noise in it into steps of about lr whose sign is noise.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.register_buffer("mask", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.mask[:, :, :T, :T] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d: int, heads: int, block: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads, block)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT in miniature, with the output layer's weight tied to the token embedding."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, heads: int = 2, layers: int = 2, block: int = 8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        self.blocks = nn.Sequential(*[GPTBlock(d, heads, block) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # weight tying
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+class RNNClassifier(nn.Module):
+    """Embedding, a 1-layer LSTM or GRU over the sequence, a linear head on the last state."""
+
+    def __init__(self, cell: str, vocab: int = 20, d: int = 8, hidden: int = 12, classes: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn = (nn.LSTM if cell == "lstm" else nn.GRU)(d, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, idx):
+        out, _ = self.rnn(self.emb(idx))
+        return self.head(out[:, -1])
+
+
+class UNet(nn.Module):
+    """Two-level U-Net: conv blocks, max-pool down, nearest upsample, skip concatenation."""
+
+    def __init__(self, cin: int = 3, width: int = 4, classes: int = 2):
+        super().__init__()
+
+        def block(a: int, b: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU(),
+                                 nn.Conv2d(b, b, 3, padding=1), nn.ReLU())
+
+        self.down1 = block(cin, width)
+        self.down2 = block(width, 2 * width)
+        self.bottom = block(2 * width, 4 * width)
+        self.up2 = block(4 * width + 2 * width, 2 * width)
+        self.up1 = block(2 * width + width, width)
+        self.out = nn.Conv2d(width, classes, 1)
+
+    def forward(self, x):
+        d1 = self.down1(x)
+        d2 = self.down2(F.max_pool2d(d1, 2))
+        b = self.bottom(F.max_pool2d(d2, 2))
+        u2 = self.up2(torch.cat([F.interpolate(b, scale_factor=2, mode="nearest"), d2], dim=1))
+        u1 = self.up1(torch.cat([F.interpolate(u2, scale_factor=2, mode="nearest"), d1], dim=1))
+        return self.out(u1)
+
+
+class ViT(nn.Module):
+    """ViT: conv patch embedding, class token, learned positions, encoder layers, head."""
+
+    def __init__(self, image: int = 16, patch: int = 4, d: int = 16, heads: int = 2, layers: int = 1,
+                 classes: int = 5):
+        super().__init__()
+        self.patch = nn.Conv2d(3, d, patch, patch)
+        n = (image // patch) ** 2
+        self.cls = nn.Parameter(torch.randn(1, 1, d) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, n + 1, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        return self.head(self.norm(self.encoder(x))[:, 0])

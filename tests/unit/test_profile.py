@@ -1,0 +1,98 @@
+"""graph.profile: each kernel's time, FLOPs and bytes, against the machine's limits (tvmgraph/profile.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tvmgraph
+import tvmgraph.hardware
+from tests.models import mlp
+from tvmgraph.hardware import Limits
+from tvmgraph.profile import RUNTIME, KernelTime
+
+# A made-up machine: 100 GFLOP/s, 10 GB/s, so the ridge is at 10 FLOP per byte.
+MACHINE = Limits("test CPU", 2, 100.0, 10.0)
+
+
+@pytest.fixture(autouse=True)
+def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tvmgraph.hardware, "limits", lambda remeasure=False: MACHINE)
+
+
+class Infer(tvmgraph.nn.Graph):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+class Train(tvmgraph.nn.Graph):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(optimizer, lr_sch=scheduler)
+
+    def build(self, x, y):
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def test_inference_profile_counts_each_kernel_once_with_its_flops() -> None:
+    torch.manual_seed(0)
+    model = mlp((64, 128, 10))
+    report = Infer(model).profile(torch.randn(32, 64), repeat=3)
+    names = [k.name for k in report.kernels]
+    assert len(names) == len(set(names))
+    assert RUNTIME in names
+    # The first layer's matmul + bias + ReLU: 2*M*N*K multiply-adds plus the bias and the ReLU.
+    first = [k for k in report.kernels if k.flops >= 2 * 32 * 64 * 128]
+    assert first, report.table(None)
+    assert 2 * 32 * 64 * 128 <= first[0].flops <= 2 * 32 * 64 * 128 * 1.05
+    # its arguments: x, the weight, the bias and the output, read or written once each
+    assert first[0].bytes == 4 * (32 * 64 + 128 * 64 + 128 + 32 * 128)
+    assert all(k.seconds > 0 and k.calls >= 1 for k in report.kernels)
+    assert report.call_seconds > 0 and report.limits is MACHINE
+    text = str(report)
+    assert report.graph in text and "test CPU" in text and first[0].name[:20] in text
+
+
+def test_limit_share_is_fma_above_the_ridge_and_bandwidth_below() -> None:
+    compute = KernelTime("mm", 1, 1e-3, flops=5e7, bytes=1_000_000)   # 50 FLOP/B, 50 GFLOP/s
+    memory = KernelTime("add", 1, 1e-3, flops=1e6, bytes=5_000_000)    # 0.2 FLOP/B, 5 GB/s
+    assert compute.limit_share(MACHINE) == pytest.approx((0.5, "FMA"))
+    assert memory.limit_share(MACHINE) == pytest.approx((0.5, "BW"))
+    assert KernelTime(RUNTIME, 9, 1e-3, 0.0, 0).limit_share(MACHINE) is None
+    assert compute.limit_share(None) is None
+
+
+def test_training_profile_leaves_the_training_state_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = mlp((16, 32, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    graph = Train(model, optimizer, scheduler)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    graph(x, y)
+    params = [p.detach().clone() for p in model.parameters()]
+    exp_avg = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    lr, step, rng = optimizer.param_groups[0]["lr"], graph.step, torch.get_rng_state()
+
+    report = graph.profile(x, y, repeat=2)
+
+    assert any(k.name.startswith("update_0_adam") for k in report.kernels), report.table(None)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(a, optimizer.state[p]["exp_avg"]) for a, p in zip(exp_avg, model.parameters()))
+    assert optimizer.param_groups[0]["lr"] == lr and graph.step == step
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert graph.num_compiled == 1
+
+
+def test_profile_needs_at_least_one_repeat() -> None:
+    graph = Infer(mlp((4, 4)))
+    with pytest.raises(ValueError, match=r"Infer_\d+: profile\(repeat=0\) needs repeat >= 1"):
+        graph.profile(torch.randn(2, 4), repeat=0)

@@ -1,0 +1,188 @@
+"""The machine's limits, measured: fp32 FMA peak and memory bandwidth, on every core.
+
+    python -m benchmarks.peak          (prints both)
+    tvmgraph.hardware.limits()         (both, measured once per machine and cached)
+
+A kernel's speed means little against torch alone (MKL and oneDNN differ across CPUs); against
+these two figures it says how much of the machine it uses (`graph.profile`, benchmarks/). Both
+are small C programs compiled here with the host's C compiler for this CPU (-march=native,
+OpenMP):
+
+- FMA peak: each thread runs independent chains of vector FMAs on registers only (enough
+  chains to cover the FMA latency on every pipe), so nothing but the FMA units limits it;
+- bandwidth: each thread copies its share of two 256 MiB arrays (a STREAM "copy"; bytes read
+  plus bytes written), far larger than the caches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stddef.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define LANES 16
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define SET1 _mm512_set1_ps
+#define SUM(v) _mm512_reduce_add_ps(v)
+#else
+typedef __m256 vec;
+#define LANES 8
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SET1 _mm256_set1_ps
+static float SUM(__m256 v) { float t[8]; _mm256_storeu_ps(t, v); float s = 0; for (int i = 0; i < 8; i++) s += t[i]; return s; }
+#endif
+
+/* FLOPs done (2 per FMA lane) by every thread running `iters` rounds of 12 independent chains. */
+double fma_flops(long iters, float *sink) {
+    double total = 0;
+    #pragma omp parallel reduction(+:total)
+    {
+        vec a = SET1(1.0f), b = SET1(0.999999f);
+        vec c0 = SET1(0), c1 = SET1(1), c2 = SET1(2), c3 = SET1(3), c4 = SET1(4), c5 = SET1(5);
+        vec c6 = SET1(6), c7 = SET1(7), c8 = SET1(8), c9 = SET1(9), c10 = SET1(10), c11 = SET1(11);
+        for (long i = 0; i < iters; i++) {
+            c0 = FMA(c0, b, a); c1 = FMA(c1, b, a); c2 = FMA(c2, b, a); c3 = FMA(c3, b, a);
+            c4 = FMA(c4, b, a); c5 = FMA(c5, b, a); c6 = FMA(c6, b, a); c7 = FMA(c7, b, a);
+            c8 = FMA(c8, b, a); c9 = FMA(c9, b, a); c10 = FMA(c10, b, a); c11 = FMA(c11, b, a);
+        }
+        vec s = c0 + c1 + c2 + c3 + c4 + c5 + c6 + c7 + c8 + c9 + c10 + c11;
+        sink[omp_get_thread_num()] = SUM(s);
+        total += 2.0 * 12 * LANES * (double)iters;
+    }
+    return total;
+}
+
+void copy(float *dst, const float *src, size_t n) {
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) dst[i] = src[i];
+}
+
+int threads(void) { return omp_get_max_threads(); }
+"""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    workdir = Path(tempfile.mkdtemp(prefix="tvmgraph-peak-"))
+    (workdir / "peak.c").write_text(SOURCE)
+    subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(workdir / "peak.so"),
+                    str(workdir / "peak.c")], check=True)
+    lib = ctypes.CDLL(str(workdir / "peak.so"))
+    lib.fma_flops.restype = ctypes.c_double
+    lib.fma_flops.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_float)]
+    lib.copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return lib
+
+
+def fma_peak_gflops(seconds: float = 0.5, repeats: int = 5) -> float:
+    """The best of `repeats` runs of the FMA loop, in GFLOP/s over all threads."""
+    import time
+
+    lib = _library()
+    sink = (ctypes.c_float * 256)()
+    iters = 1 << 20
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        flops = lib.fma_flops(iters, sink)
+        elapsed = time.perf_counter() - start
+        best = max(best, flops / elapsed / 1e9)
+        iters = max(1 << 16, int(iters * seconds / max(elapsed, 1e-6)))
+    return best
+
+
+def bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """The best of `repeats` parallel copies of `mib` MiB, in GB/s (read + written)."""
+    import time
+
+    import numpy as np
+
+    lib = _library()
+    n = mib * (1 << 20) // 4
+    src, dst = np.ones(n, np.float32), np.zeros(n, np.float32)
+    lib.copy(dst.ctypes.data, src.ctypes.data, n)  # first touch
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        lib.copy(dst.ctypes.data, src.ctypes.data, n)
+        best = max(best, 2 * n * 4 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one machine can do at most, measured on all its threads."""
+
+    cpu: str
+    threads: int
+    fma_gflops: float      # fp32, 2 FLOP per multiply-add lane
+    bandwidth_gbs: float   # bytes read plus bytes written per second (copy)
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte above which a kernel is bound by the FMA units, not by memory."""
+        return self.fma_gflops / self.bandwidth_gbs
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def limits(remeasure: bool = False) -> Limits:
+    """This machine's limits: measured once (a few seconds) and kept in the cache directory.
+
+    Keyed by CPU model and thread count; a cache file that does not parse is measured again, and
+    `remeasure` measures again anyway (`python -m benchmarks.peak` does: measure on a quiet
+    machine, any other process on the cores lowers both figures).
+    """
+    from .artifact_format import write_atomically
+    from .config import settings
+
+    cpu, threads = cpu_name(), _library().threads()
+    path = settings.cache_dir / "hardware.json"
+    try:
+        saved = {} if remeasure else json.loads(path.read_text())
+        if saved.get("cpu") == cpu and saved.get("threads") == threads:
+            return Limits(**{k: saved[k] for k in ("cpu", "threads", "fma_gflops", "bandwidth_gbs")})
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    measured = Limits(cpu, threads, fma_peak_gflops(), bandwidth_gbs())
+    try:
+        write_atomically(path, json.dumps(asdict(measured), indent=1).encode())
+    except OSError:
+        pass  # a read-only cache directory: measure again next process
+    return measured
+
+
+def main() -> None:
+    measured = limits(remeasure=True)
+    print(f"CPU: {measured.cpu}")
+    print(f"threads: {measured.threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
+    print(f"fp32 FMA peak: {measured.fma_gflops:.1f} GFLOP/s")
+    print(f"memory bandwidth (copy): {measured.bandwidth_gbs:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
