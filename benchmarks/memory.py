@@ -19,6 +19,9 @@ call instead of pooled). Both change where memory is cached, not how much a step
 `accumulation_rows` compares gradient accumulation with its micro-batch: a tvmgraph training
 step over `steps` x the micro-batch with `set_gradient_accumulation_steps(steps)` against one
 over the micro-batch alone (batch 256 with n = 4 against batch 64; the target is within 20%).
+`checkpointing_row` measures the transformer's training step in tvmgraph with and without
+activation checkpointing of its encoder layers (docs/training.md); run it alone with
+`python -m benchmarks.memory [--tiny]` (`--tiny`: a toy size that only checks that it runs).
 """
 
 from __future__ import annotations
@@ -63,21 +66,48 @@ def warm_up_engine(engine: str, mode: str, case: Case) -> None:
     gc.collect()
 
 
+def _tiny_transformer() -> Case:
+    """The transformer case at a toy size: checks that the checkpointing row runs, measures nothing."""
+    import torch
+    from torch import nn
+
+    from .suite import Case
+
+    def make_model() -> nn.Module:
+        layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
+                                           activation="gelu", batch_first=True)
+        return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+    return Case("transformer_tiny", "2-layer encoder, d_model 16, seq 8, batch 2", make_model,
+                lambda: (torch.randn(2, 8, 16), torch.randn(2, 8, 16)), nn.MSELoss)
+
+
+def checkpoint_layers(graph: object) -> None:
+    """Switch on activation checkpointing for every layer of the graph's TransformerEncoder."""
+    import tvmgraph
+
+    for index in range(len(graph.model.layers)):
+        graph.model.layers[index].to(tvmgraph.nn.GraphModule).activation_checkpointing = True
+
+
 def probe(case_name: str, mode: str, engine: str, calls: int = 3, batch: int | None = None,
-          accumulation_steps: int = 1) -> int:
+          accumulation_steps: int = 1, checkpointed: bool = False) -> int:
     """Run in the child: the step's peak memory in bytes. `batch` replaces the case's batch size
-    (its rows repeated); `accumulation_steps` is tvmgraph's set_gradient_accumulation_steps."""
+    (its rows repeated); `accumulation_steps` is tvmgraph's set_gradient_accumulation_steps;
+    `checkpointed`: tvmgraph with checkpoint_layers."""
     import torch
 
     from .engines import make_step
     from .suite import CASES
 
-    case = CASES[case_name]
+    case = CASES[case_name] if case_name in CASES else _tiny_transformer()
     torch.manual_seed(0)
     warm_up_engine(engine, mode, case)
     step = make_step(engine, mode, case, case.make_model())
     if accumulation_steps > 1:
         step.config.set_gradient_accumulation_steps(accumulation_steps)
+    if checkpointed:
+        checkpoint_layers(step)
     x, y = case.inputs()
     if batch is not None:
         rows = torch.arange(batch) % x.shape[0]
@@ -114,3 +144,27 @@ def accumulation_rows(case_name: str = "cnn", micro_batch: int = 64, steps: int 
         f"batch {micro_batch}, no accumulation": measure_peak_memory(case_name, "train", "tvmgraph",
                                                                       batch=micro_batch),
     }
+
+
+def checkpointing_row(case_name: str = "transformer") -> tuple[int | None, int | None]:
+    """Peak memory of tvmgraph's training step without and with its encoder layers checkpointed
+    (target: at least 30% lower with)."""
+    return (measure_peak_memory(case_name, "train", "tvmgraph"),
+            measure_peak_memory(case_name, "train", "tvmgraph", checkpointed=True))
+
+
+def format_checkpointing_row(case_name: str, plain: int | None, checkpointed: int | None) -> str:
+    if plain is None or checkpointed is None:
+        return f"{case_name:<12} train  tvmgraph peak MiB with checkpointed layers: probe failed"
+    return (f"{case_name:<12} train  tvmgraph peak MiB {plain / 2**20:.1f}, with checkpointed layers "
+            f"{checkpointed / 2**20:.1f} ({checkpointed / plain - 1:+.0%})")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="transformer training peak memory with and without "
+                                                 "activation checkpointing of its layers")
+    parser.add_argument("--tiny", action="store_true", help="toy size: only check that it runs")
+    name = "transformer_tiny" if parser.parse_args().tiny else "transformer"
+    print(format_checkpointing_row(name, *checkpointing_row(name)))

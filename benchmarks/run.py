@@ -39,7 +39,7 @@ import torch  # noqa: E402  (after the cache directories are chosen)
 
 from . import engines as engine_setup  # noqa: E402
 from .engines import ENGINES, make_step  # noqa: E402
-from .memory import accumulation_rows, measure_peak_memory  # noqa: E402
+from .memory import accumulation_rows, checkpointing_row, format_checkpointing_row, measure_peak_memory  # noqa: E402
 from .suite import CASES  # noqa: E402
 
 
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                 peak_text = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
                 print(f"{case_name:<12} {mode:<6} {engine:<9} {median * 1e3:8.3f}ms {ratio} "
                       f"{result['compile_s'][engine]:10.2f}s {peak_text}", flush=True)
+            if not args.no_memory and case_name == "transformer" and mode == "train" and "tvmgraph" in engines:
+                print(format_checkpointing_row(case_name, *checkpointing_row(case_name)), flush=True)
             report = engine_setup.TUNE_REPORTS.get(f"{case_name} {mode}")
             if report is not None:
                 print(f"{'':<12} {'':<6} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "

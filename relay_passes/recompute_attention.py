@@ -25,7 +25,9 @@ divide (a scale) ending in `softmax`; from the softmax, reshape, broadcast_to an
 softmax `where` (with the `full_like` that makes its zeros) lead to exactly one
 `m2 = matmul(p, c)` reading the probabilities as its first operand. Nothing else may read the
 probabilities (e.g. attention weights returned with `need_weights=True`): then they are kept
-anyway, and the pass leaves that attention alone.
+anyway, and the pass leaves that attention alone. An attention inside a checkpointed module
+(relay_passes/checkpoint_modules.py, which runs first) is left alone too: the module's
+recomputation covers it, and markers of its own would keep q, k and v.
 
 Kill switch: `GraphConfig.enable_recompute_attention(False)`. Report: the number of attentions.
 """
@@ -38,6 +40,8 @@ import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .bindings import vars_in
 
 _TO_SCORES = {"relax.reshape", "relax.broadcast_to", "relax.add", "relax.multiply", "relax.divide"}
 _FROM_PROBS = {"relax.reshape", "relax.broadcast_to", "relax.where", "relax.full_like"}
@@ -58,6 +62,13 @@ class _Block:
                 if isinstance(arg, relax.Var):
                     self.readers.setdefault(arg, []).append(var)
         self.outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+        # Computed from a start_checkpoint with no end_checkpoint in between: recomputed anyway.
+        self.recomputed: set[relax.Var] = set()
+        for var, value in self.value.items():
+            name = _op_name(value)
+            if name == "relax.grad.start_checkpoint" or (
+                    name != "relax.grad.end_checkpoint" and any(a in self.recomputed for a in vars_in(value))):
+                self.recomputed.add(var)
 
     def scores_matmul(self, scores: relax.Var) -> relax.Var | None:
         """Walk back from the softmax input to the matmul that computed the scores."""
@@ -122,7 +133,7 @@ class _Marker(PyExprMutator):
                 continue
             first = found.scores_matmul(value.args[0]) if isinstance(value.args[0], relax.Var) else None
             second = found.output_matmul(var)
-            if first is not None and second is not None:
+            if first is not None and second is not None and first not in found.recomputed:
                 self.starts |= {first, second}
                 self.ends.add(second)
                 self.count += 1

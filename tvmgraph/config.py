@@ -68,6 +68,7 @@ class CompileOptions:
     straighten_algorithm: bool = True
     compress_memory: bool = True
     recompute_attention: bool = True
+    activation_checkpointing: tuple[str, ...] = ()  # paths of the modules recomputed in backward
     cpu_schedules: bool = True
     fast_math: bool = True
     llvm_opt_level: int = 1
@@ -95,7 +96,8 @@ class GraphConfig:
 
     _OPTIONS = ("amp", "zero", "data_parallel", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
-                "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name")
+                "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name",
+                "activation_checkpointing")
 
     def __init__(self) -> None:
         self.training = False
@@ -113,6 +115,7 @@ class GraphConfig:
         self.recompile_limit = DEFAULT_RECOMPILE_LIMIT
         self.tuning = True
         self.tuning_name = None
+        self.activation_checkpointing: tuple[str, ...] = ()  # set through graph.<module>.to(GraphModule)
         self._defaults = self.options()
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -255,6 +258,16 @@ class GraphConfig:
             check_log_name(name)
         self.tuning_name = name
 
+    def _checkpoint_module(self, path: str, mode: bool) -> None:
+        """`graph.<path>.to(tvmgraph.nn.GraphModule).activation_checkpointing = mode`
+        (tvmgraph/graph_module.py): per-module, but it shapes the program like any option."""
+        paths = set(self.activation_checkpointing)
+        if _flag("activation_checkpointing", mode):
+            paths.add(path)
+        else:
+            paths.discard(path)
+        self.activation_checkpointing = tuple(sorted(paths))
+
     # ---- reading the options ----
 
     def options(self) -> dict[str, object]:
@@ -277,7 +290,7 @@ class GraphConfig:
                 compress_memory=self.compress_memory, recompute_attention=self.recompute_attention,
                 cpu_schedules=settings.cpu_schedules, fast_math=settings.fast_math,
                 llvm_opt_level=settings.llvm_opt_level, tuning=self.tuning and settings.tuning,
-                tuning_name=self.tuning_name,
+                tuning_name=self.tuning_name, activation_checkpointing=self.activation_checkpointing,
             )
             object.__setattr__(self, "_snapshot", snap)
             object.__setattr__(self, "_snapshot_ranks", ranks)

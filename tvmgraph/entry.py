@@ -42,7 +42,8 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                             f"loss.backward(); call it on the scalar loss and return the loss")
     if not optimizers:
         return None
-    plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), options.recompute_attention)
+    plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), options.recompute_attention,
+                              options.activation_checkpointing)
     if not plan.targets:
         raise OptimizerError(f"{graph_name}: the optimizers have no parameter that requires grad")
     return plan

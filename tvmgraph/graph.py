@@ -45,6 +45,7 @@ from .errors import (
     UnsupportedOptionError,
     reason_of,
 )
+from .graph_module import ModuleProxy, unwrap
 from .guards import StructureGuard, modules_of
 from .graph_repr import graph_repr
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
@@ -117,6 +118,7 @@ class Graph:
 
     def __setattr__(self, name: str, value: Any) -> None:
         st = self._state(f"assigning self.{name}")
+        value = unwrap(value)  # another graph's `graph.model`: the module itself
         if isinstance(value, Graph):
             raise NestedGraphError(
                 f"{st.name}: self.{name} is a Graph ({value.name}); a Graph cannot be nested in "
@@ -141,10 +143,11 @@ class Graph:
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
-        # Only called when normal lookup fails: that is where registered modules live.
+        # Only called when normal lookup fails: that is where registered modules live. They come
+        # wrapped, as in OneFlow: `.to(tvmgraph.nn.GraphModule)` is the module's options here.
         state = self.__dict__.get("_tvmgraph")
         if state is not None and name in state.modules:
-            return state.modules[name]
+            return ModuleProxy(state.modules[name], name, state.name, state.config)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __delattr__(self, name: str) -> None:

@@ -33,6 +33,7 @@ PIPELINE_MAP: dict[str, PipelineFn] = {}
 # tvmgraph's own optimization passes: one that fails is left out of the graph's compile (the
 # program is right without it, only slower), and the warning says how to leave it out for good.
 OPTIONAL_PASSES: dict[str, str | None] = {
+    "CheckpointModules": "graph.<module>.to(tvmgraph.nn.GraphModule).activation_checkpointing = False",
     "RecomputeAttention": "graph.config.enable_recompute_attention(False)",
     "FuseModelUpdate": "graph.config.allow_fuse_model_update_ops(False)",
     "SimplifyBroadcastMatmul": None,

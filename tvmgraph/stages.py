@@ -36,6 +36,7 @@ from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
 from .trace import ModuleIO, TraceResult
 from .training.accumulation import MICRO_STEP, Accumulation, append_accumulation, update_positions
+from .training.checkpoint_regions import checkpoint_regions
 from .training.data_parallel import DataParallel, update_plan
 from .training.plan import TrainingPlan
 from .training.runtime import TrainingBinding
@@ -83,16 +84,27 @@ class TracedGraph:
             grad_indices = [index_of[t] for t in plan.targets]
             loss_index = len(sig.mutations) + sig.num_user_outputs
             origins = lowering.relax_origins(exported)
+            regions = self._checkpoint_regions(exported, mod, plan, report)
             options = self.signature.options
             steps, ranks = options.gradient_accumulation_steps, options.data_parallel
             if steps > 1 or ranks > 1:
                 mod, layout = append_accumulation(mod, plan, grad_indices, loss_index, steps, report,
-                                                  self.graph_name, origins, ranks,
+                                                  self.graph_name, origins, regions, ranks,
                                                   update_plan(plan, options, self.graph_name))
             else:
                 mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name,
-                                                origins)
+                                                origins, regions)
         return LoweredGraph(self, mod, sig, exported, plan, layout)
+
+    def _checkpoint_regions(self, exported: torch.export.ExportedProgram, mod: tvm.IRModule, plan: TrainingPlan,
+                            report: Callable[[str], None] | None) -> list[list[str]]:
+        """The bindings of each call of a module with activation_checkpointing on."""
+        if not plan.activation_checkpointing:
+            return []
+        regions, idle = checkpoint_regions(exported, mod, plan.activation_checkpointing)
+        if idle and report is not None:
+            report(f"activation_checkpointing: {', '.join(sorted(idle))} ran no op in build(); nothing to recompute")
+        return regions
 
 
 class LoweredGraph:

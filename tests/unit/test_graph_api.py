@@ -38,11 +38,12 @@ def test_name_is_class_name_and_instance_counter() -> None:
 def test_module_is_registered_and_shared_with_eager() -> None:
     model = nn.Linear(3, 8)
     graph = LinearGraph(model)
-    assert graph.linear is model
+    # graph.linear is a proxy that forwards to the module, as in OneFlow (tvmgraph/graph_module.py)
+    assert graph.linear.to(nn.Module) is model and graph.linear == model and isinstance(graph.linear, nn.Linear)
     assert [p for p, _ in graph.named_modules()] == ["linear"]
     other = nn.Linear(3, 8)
     graph.linear = other
-    assert graph.linear is other
+    assert graph.linear.to(nn.Module) is other
     del graph.linear
     with pytest.raises(AttributeError):
         _ = graph.linear

@@ -225,8 +225,14 @@ def test_every_compile_option_is_part_of_the_cache_key(field: str) -> None:
     traced = graph.trace(torch.randn(2, 3))
     base = CompileOptions()
     value = getattr(base, field)
-    new = ((not value) if isinstance(value, bool) else "other-name" if field == "tuning_name"
-           else 1 if value is None else value + 1)
+    if isinstance(value, bool):
+        new = not value
+    elif isinstance(value, tuple):  # activation_checkpointing: module paths
+        new = (*value, "model")
+    elif value is None:  # zero_rank
+        new = 1
+    else:
+        new = "other-name" if field == "tuning_name" else value + 1
     changed = dataclasses.replace(base, **{field: new})
     target = target_for(torch.device("cpu"))
     assert (artifact.graph_key("G", traced, None, base, target, "default")

@@ -35,7 +35,7 @@ are tvmgraph's choices, the natural reading of one call covering the full batch)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,7 +82,8 @@ def micro_batches(flat: Sequence[torch.Tensor], steps: int) -> list[list[torch.T
 
 def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
                         steps: int, report: Callable[[str], None] | None = None, graph: str = "graph",
-                        origins: Mapping[str, str] | None = None, ranks: int = 1,
+                        origins: Mapping[str, str] | None = None,
+                        checkpoint_regions: Sequence[Collection[str]] = (), ranks: int = 1,
                         update_plan: TrainingPlan | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
     """Replace `main` with `accumulate_grads` and `apply_update` (the module docstring).
 
@@ -92,7 +93,7 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
     main = mod["main"]
     num_outputs = len(main.ret_ty.fields)
     mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins,
-                             loss_divisor=steps * ranks)
+                             loss_divisor=steps * ranks, checkpoint_regions=checkpoint_regions)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)

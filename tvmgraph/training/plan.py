@@ -58,6 +58,8 @@ class TrainingPlan:
     lr_schedulers: list[object] = field(default_factory=list)
     # The backward pass recomputes attention probabilities (GraphConfig.enable_recompute_attention).
     recompute_attention: bool = True
+    # Paths of the modules whose activations the backward pass recomputes (GraphModule).
+    activation_checkpointing: tuple[str, ...] = ()
 
     @property
     def targets(self) -> list[str]:
@@ -91,12 +93,13 @@ class TrainingPlan:
     @staticmethod
     def build(graph_name: str, optimizers: list[tuple[torch.optim.Optimizer, object]],
               named_parameters: list[tuple[str, torch.nn.Parameter]],
-              recompute_attention: bool = True) -> TrainingPlan:
+              recompute_attention: bool = True, activation_checkpointing: tuple[str, ...] = ()) -> TrainingPlan:
         path_of: dict[int, str] = {}
         for path, p in named_parameters:  # a shared parameter goes by its first path, as in lowering
             path_of.setdefault(id(p), path)
         plan = TrainingPlan(lr_schedulers=[s for _, s in optimizers if s is not None],
-                            recompute_attention=recompute_attention)
+                            recompute_attention=recompute_attention,
+                            activation_checkpointing=activation_checkpointing)
         seen: dict[int, str] = {}
         for opt_index, (optimizer, _) in enumerate(optimizers):
             rule = rule_for(optimizer, f"{graph_name}: add_optimizer() #{opt_index}")

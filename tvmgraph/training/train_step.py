@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import tvm
@@ -123,13 +123,16 @@ def _clip(bb: relax.BlockBuilder, grads: list[relax.Expr], max_norm: float, norm
 
 def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
                       report: Callable[[str], None] | None = None, graph: str = "graph",
-                      origins: Mapping[str, str] | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
+                      origins: Mapping[str, str] | None = None,
+                      checkpoint_regions: Sequence[Collection[str]] = ()) -> tuple[tvm.IRModule, TrainStepLayout]:
     """Replace `main` with `train_step` (see the module docstring for the contract); `graph`
     names the graph in warnings and errors, `origins` the torch op each Relax variable came
-    from (`tvmgraph.lower.relax_origins`) in the error listing the ops without gradients."""
+    from (`tvmgraph.lower.relax_origins`) in the error listing the ops without gradients,
+    `checkpoint_regions` the bindings of each module call whose activations are recomputed."""
     main = mod["main"]
     num_outputs = len(main.ret_ty.fields)
-    mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins)
+    mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins,
+                             checkpoint_regions=checkpoint_regions)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
@@ -151,14 +154,17 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
 
 def differentiate_main(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
                        report: Callable[[str], None] | None, graph: str, origins: Mapping[str, str] | None,
-                       loss_divisor: int = 1) -> tvm.IRModule:
-    """`mod` plus `main_adjoint`, the gradients of `loss / loss_divisor` (after the checks and
-    RecomputeAttention that every training program gets)."""
-    from relay_passes.recompute_attention import RecomputeAttention  # relay_passes import tvmgraph
+                       loss_divisor: int = 1, checkpoint_regions: Sequence[Collection[str]] = ()) -> tvm.IRModule:
+    """`mod` plus `main_adjoint`, the gradients of `loss / loss_divisor` (after the checks,
+    CheckpointModules and RecomputeAttention that every training program gets)."""
+    from relay_passes.checkpoint_modules import CheckpointModules  # relay_passes import tvmgraph
+    from relay_passes.recompute_attention import RecomputeAttention
 
     from ..pipeline import run_pass
 
     # Checked always (one check of the forward program): a broken result would fail in autodiff.
+    # Module checkpointing first: it finds its bindings by the names the importer gave them.
+    mod = run_pass(CheckpointModules(checkpoint_regions, report), mod, graph, check=True)
     mod = run_pass(RecomputeAttention(plan.recompute_attention, report), mod, graph, check=True)
     check_gradients(mod["main"], loss_index, origins or {}, graph)
     return _differentiate(mod, grad_indices, loss_index, graph, loss_divisor)
