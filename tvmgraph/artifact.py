@@ -219,6 +219,7 @@ def layout_to_json(layout: TrainStepLayout) -> dict[str, Any]:
         "num_groups": layout.num_groups,
         "accumulation_steps": layout.accumulation_steps,
         "loss_scaling": layout.loss_scaling,
+        "ranks": layout.ranks,
     }
 
 
@@ -229,7 +230,8 @@ def layout_from_json(doc: Mapping[str, Any]) -> TrainStepLayout:
         _dtype(dtype)
         states.append((_str(target), _str(key), _shape(shape), dtype))
     return TrainStepLayout(tuple(_int(i) for i in _list(doc["grad_indices"])), tuple(states),
-                           _int(doc["num_groups"]), _int(doc["accumulation_steps"]), doc.get("loss_scaling", False) is True)
+                           _int(doc["num_groups"]), accumulation_steps=_int(doc["accumulation_steps"]),
+                           loss_scaling=doc.get("loss_scaling", False) is True, ranks=_int(doc["ranks"]))
 
 
 def encode_meta(meta: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:

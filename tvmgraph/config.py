@@ -58,8 +58,11 @@ class CompileOptions:
 
     amp: bool = False
     amp_dtype: str | None = None  # "bfloat16" / "float16"; None: the device's default (amp.py)
-    zero: bool = False
     gradient_accumulation_steps: int = 1
+    # Data parallel (training/data_parallel.py): the ranks gradients are averaged over (1: none),
+    # and under ZeRO this rank (it compiles the update of its own parameters only).
+    data_parallel: int = 1
+    zero_rank: int | None = None
     fuse_model_update_ops: bool = True
     fuse_add_to_output: bool = True
     fuse_cast_scale: bool = True
@@ -92,7 +95,7 @@ class GraphConfig:
     GraphConfig(training=False, straighten_algorithm='Disable', )
     """
 
-    _OPTIONS = ("amp", "amp_dtype", "zero", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
+    _OPTIONS = ("amp", "amp_dtype", "zero", "data_parallel", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
                 "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name",
                 "activation_checkpointing")
@@ -102,6 +105,7 @@ class GraphConfig:
         self.amp = False
         self.amp_dtype = None
         self.zero = False
+        self.data_parallel = True
         self.fuse_model_update_ops = True
         self.fuse_add_to_output = True
         self.fuse_cast_scale = True
@@ -138,11 +142,20 @@ class GraphConfig:
         self.amp = _flag("enable_amp", mode)
         self.amp_dtype = name if mode else None
 
-    def enable_zero(self, mode: bool = True) -> None:
-        """ZeRO: shard optimizer state over the ranks of `torch.distributed`."""
-        if _flag("enable_zero", mode):
-            raise _not_yet("enable_zero", "data-parallel training and ZeRO are planned")
-        self.zero = False
+    def enable_zero(self, mode: bool = True, stage: int = 1) -> None:
+        """ZeRO stage 1: shard optimizer state over the ranks of `torch.distributed` (each rank
+        updates and keeps the state of its share of the parameters; docs/distributed.md)."""
+        if _flag("enable_zero", mode) and stage != 1:
+            if stage in (2, 3):
+                raise _not_yet(f"enable_zero(stage={stage})", "stage 1 is: sharded optimizer state")
+            raise ConfigError(f"GraphConfig.enable_zero(mode, stage) takes stage 1, 2 or 3, got {stage!r}")
+        self.zero = mode
+
+    def enable_data_parallel(self, mode: bool = True) -> None:
+        """Average gradients over the ranks of `torch.distributed` (default: on; tvmgraph's own
+        option). It acts only in an initialized process group of two or more ranks, on training
+        graphs; off, each rank trains on its own (docs/distributed.md)."""
+        self.data_parallel = _flag("enable_data_parallel", mode)
 
     def allow_fuse_model_update_ops(self, mode: bool = True) -> None:
         """One in-place kernel per param group for the optimizer update (default: on).
@@ -271,12 +284,16 @@ class GraphConfig:
         """All option values by name (`training` excluded)."""
         return {name: getattr(self, name) for name in self._OPTIONS}
 
-    def snapshot(self) -> CompileOptions:
-        """The options that shape compiled code, with the process-wide codegen settings."""
+    def snapshot(self, ranks: tuple[int, int] | None = None) -> CompileOptions:
+        """The options that shape compiled code, with the process-wide codegen settings.
+        `ranks`: (rank, world size) of a training graph in a process group of 2 or more ranks."""
         snap = self.__dict__.get("_snapshot")
-        if snap is None:
+        if snap is None or self.__dict__.get("_snapshot_ranks") != ranks:
+            parallel = ranks is not None and self.data_parallel
             snap = CompileOptions(
-                amp=self.amp, amp_dtype=self.amp_dtype, zero=self.zero, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                amp=self.amp, amp_dtype=self.amp_dtype, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                data_parallel=ranks[1] if parallel else 1,
+                zero_rank=ranks[0] if parallel and self.zero else None,
                 fuse_model_update_ops=self.fuse_model_update_ops, fuse_add_to_output=self.fuse_add_to_output,
                 fuse_cast_scale=self.fuse_cast_scale,
                 straighten_algorithm=self.straighten_algorithm != "Disable",
@@ -286,6 +303,7 @@ class GraphConfig:
                 tuning_name=self.tuning_name, activation_checkpointing=self.activation_checkpointing,
             )
             object.__setattr__(self, "_snapshot", snap)
+            object.__setattr__(self, "_snapshot_ranks", ranks)
         return snap
 
     def __repr__(self) -> str:

@@ -86,6 +86,11 @@ class MicroBatchError(TvmGraphError, ValueError):
     """Gradient accumulation cannot split a call's batch into equal micro-batches."""
 
 
+class DistributedError(TvmGraphError, RuntimeError):
+    """Data-parallel training failed across ranks: a collective failed (a rank stopped, a timeout),
+    the ranks ran different programs, or a distributed option has no process group to run in."""
+
+
 class RecompileLimitError(TvmGraphError, RuntimeError):
     """A graph was asked to compile more entries than `GraphConfig.set_recompile_limit` allows."""
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 import itertools
 import operator
@@ -30,6 +31,7 @@ from .debug import GraphLog
 from .errors import (
     BuildNotImplementedError,
     DeviceMismatchError,
+    DistributedError,
     ExecutionError,
     GraphArgumentError,
     GraphAttributeError,
@@ -50,6 +52,7 @@ from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
 from .training.accumulation import first_micro_batch
+from .training.data_parallel import DataParallel, Ranks
 from .training.optimizers import rule_for
 from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE
 
@@ -73,7 +76,7 @@ class _GraphState:
     attributes and ours never collide."""
 
     __slots__ = ("name", "config", "log", "modules", "guard", "entries",
-                 "last", "build_params", "optimizers", "step", "grad_scaler")
+                 "last", "build_params", "optimizers", "step", "grad_scaler", "data_parallel")
 
     def __init__(self, name: str, cls: str):
         self.name = name
@@ -87,6 +90,7 @@ class _GraphState:
         self.optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, lr_sch)
         self.step = 0  # training steps run, part of the graph's state_dict
         self.grad_scaler: torch.amp.GradScaler | None = None  # set_grad_scaler (tvmgraph/amp.py)
+        self.data_parallel: DataParallel | None = None  # in a process group (training/data_parallel.py)
 
 
 class Graph:
@@ -226,9 +230,15 @@ class Graph:
         """The whole training state: module parameters and buffers, optimizer and lr scheduler
         states, and the graph's step counter. `torch.save` it to resume training later."""
         st = self._state()
+        parallel = self._parallel(st)
+        optimizers = [o for o, _ in st.optimizers]
+        if parallel is not None and st.config.zero:  # each rank holds its share: gather the whole state
+            optimizer_states = parallel.gather_optimizer_states(optimizers)
+        else:
+            optimizer_states = [o.state_dict() for o in optimizers]
         return {
             "modules": {name: m.state_dict() for name, m in st.modules.items()},
-            "optimizers": [o.state_dict() for o, _ in st.optimizers],
+            "optimizers": optimizer_states,
             "lr_schedulers": [s.state_dict() if s is not None else None for _, s in st.optimizers],
             "step": st.step,
             "grad_scaler": st.grad_scaler.state_dict() if st.grad_scaler is not None else None,
@@ -256,6 +266,9 @@ class Graph:
             optimizer.load_state_dict(opt_state)
             if scheduler is not None and sch_state is not None:
                 scheduler.load_state_dict(sch_state)
+        parallel = self._parallel(st)
+        if parallel is not None and st.config.zero:
+            parallel.keep_owned_state([o for o, _ in st.optimizers])
         st.step = int(state_dict["step"])
         if st.grad_scaler is not None and state_dict.get("grad_scaler"):
             st.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -347,8 +360,47 @@ class Graph:
     def _entry_for(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> CompiledGraph:
         """The compiled entry whose guards this call meets, compiled now if there is none."""
         signature = self._signature(st, args_tree, flat)
+        parallel = st.data_parallel if signature.options.data_parallel > 1 else None
+        if parallel is not None:
+            parallel.before_call(signature, lambda: self._program_parts(st, signature), st.modules)
         entry = st.entries.get(signature)
-        return entry if entry is not None else self._compile(st, signature, args_tree, flat)
+        if entry is None:
+            entry = self._compile(st, signature, args_tree, flat)
+        entry.data_parallel = parallel
+        return entry
+
+    def _parallel(self, st: _GraphState) -> DataParallel | None:
+        """The graph's data-parallel state when it trains in a process group of 2 or more ranks."""
+        if not st.optimizers:
+            return None
+        ranks = Ranks.current() if st.config.data_parallel else None
+        if ranks is None:
+            if st.config.zero:
+                why = ("enable_data_parallel(False) is set" if st.config.data_parallel
+                       is False else "torch.distributed has no process group of 2 or more ranks")
+                raise DistributedError(f"{st.name}: enable_zero(True) shards optimizer state over ranks, but {why}. "
+                                       f"Initialize the process group first (torchrun, "
+                                       f"torch.distributed.init_process_group), or enable_zero(False).")
+            return None
+        if st.data_parallel is None or st.data_parallel.ranks != ranks:
+            st.data_parallel = DataParallel(st.name, ranks)
+        return st.data_parallel
+
+    def _program_parts(self, st: _GraphState, signature: Signature) -> tuple[list[object], str]:
+        """What every rank's program must agree on (no object ids), and a line saying it."""
+        for path, module in self.named_modules():
+            if isinstance(module, torch.nn.SyncBatchNorm):
+                raise UnsupportedOptionError(
+                    f"{st.name}: '{path}' is a SyncBatchNorm; tvmgraph's data-parallel graphs keep batch-norm "
+                    f"statistics per rank (as DDP with BatchNorm2d does) and cannot all-gather them inside the "
+                    f"compiled step. Use nn.BatchNorm*d (torch.nn.SyncBatchNorm.revert is not in torch; rebuild the "
+                    f"model with BatchNorm), or enable_data_parallel(False).")
+        params = [(path, tuple(p.shape), str(p.dtype), p.requires_grad) for path, p in self.named_parameters()]
+        optimizers = [(type(o).__name__, [rule_for(o, "").structure(g) for g in o.param_groups]) for o, _ in st.optimizers]
+        options = dataclasses.replace(signature.options, zero_rank=None)
+        inputs = ", ".join(leaf.describe() for leaf in signature.leaves)
+        text = f"inputs ({inputs}), {len(params)} parameters, optimizers {[o for o, _ in optimizers]}"
+        return [signature.args, signature.leaves, signature.module_modes, params, optimizers, options], text
 
     @staticmethod
     def _run(st: _GraphState, entry: CompiledGraph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -439,8 +491,10 @@ class Graph:
         scaler = _enabled(st.grad_scaler)
         if scaler is not None:  # the program reads this scaler's tensors
             training += (("grad_scaler", id(scaler)),)
+        parallel = self._parallel(st)
+        ranks = (parallel.ranks.rank, parallel.ranks.world) if parallel is not None else None
         return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training, structure,
-                         st.config.snapshot())
+                         st.config.snapshot(ranks))
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:

@@ -35,8 +35,9 @@ from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
 from .trace import ModuleIO, TraceResult
-from .training.accumulation import MICRO_STEP, Accumulation, append_accumulation
+from .training.accumulation import MICRO_STEP, Accumulation, append_accumulation, update_positions
 from .training.checkpoint_regions import checkpoint_regions
+from .training.data_parallel import DataParallel, update_plan
 from .training.plan import TrainingPlan
 from .training.runtime import TrainingBinding
 from .training.train_step import FUNC_NAME as TRAIN_STEP
@@ -84,15 +85,17 @@ class TracedGraph:
             loss_index = len(sig.mutations) + sig.num_user_outputs
             origins = lowering.relax_origins(exported)
             regions = self._checkpoint_regions(exported, mod, plan, report)
-            steps = self.signature.options.gradient_accumulation_steps
-            if steps > 1 and plan.loss_scaling:
+            options = self.signature.options
+            steps, ranks = options.gradient_accumulation_steps, options.data_parallel
+            if (steps > 1 or ranks > 1) and plan.loss_scaling:
                 raise UnsupportedOptionError(
-                    f"{self.graph_name}: a grad scaler (set_grad_scaler) with gradient accumulation is not "
-                    f"implemented yet; use one of them: bfloat16 AMP on CPU needs no loss scaling "
-                    f"(set_grad_scaler(None)), or set_gradient_accumulation_steps(1).")
-            if steps > 1:
+                    f"{self.graph_name}: a grad scaler (set_grad_scaler) with gradient accumulation or data "
+                    f"parallel training is not implemented yet: bfloat16 AMP on CPU needs no loss scaling "
+                    f"(set_grad_scaler(None)), or set_gradient_accumulation_steps(1) in one process.")
+            if steps > 1 or ranks > 1:
                 mod, layout = append_accumulation(mod, plan, grad_indices, loss_index, steps, report,
-                                                  self.graph_name, origins, regions)
+                                                  self.graph_name, origins, regions, ranks,
+                                                  update_plan(plan, options, self.graph_name))
             else:
                 mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name,
                                                 origins, regions)
@@ -187,7 +190,7 @@ class CompiledGraph:
 
     __slots__ = ("traced", "plan", "signature", "train_layout", "lib", "target", "device", "binder",
                  "training", "_lowered", "optimized", "_entry", "_num_mutations", "_num_user_outputs",
-                 "_has_rng", "_index_guard", "_accumulation")
+                 "_has_rng", "_index_guard", "_accumulation", "data_parallel")
 
     def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, signature: lowering.LoweredSignature,
                  train_layout: TrainStepLayout | None, lib: tvm.runtime.Module | relax.VMExecutable,
@@ -202,13 +205,17 @@ class CompiledGraph:
         self.target = target
         self.device = device
         self.binder = TensorBinder(signature.inputs, modules, signature.constants)
-        self.training = TrainingBinding(plan, train_layout, device) if train_layout is not None else None
+        updated = update_plan(plan, traced.signature.options, traced.graph_name) if plan is not None else None
+        self.training = TrainingBinding(updated, train_layout, device) if train_layout is not None else None
+        self.data_parallel: DataParallel | None = None  # set by the graph in a process group
         self._lowered = lowered
         self.optimized = optimized
         vm = relax.VirtualMachine(lib, tvm_device(device), memory_cfg=settings.vm_allocator)
         self._entry: Callable = vm[self.entry_name]
-        steps = train_layout.accumulation_steps if train_layout is not None else 1
-        self._accumulation = Accumulation(vm, steps) if steps > 1 else None
+        self._accumulation = None
+        if train_layout is not None and train_layout.split:
+            positions = update_positions(plan, updated) if updated is not plan else None
+            self._accumulation = Accumulation(vm, train_layout.accumulation_steps, positions)
         self._num_mutations = len(signature.mutations)
         self._num_user_outputs = signature.num_user_outputs
         self._has_rng = any(s.kind == "rng" for s in signature.inputs)
@@ -309,7 +316,7 @@ class CompiledGraph:
 def _entry_name(layout: TrainStepLayout | None) -> str:
     if layout is None:
         return "main"
-    return MICRO_STEP if layout.accumulation_steps > 1 else TRAIN_STEP
+    return MICRO_STEP if layout.split else TRAIN_STEP
 
 
 def _draw_seed(device: torch.device) -> torch.Tensor:

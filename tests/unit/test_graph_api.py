@@ -63,7 +63,7 @@ def test_training_is_false_without_optimizer() -> None:
 
 @pytest.mark.parametrize(
     "option",
-    ["enable_zero", "enable_cudnn_conv_heuristic_search_algo"],
+    ["enable_cudnn_conv_heuristic_search_algo"],
 )
 def test_unbuilt_config_options_refuse_to_turn_on(option: str) -> None:
     """Every option the seeds list exists; one not built yet says so instead of being ignored."""

@@ -225,12 +225,16 @@ def test_every_compile_option_is_part_of_the_cache_key(field: str) -> None:
     traced = graph.trace(torch.randn(2, 3))
     base = CompileOptions()
     value = getattr(base, field)
-    if isinstance(value, bool):
+    if field in ("tuning_name", "amp_dtype"):
+        new = "other-name"
+    elif isinstance(value, bool):
         new = not value
     elif isinstance(value, tuple):  # activation_checkpointing: module paths
         new = (*value, "model")
+    elif value is None:  # zero_rank
+        new = 1
     else:
-        new = "other-name" if field in ("tuning_name", "amp_dtype") else value + 1
+        new = value + 1
     changed = dataclasses.replace(base, **{field: new})
     target = target_for(torch.device("cpu"))
     assert (artifact.graph_key("G", traced, None, base, target, "default")

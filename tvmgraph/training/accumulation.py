@@ -83,20 +83,28 @@ def micro_batches(flat: Sequence[torch.Tensor], steps: int) -> list[list[torch.T
 def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
                         steps: int, report: Callable[[str], None] | None = None, graph: str = "graph",
                         origins: Mapping[str, str] | None = None,
-                        checkpoint_regions: Sequence[Collection[str]] = ()) -> tuple[tvm.IRModule, TrainStepLayout]:
-    """Replace `main` with `accumulate_grads` and `apply_update` (the module docstring)."""
+                        checkpoint_regions: Sequence[Collection[str]] = (), ranks: int = 1,
+                        update_plan: TrainingPlan | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
+    """Replace `main` with `accumulate_grads` and `apply_update` (the module docstring).
+
+    Data parallel (data_parallel.py): the loss is also divided by the number of `ranks` (their
+    gradients are summed between the two functions), and under ZeRO `apply_update` updates the
+    parameters of `update_plan` only, this rank's share of `plan`'s."""
     main = mod["main"]
     num_outputs = len(main.ret_ty.fields)
-    mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins, loss_divisor=steps,
-                             checkpoint_regions=checkpoint_regions)
+    mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins,
+                             loss_divisor=steps * ranks, checkpoint_regions=checkpoint_regions)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
     types = [main.params[i].ty for i in grad_indices]
     names = [main.params[i].name for i in grad_indices]
-    updates = declare_updates(bb, plan, types)
-    inputs = [relax.Var(v.name, v.ty) for v in main.params]
     accs = [relax.Var(f"{name}__acc", ty) for name, ty in zip(names, types)]
+    if update_plan is not None:
+        owned = update_positions(plan, update_plan)
+        types, names = [types[i] for i in owned], [names[i] for i in owned]
+    updates = declare_updates(bb, update_plan or plan, types)
+    inputs = [relax.Var(v.name, v.ty) for v in main.params]
     with bb.function(MICRO_STEP, inputs + accs):
         with bb.dataflow():
             ret = bb.emit(relax.Call(adjoint_gv, inputs))
@@ -114,32 +122,49 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
             result = bb.emit_output(relax.Tuple(new_params + new_states))
         bb.emit_func_output(result)
     mod = finish_module(bb.get(), updates, [MICRO_STEP, APPLY_UPDATE])
-    return mod, TrainStepLayout(tuple(grad_indices), tuple(updates.state_shapes), len(plan.groups), steps)
+    return mod, TrainStepLayout(tuple(grad_indices), tuple(updates.state_shapes), len((update_plan or plan).groups),
+                                steps, ranks)
+
+
+def update_positions(plan: TrainingPlan, update_plan: TrainingPlan) -> list[int]:
+    """Where each parameter of `update_plan` (a ZeRO share) is among `plan`'s trained parameters."""
+    index = {id(p): i for i, p in enumerate(p for g in plan.groups for p in g.params)}
+    return [index[id(p)] for g in update_plan.groups for p in g.params]
 
 
 class Accumulation:
-    """Runs one call of a compiled entry as its micro-batches, then the update."""
+    """Runs one call of a compiled entry as its micro-batches, then the update; in a data-parallel
+    graph the gradients are summed over the ranks in between (data_parallel.py)."""
 
-    __slots__ = ("steps", "apply_update")
+    __slots__ = ("steps", "apply_update", "positions")
 
-    def __init__(self, vm: relax.VirtualMachine, steps: int):
+    def __init__(self, vm: relax.VirtualMachine, steps: int, positions: list[int] | None = None):
         self.steps = steps
         self.apply_update = vm[APPLY_UPDATE]
+        self.positions = positions  # ZeRO: this rank's parameters among all trained ones
 
     def run(self, compiled: CompiledGraph, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         training = compiled.training
-        params = [p for g in training.plan.groups for p in g.params]
-        grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]
+        trained = [p for g in compiled.plan.groups for p in g.params]
+        grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in trained]
         outputs, losses = [], []
         for micro in micro_batches(flat_inputs, self.steps):
             user, loss, grads, _ = compiled.run_entry(micro, grads)
             outputs.append(user)
             losses.append(loss)
+        parallel = compiled.data_parallel
+        if parallel is not None:
+            parallel.reduce_gradients(grads)
+        params = [p for g in training.plan.groups for p in g.params]
+        if self.positions is not None:
+            grads = [grads[i] for i in self.positions]
         extra = training.inputs()
         passed, copied = runnable_all(params, thorough=False)
         passed_extra, _ = runnable_all(extra, thorough=False)
         results = self.apply_update(*passed, *grads, *passed_extra)
         training.write_back(results, {id(params[i]) for i in copied})
+        if parallel is not None:
+            parallel.after_update(trained, zero=self.positions is not None)
         return [_combine(parts) for parts in zip(*outputs)], torch.stack(losses).mean()
 
 

@@ -77,6 +77,26 @@ class TrainingPlan:
         """Everything about the optimizers (and loss scaling) that changes the compiled program."""
         return tuple(g.structure() for g in self.groups) + (("loss_scaling",) if self.loss_scaling else ())
 
+    def owned(self, graph_name: str, rank: int, world: int) -> TrainingPlan:
+        """ZeRO: the groups cut down to the parameters `rank` updates (data_parallel.owners);
+        a group left with none is dropped."""
+        from .data_parallel import owners
+
+        params = [p for g in self.groups for p in g.params]
+        owner = iter(owners([p.numel() for p in params], world))
+        groups = []
+        for g in self.groups:
+            keep = [next(owner) == rank for _ in g.params]
+            if g.clip is not None:
+                raise OptimizerError(f"{graph_name}: gradient clipping (clip_grad_max_norm) with ZeRO is not "
+                                     f"implemented: each rank sees only its share of a group's gradients. Clip "
+                                     f"without ZeRO (graph.config.enable_zero(False)).")
+            if any(keep):
+                groups.append(GroupPlan(g.optimizer, g.group_index, g.rule,
+                                        [t for t, k in zip(g.targets, keep) if k],
+                                        [p for p, k in zip(g.params, keep) if k], g.clip))
+        return TrainingPlan(groups, self.lr_schedulers, self.recompute_attention)
+
     @staticmethod
     def build(graph_name: str, optimizers: list[tuple[torch.optim.Optimizer, object]],
               named_parameters: list[tuple[str, torch.nn.Parameter]],

@@ -68,6 +68,13 @@ class TrainStepLayout:
     # > 1: the module holds accumulate_grads and apply_update instead (accumulation.py)
     accumulation_steps: int = 1
     loss_scaling: bool = False  # a GradScaler's scale and tracker go in and out last (loss_scale.py)
+    # > 1: data parallel over that many ranks, also split in two (data_parallel.py)
+    ranks: int = 1
+
+    @property
+    def split(self) -> bool:
+        """The program is accumulate_grads + apply_update, not one train_step."""
+        return self.accumulation_steps > 1 or self.ranks > 1
 
 
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],

@@ -1,0 +1,128 @@
+"""Data-parallel graphs and ZeRO over torch.distributed: 2 gloo ranks on 127.0.0.1 (tests/distributed/worker.py).
+
+Each test starts two fresh processes (one thread each) and compares what they saved with one
+process training on the global batch, or with eager DistributedDataParallel in the same ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed.worker import GLOBAL_BATCH, STEPS, adam, data_for, model_for, sgd
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = os.environ.get("TEST_WORKER", "-m tests.distributed.worker").split()
+# Gradients summed over 2 ranks in another order than one process sums the global batch: float32
+# rounding, compounded over 10 steps (a real difference moves parameters by > 1e-3).
+TOL = dict(atol=2e-5, rtol=2e-4)
+
+
+def run_ranks(case: str, tmp_path: Path, world: int = 2, timeout: float = 300, pg_timeout: int = 60) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TVM_NUM_THREADS": "1", "TEST_PG_TIMEOUT": str(pg_timeout),
+           "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, *WORKER, case, str(r), str(world), str(port),
+                               str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(world)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{case}: a rank hung past {timeout} s")
+    results = []
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        path = tmp_path / f"rank{rank}.pt"
+        if case == "dead" and rank == 1:
+            assert p.returncode == 3, out[-3000:]
+            continue
+        assert p.returncode == 0 and path.exists(), f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
+def one_process(case: str) -> nn.Module:
+    """The same training on the global batch in one eager process."""
+    model = model_for(case)
+    optimizer = adam(model) if "adam" in case else sgd(model)
+    for x, y in data_for(case):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("case", ["mlp", "mlp_adam", "mlp_accum"])
+def test_two_ranks_train_like_one_process_on_the_global_batch(case: str, tmp_path: Path) -> None:
+    ranks = run_ranks(case, tmp_path)
+    expected = one_process(case).state_dict()
+    for rank, result in enumerate(ranks):
+        assert result["num_compiled"] == 1
+        for name, value in expected.items():
+            torch.testing.assert_close(result["state"][name], value, **TOL, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+            # and like eager DDP in the same processes
+            torch.testing.assert_close(result["state"][name], result["ref_state"][name], **TOL)
+    if case != "mlp_accum":  # each rank's loss is its own shard's, as under DDP
+        torch.testing.assert_close(torch.tensor(ranks[1]["losses"]), torch.tensor(ranks[1]["ref_losses"]), **TOL)
+
+
+def test_batch_norm_statistics_stay_per_rank_like_eager_ddp(tmp_path: Path) -> None:
+    for rank, result in enumerate(run_ranks("cnn", tmp_path)):
+        for name, value in result["ref_state"].items():
+            if value.is_floating_point():
+                torch.testing.assert_close(result["state"][name], value, **TOL, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+            else:
+                assert torch.equal(result["state"][name], value), name
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), **TOL)
+
+
+def test_zero_shards_optimizer_state_and_resumes_identically(tmp_path: Path) -> None:
+    ranks = run_ranks("zero", tmp_path)
+    expected = one_process("mlp_adam")  # 10 Adam steps on the global batch
+    full_bytes = sum(2 * p.numel() * 4 + 4 for p in expected.parameters())  # exp_avg, exp_avg_sq, step
+    for rank, result in enumerate(ranks):
+        for name, value in expected.state_dict().items():
+            torch.testing.assert_close(result["state"][name], value, **TOL, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+            assert torch.equal(result["resumed_state"][name], result["state"][name]), name
+        # each rank keeps the state of about half the parameters
+        assert 0.2 * full_bytes < result["owned_state_bytes"] < 0.8 * full_bytes
+        # the gathered state is torch's whole Adam state on every rank
+        saved = result["saved_optimizer"]
+        assert sorted(saved["state"]) == list(range(len(list(expected.parameters()))))
+        assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in saved["state"].values())
+    for key, state in ranks[0]["saved_optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, ranks[1]["saved_optimizer"]["state"][key][name])
+
+
+def test_ranks_with_different_shapes_fail_on_every_rank(tmp_path: Path) -> None:
+    for result in run_ranks("mismatch", tmp_path):
+        assert result["error"] is not None
+        assert "different programs" in result["error"] and "rank 0:" in result["error"] and "rank 1:" in result["error"]
+
+
+def test_sync_batch_norm_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for result in run_ranks("syncbn", tmp_path):
+        assert result["error"] is not None and "'model.1' is a SyncBatchNorm" in result["error"]
+
+
+def test_a_dead_rank_ends_the_others_with_an_error_within_the_timeout(tmp_path: Path) -> None:
+    (result,) = run_ranks("dead", tmp_path, pg_timeout=20, timeout=200)
+    assert result["error"] is not None and result["step"] == 2, result
+    assert "rank 0 of 2" in result["error"] and "Another rank most likely stopped" in result["error"]
+    assert result["seconds"] < 60

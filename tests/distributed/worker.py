@@ -1,0 +1,174 @@
+"""One rank of a distributed test: `python -m tests.distributed.worker CASE RANK WORLD PORT OUT`.
+
+Each case trains in a gloo process group on 127.0.0.1 and saves what the test compares
+(torch.save to OUT/rank<R>.pt); tests/distributed/test_data_parallel.py starts the ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import tvmgraph
+from tests.conftest import TrainGraph
+from tests.models import SmallCNN, mlp
+
+STEPS = 10
+GLOBAL_BATCH = 16
+
+
+def batches(shape: tuple[int, ...], classes: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches of every step: the same on every rank (one seed)."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(GLOBAL_BATCH, *shape, generator=g), torch.randint(0, classes, (GLOBAL_BATCH,), generator=g))
+            for _ in range(steps)]
+
+
+def shard(batch: tuple[torch.Tensor, ...], rank: int, world: int) -> tuple[torch.Tensor, ...]:
+    return tuple(t.chunk(world)[rank].contiguous() for t in batch)
+
+
+def model_for(case: str) -> nn.Module:
+    torch.manual_seed(0)
+    return SmallCNN(width=4) if case.startswith("cnn") else mlp((12, 32, 32, 5))
+
+
+def data_for(case: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return batches((3, 8, 8), 10) if case.startswith("cnn") else batches((12,), 5)
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train_graph(case: str, rank: int, world: int) -> dict:
+    """The graph on this rank's shard; for a model with batch norm, eager DDP beside it (the same
+    per-rank statistics), else only the graph (the test compares with one process)."""
+    model = model_for(case)
+    if rank == 1:  # rank 1 starts from other weights: the graph must broadcast rank 0's
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    reference = copy.deepcopy(model_for(case))
+    optimizer = adam(model) if "adam" in case else sgd(model)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), optimizer)
+    if "accum" in case:
+        graph.config.set_gradient_accumulation_steps(2)
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    ref_optimizer = adam(reference) if "adam" in case else sgd(reference)
+    losses, ref_losses = [], []
+    for batch in data_for(case):
+        x, y = shard(batch, rank, world)
+        losses.append(float(graph(x, y)))
+        ref_optimizer.zero_grad()
+        if "accum" in case:  # DDP accumulation: backward per micro-batch, all-reduce on the last
+            with ddp.no_sync():
+                (nn.functional.cross_entropy(ddp(x[:len(x) // 2]), y[:len(y) // 2]) / 2).backward()
+            (nn.functional.cross_entropy(ddp(x[len(x) // 2:]), y[len(y) // 2:]) / 2).backward()
+        else:
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            ref_losses.append(float(loss))
+        ref_optimizer.step()
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()},
+            "ref_state": {k: v.clone() for k, v in reference.state_dict().items()},
+            "losses": losses, "ref_losses": ref_losses, "num_compiled": graph.num_compiled}
+
+
+def zero(case: str, rank: int, world: int) -> dict:
+    """ZeRO stage 1 for 5 steps, a state_dict gathered on every rank, a new graph resumed from it for 5 more."""
+    model = model_for(case)
+    optimizer = adam(model)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), optimizer)
+    graph.config.enable_zero(True)
+    data = data_for(case)
+    for batch in data[:5]:
+        graph(*shard(batch, rank, world))
+    owned_state_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                            if torch.is_tensor(t))
+    saved = copy.deepcopy(graph.state_dict())
+    resumed_model = model_for(case)
+    resumed_optimizer = adam(resumed_model)
+    resumed = TrainGraph(resumed_model, nn.CrossEntropyLoss(), resumed_optimizer)
+    resumed.config.enable_zero(True)
+    resumed.load_state_dict(copy.deepcopy(saved))  # (as in eager, training updates loaded state in place)
+    for batch in data[5:]:
+        graph(*shard(batch, rank, world))
+        resumed(*shard(batch, rank, world))
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()},
+            "resumed_state": {k: v.clone() for k, v in resumed_model.state_dict().items()},
+            "saved_optimizer": saved["optimizers"][0], "owned_state_bytes": owned_state_bytes}
+
+
+def mismatch(case: str, rank: int, world: int) -> dict:
+    """Rank 1 calls with a batch of another shape: every rank gets a DistributedError."""
+    model = model_for("mlp")
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), sgd(model))
+    x, y = shard(data_for("mlp")[0], rank, world)
+    if rank == 1:
+        x, y = x[:-1], y[:-1]
+    try:
+        graph(x, y)
+    except tvmgraph.errors.DistributedError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def sync_batch_norm(case: str, rank: int, world: int) -> dict:
+    """A model with SyncBatchNorm: a clear error on every rank, not a silent per-rank statistic."""
+    model = nn.Sequential(nn.Linear(12, 8), nn.SyncBatchNorm(8), nn.Linear(8, 5))
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), sgd(model))
+    try:
+        graph(*shard(data_for("mlp")[0], rank, world))
+    except tvmgraph.errors.UnsupportedOptionError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def dead_rank(case: str, rank: int, world: int) -> dict:
+    """Rank 1 dies after two steps; rank 0's next step must fail with a DistributedError."""
+    model = model_for("mlp")
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), sgd(model))
+    data = data_for("mlp")
+    for step, batch in enumerate(data):
+        if rank == 1 and step == 2:
+            os._exit(3)
+        start = time.monotonic()
+        try:
+            graph(*shard(batch, rank, world))
+        except tvmgraph.errors.DistributedError as e:
+            return {"error": str(e), "step": step, "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+CASES = {"mlp": train_graph, "mlp_adam": train_graph, "mlp_accum": train_graph, "cnn": train_graph,
+         "zero": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "dead": dead_rank}
+
+
+def main() -> None:
+    case, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=int(os.environ.get("TEST_PG_TIMEOUT", "60"))))
+    result = CASES[case](case, rank, world)
+    torch.save(result, out / f"rank{rank}.pt")
+    if case == "dead":  # a group with a dead peer aborts the process when torch tears it down
+        sys.stdout.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
