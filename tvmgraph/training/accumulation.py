@@ -123,7 +123,7 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
         bb.emit_func_output(result)
     mod = finish_module(bb.get(), updates, [MICRO_STEP, APPLY_UPDATE])
     return mod, TrainStepLayout(tuple(grad_indices), tuple(updates.state_shapes), len((update_plan or plan).groups),
-                                steps, ranks)
+                                accumulation_steps=steps, ranks=ranks)
 
 
 def update_positions(plan: TrainingPlan, update_plan: TrainingPlan) -> list[int]:
