@@ -117,6 +117,12 @@ def _lowered(graph: Any, example_args: tuple) -> tuple[Any, Any, torch.device, t
     from tvmgraph import entry
 
     if example_args:
+        steps = graph.config.gradient_accumulation_steps
+        if steps > 1 and graph.training:  # the program runs one micro-batch (training/accumulation.py)
+            from torch.utils._pytree import tree_map
+
+            example_args = tree_map(lambda a: a.narrow(0, 0, a.shape[0] // steps)
+                                    if isinstance(a, torch.Tensor) and a.dim() else a, example_args)
         traced = graph.trace(*example_args)
         st = graph._state("tuning the graph")  # the optimizers decide train_step vs main
         plan = entry.training_plan(st.name, st.optimizers, traced, graph.named_parameters, traced.signature.options)
