@@ -313,3 +313,18 @@ def test_a_called_graph_is_tuned_for_the_inputs_it_saw() -> None:
     assert lowered is graph.compiled.lowered and device == torch.device("cpu")
     assert [tuple(a.shape) for a in example] == [tuple(a.shape) for a in args]
     assert options == graph.config.snapshot()
+
+
+def test_an_accumulating_graph_is_tuned_at_its_micro_batch() -> None:
+    """The calls run accumulate_grads on batch / n rows: tuning the full batch would tune kernels of
+    shapes no call runs."""
+    from autotune.tuner import _lowered
+    from tests.conftest import TrainGraph
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    graph.config.set_gradient_accumulation_steps(4)
+    lowered, _, _, args = _lowered(graph, (torch.randn(32, 8), torch.randint(0, 4, (32,))))
+    assert lowered.entry == "accumulate_grads"
+    assert [tuple(a.shape) for a in args] == [(8, 8), (8,)]
+    assert [tuple(int(d) for d in p.ty.shape) for p in lowered.mod["accumulate_grads"].params[:2]] == [(8, 8), (8,)]
