@@ -20,29 +20,20 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tvmgraph  # noqa: E402
 from examples.digits import batches, digits_tensors  # noqa: E402
-from examples.train_digits import accuracy, make_model, make_optimizer  # noqa: E402
+from examples.train_digits import TrainGraph, accuracy, make_model, make_optimizer  # noqa: E402
 
 
-class TrainGraph(tvmgraph.nn.Graph):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, micro_batches: int):
-        super().__init__()
-        self.model = model
-        self.loss_fn = nn.CrossEntropyLoss()
-        self.add_optimizer(optimizer, lr_sch=scheduler)
-        self.config.enable_amp(True)
-        self.config.set_gradient_accumulation_steps(micro_batches)
-        self.model.features.to(tvmgraph.nn.GraphModule).activation_checkpointing = True
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
+def configure(graph: TrainGraph, micro_batches: int) -> TrainGraph:
+    """The digits graph of train_digits.py, with the three options on."""
+    graph.config.enable_amp(True)
+    graph.config.set_gradient_accumulation_steps(micro_batches)
+    graph.model.features.to(tvmgraph.nn.GraphModule).activation_checkpointing = True
+    return graph
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     images, labels = digits_tensors()
     steps = args.epochs * (len(images) // args.batch)
     model = make_model()
-    graph = TrainGraph(model, *make_optimizer(model, steps), args.micro_batches)
+    graph = configure(TrainGraph(model, *make_optimizer(model, steps)), args.micro_batches)
     print(f"digits: {len(images)} images, batch {args.batch} as {args.micro_batches} micro-batches, {steps} steps; "
           f"bfloat16 autocast, features checkpointed")
     data = torch.Generator().manual_seed(0)

@@ -8,6 +8,7 @@ from torch import nn
 
 import tvmgraph
 import tvmgraph.hardware
+from tests.conftest import ModuleGraph, TrainGraph
 from tests.models import mlp
 from tvmgraph.hardware import Limits
 from tvmgraph.profile import RUNTIME, KernelTime
@@ -21,31 +22,10 @@ def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tvmgraph.hardware, "limits", lambda remeasure=False: MACHINE)
 
 
-class Infer(tvmgraph.nn.Graph):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def build(self, x):
-        return self.model(x)
-
-
-class Train(tvmgraph.nn.Graph):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(optimizer, lr_sch=scheduler)
-
-    def build(self, x, y):
-        loss = nn.functional.cross_entropy(self.model(x), y)
-        loss.backward()
-        return loss
-
-
 def test_inference_profile_counts_each_kernel_once_with_its_flops() -> None:
     torch.manual_seed(0)
     model = mlp((64, 128, 10))
-    report = Infer(model).profile(torch.randn(32, 64), repeat=3)
+    report = ModuleGraph(model).profile(torch.randn(32, 64), repeat=3)
     names = [k.name for k in report.kernels]
     assert len(names) == len(set(names))
     assert RUNTIME in names
@@ -75,7 +55,7 @@ def test_training_profile_leaves_the_training_state_as_it_was() -> None:
     model = mlp((16, 32, 4))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    graph = Train(model, optimizer, scheduler)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), optimizer, lr_sch=scheduler)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     graph(x, y)
     params = [p.detach().clone() for p in model.parameters()]
@@ -93,6 +73,6 @@ def test_training_profile_leaves_the_training_state_as_it_was() -> None:
 
 
 def test_profile_needs_at_least_one_repeat() -> None:
-    graph = Infer(mlp((4, 4)))
-    with pytest.raises(ValueError, match=r"Infer_\d+: profile\(repeat=0\) needs repeat >= 1"):
+    graph = ModuleGraph(mlp((4, 4)))
+    with pytest.raises(ValueError, match=r"ModuleGraph_\d+: profile\(repeat=0\) needs repeat >= 1"):
         graph.profile(torch.randn(2, 4), repeat=0)
