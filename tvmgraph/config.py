@@ -70,6 +70,7 @@ class CompileOptions:
     llvm_opt_level: int = 1
     tuning: bool = True
     tuning_name: str | None = None  # the tuning log's graph name; None: the Graph subclass's name
+    dynamic_batch: bool = False
 
     def changes_from(self, old: CompileOptions) -> list[str]:
         """`name old -> new` for each option that differs from `old`."""
@@ -92,7 +93,8 @@ class GraphConfig:
 
     _OPTIONS = ("amp", "zero", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
-                "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name")
+                "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name",
+                "dynamic_batch")
 
     def __init__(self) -> None:
         self.training = False
@@ -109,6 +111,7 @@ class GraphConfig:
         self.recompile_limit = DEFAULT_RECOMPILE_LIMIT
         self.tuning = True
         self.tuning_name = None
+        self.dynamic_batch = False
         self._defaults = self.options()
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -242,6 +245,16 @@ class GraphConfig:
             check_log_name(name)
         self.tuning_name = name
 
+    def enable_dynamic_batch(self, mode: bool = True) -> None:
+        """Compile one program for every batch size (default: off; tvmgraph's own option).
+
+        Dim 0 of every tensor argument of `build()` with at least one dim is the batch: one
+        symbolic size, shared by all of them, so that a call with any batch size from 1 up runs
+        the same compiled program (docs/training.md, "Dynamic batch"). Off: each batch size is
+        its own signature, compiled on first use.
+        """
+        self.dynamic_batch = _flag("enable_dynamic_batch", mode)
+
     # ---- reading the options ----
 
     def options(self) -> dict[str, object]:
@@ -260,7 +273,7 @@ class GraphConfig:
                 compress_memory=self.compress_memory, recompute_attention=self.recompute_attention,
                 cpu_schedules=settings.cpu_schedules, fast_math=settings.fast_math,
                 llvm_opt_level=settings.llvm_opt_level, tuning=self.tuning and settings.tuning,
-                tuning_name=self.tuning_name,
+                tuning_name=self.tuning_name, dynamic_batch=self.dynamic_batch,
             )
             object.__setattr__(self, "_snapshot", snap)
         return snap

@@ -27,6 +27,7 @@ import torch
 from . import entry
 from .config import GraphConfig
 from .debug import GraphLog
+from .dynamic_batch import batch_specs
 from .errors import (
     BuildNotImplementedError,
     DeviceMismatchError,
@@ -369,11 +370,14 @@ class Graph:
         names = [p.name for p in self._build_params(st) if p.kind is not p.VAR_POSITIONAL]
         return [names[i] if i < len(names) else f"args[{i}]" for i in range(count)]
 
+    def _leaf_paths(self, st: _GraphState, args_tree: TreeDef) -> list[str]:
+        """Paths of the flat inputs, for messages: `x` for a tensor argument, `xs.0` inside a list."""
+        names = self._arg_names(st, len(args_tree.children))
+        return [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
+
     def _leaf_names(self, st: _GraphState, args_tree: TreeDef) -> list[str]:
         """Identifiers for the flat inputs: `x` for a tensor argument, `xs_0` inside a list."""
-        names = self._arg_names(st, len(args_tree.children))
-        paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
-        return [p.replace(".", "_").replace("[", "_").replace("]", "") for p in paths]
+        return [p.replace(".", "_").replace("[", "_").replace("]", "") for p in self._leaf_paths(st, args_tree)]
 
     def _flatten_args(self, st: _GraphState, args: tuple) -> tuple[list[torch.Tensor], TreeDef]:
         try:
@@ -401,14 +405,18 @@ class Graph:
         structure = st.guard.current(identities=bool(st.optimizers))
         modes = tuple(map(_TRAINING, st.guard.modules))
         training = tuple(_optimizer_structure(o) for o, _ in st.optimizers)
-        return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training, structure,
-                         st.config.snapshot())
+        options = st.config.snapshot()
+        if options.dynamic_batch:
+            leaves = batch_specs(st.name, flat, lambda: self._leaf_paths(st, args_tree))
+        else:
+            leaves = tuple(TensorSpec.of(t) for t in flat)
+        return Signature(args_tree, leaves, modes, training, structure, options)
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
         with st.log.stage("tracing build()"):
             result = trace_build(st.name, self.build, st.modules, args_tree, flat,
-                                 self._leaf_names(st, args_tree))
+                                 self._leaf_names(st, args_tree), signature.options.dynamic_batch)
         traced = TracedGraph(st.name, signature, args_tree, result)
         if st.log.on(1):
             for path, io in result.module_io.items():
