@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from tvm import relax
 
-from ._common import dtype_of, prod, register, shape_of
+from ._common import dims_of, dtype_of, prod, register, shape_of
 
 op = relax.op
 
@@ -159,7 +159,7 @@ def _empty(orig_call: relax.Call) -> bool:
 
 
 def _zeros(orig_call: relax.Call) -> list[relax.Expr]:
-    return [op.zeros(shape_of(arg), dtype_of(arg)) for arg in orig_call.args]
+    return [op.zeros(dims_of(arg), dtype_of(arg)) for arg in orig_call.args]
 
 
 def _conv_grads(

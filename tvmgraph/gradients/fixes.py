@@ -20,16 +20,16 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import const, dtype_of, prod, register, shape_of
+from ._common import const, dims_of, dtype_of, prod, register, same_dims, shape_of
 
 op = relax.op
 
 
 def _sum_to(ctx: relax.BlockBuilder, grad: relax.Expr, like: relax.Expr) -> relax.Expr:
     """``grad`` summed over the axes ``like`` was broadcast along (a no-op for equal shapes)."""
-    if shape_of(like) == shape_of(ctx.normalize(grad)):
+    if same_dims(dims_of(like), dims_of(ctx.normalize(grad))):
         return grad
-    return op.collapse_sum_to(grad, shape_of(like))
+    return op.collapse_sum_to(grad, dims_of(like))
 
 
 @register("relax.take", fixes_tvm=True)

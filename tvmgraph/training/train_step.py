@@ -184,10 +184,23 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination([FUNC_NAME]),
     ])(mod)
+    mod[FUNC_NAME] = _unify_symbolic_vars(mod[FUNC_NAME])
     for gv in update_gvs:  # the pipeline fuses them (FuseModelUpdate) or inlines them
         mod[gv] = mod[gv].without_attr("global_symbol")
     layout = TrainStepLayout(tuple(grad_indices), tuple(state_shapes), len(plan.groups))
     return mod, layout
+
+
+def _unify_symbolic_vars(func: relax.Function) -> relax.Function:
+    """One variable per symbolic dim (a dynamic batch) in the train step.
+
+    Gradients build shapes from the forward program's types, whose symbolic variables are
+    other objects of the same name than the adjoint's parameters' ones; inlined, they are
+    undefined. The parameters take the gradients' variable instead (the only binding TVM
+    offers is of the parameters' variables)."""
+    free = {v.name: v for v in relax.analysis.free_symbolic_vars(func)}
+    renamed = {v: free[v.name] for v in relax.analysis.defined_symbolic_vars(func) if v.name in free}
+    return func.bind_symbolic_vars(renamed) if renamed else func
 
 
 # The NotImplementedError messages of tvmgraph/gradients: a configuration they do not cover.
