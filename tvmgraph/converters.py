@@ -57,6 +57,9 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     """(out, save_mean, save_invstd, new_running_mean, new_running_var), as aten defines them."""
     bb = importer.block_builder
     x = importer.env[node.args[0]]
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in x.ty.shape):
+        raise NotImplementedError(f"train-mode batch norm needs a static shape, got {list(x.ty.shape)} (a "
+                                  f"dynamic batch: train with config.enable_dynamic_batch(False))")
     shape = [int(d) for d in x.ty.shape]
     x_dtype = x.ty.dtype.dtype
     channels = shape[1]

@@ -71,7 +71,8 @@ def shape_of(expr: relax.Expr) -> list[int]:
     shape = list(expr.ty.shape)
     if not all(isinstance(dim, tvm.tirx.IntImm) for dim in shape):
         raise NotImplementedError(
-            f"tvmgraph.gradients need static shapes (as TVM's own gradients do), got {shape}"
+            f"tvmgraph.gradients need static shapes (as TVM's own gradients do), got {shape} (a "
+            f"symbolic dim is a dynamic batch: train this graph with a static batch)"
         )
     return [int(dim) for dim in shape]
 

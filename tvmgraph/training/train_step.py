@@ -203,6 +203,10 @@ def _unify_symbolic_vars(func: relax.Function) -> relax.Function:
     return func.bind_symbolic_vars(renamed) if renamed else func
 
 
+# What TVM 0.27's Gradient raises for a binding whose value holds a symbolic shape
+# (`R.reshape(x, R.shape([n, 108]))`, `R.zeros(R.shape([n, 6]))`).
+_SYMBOLIC_SHAPE_FAILURE = "key is not in Map"
+
 # The NotImplementedError messages of tvmgraph/gradients: a configuration they do not cover.
 _NOT_COVERED = re.compile(r"gradient of relax\.[\w.]+ .*|tvmgraph\.gradients need static shapes.*")
 
@@ -240,6 +244,13 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
                                      f"{not_covered.group(0)}. Rewrite that part with covered ops or run it "
                                      f"outside the graph (TVM's autodiff differentiates everything the loss "
                                      f"depends on, so freezing parameters does not help).") from None
+        if _SYMBOLIC_SHAPE_FAILURE in str(e) and relax.analysis.defined_symbolic_vars(main):
+            raise UnsupportedOpError(
+                f"{graph}: with a dynamic batch (config.enable_dynamic_batch()), TVM's autodiff cannot "
+                f"differentiate a program that builds a shape holding the batch (x.flatten(1), "
+                f"x.view(x.shape[0], -1), expand/broadcast to the batch); inference graphs and training "
+                f"graphs without such ops (an MLP on [batch, features]) work. Train with a static batch "
+                f"(the option off; a smaller last batch then compiles once more).") from None
         data_dependent = any(isinstance(b, relax.MatchCast) for block in main.body.blocks for b in block.bindings)
         if not (data_dependent and "var_binding" in str(e)):
             raise
