@@ -443,7 +443,8 @@ class Graph:
                     f"{st.name}: this call would compile program #{len(st.entries) + 1}, past the graph's "
                     f"recompile limit of {limit}. What changed this time: {reason}. A shape that changes "
                     f"every call is the usual cause: keep input shapes fixed (pad the last batch, or "
-                    f"DataLoader(drop_last=True)); tvmgraph does not compile dynamic dimensions yet. If the "
+                    f"DataLoader(drop_last=True)), or compile one program for every batch size: "
+                    f"graph.config.enable_dynamic_batch(). If the "
                     f"programs are all wanted, raise the limit: graph.config.set_recompile_limit(n)."
                 )
             st.log.note(f"recompiling (program #{len(st.entries) + 1}): guard failed: {reason}")

@@ -10,10 +10,12 @@ import torch
 import tvm
 from torch import nn
 
+import tvmgraph
+
 from tests.conftest import ModuleGraph, TrainGraph, assert_close
 from tests.models import EncoderBlock, SmallCNN, mlp
 from tests.numeric.test_training import STEP_TOL, assert_same_state, eager_step
-from tvmgraph.errors import GraphArgumentError, TraceError, UnsupportedOpError
+from tvmgraph.errors import GraphArgumentError, TraceError, UnsupportedOpError, UnsupportedOptionError
 
 BATCHES = (1, 7, 64, 300)
 
@@ -123,3 +125,10 @@ def test_build_that_fixes_the_batch_is_a_trace_error() -> None:
     graph = dynamic(ModuleGraph(FixedBatch()))
     with pytest.raises(TraceError, match=r"dynamic batch.*x\.flatten\(1\)"):
         graph(torch.randn(4, 2, 3))
+
+
+def test_saving_a_dynamic_batch_graph_is_a_clear_error(tmp_path) -> None:
+    graph = dynamic(ModuleGraph(mlp()))
+    graph(torch.randn(3, 32))
+    with pytest.raises(UnsupportedOptionError, match=r"dynamic batch .*enable_dynamic_batch\(False\)"):
+        tvmgraph.save(graph, tmp_path / "mlp")

@@ -128,6 +128,11 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     check_gradients(main, loss_index, origins or {}, graph)
     num_outputs = len(main.ret_ty.fields)
     mod = _differentiate(mod, grad_indices, loss_index, graph)
+    if relax.analysis.defined_symbolic_vars(main):
+        # With a symbolic dim (a dynamic batch) TVM 0.27's Gradient recomputes the whole forward
+        # pass in the backward (`lv_cp = R.matmul(x, w)` beside `lv = R.matmul(x, w)`): the
+        # copies are merged back. (Attention that RecomputeAttention marks is then kept.)
+        mod = relax.transform.EliminateCommonSubexpr()(mod)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
