@@ -20,7 +20,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import const, dims_of, dtype_of, prod, register, same_dims, shape_of
+from ._common import const, dims_of, dtype_of, normalize_axes, prod, register, same_dims, shape_of
 
 op = relax.op
 
@@ -185,3 +185,47 @@ def astype_grad(
 
 def _is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
+
+
+def _reduced_count(ctx: relax.BlockBuilder, x: relax.Expr, axis: object, dtype: str) -> relax.Expr:
+    """The number of elements `mean`/`variance` reduce over `axis` (all when None), a constant,
+    or for a symbolic (dynamic batch) dim a 0-d tensor: the sum of that many ones."""
+    dims = dims_of(x)
+    count = prod(dims[i] for i in normalize_axes(axis, len(dims)))
+    if isinstance(count, int):
+        return relax.const(count, dtype)
+    return ctx.emit(op.sum(op.ones(relax.ShapeExpr([count]), dtype)))
+
+
+@register("relax.mean", fixes_tvm=True)
+def mean_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = mean(x, axis)``:  ``dx = broadcast(dy / n)``, n the reduced count.
+
+    TVM's is the same but takes n as a Python int: it fails for a dynamic batch's symbolic dim.
+    """
+    x, attrs = orig_call.args[0], orig_call.attrs
+    grad = output_grad / _reduced_count(ctx, x, attrs.axis, dtype_of(output_grad))
+    if not attrs.keepdims and attrs.axis:
+        grad = op.expand_dims(grad, attrs.axis)
+    return [op.broadcast_to(grad, dims_of(x))]
+
+
+@register("relax.variance", fixes_tvm=True)
+def variance_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = variance(x, axis)`` (biased):  ``dx = dy * (2/n x - 2/n^2 sum(x, axis))``.
+
+    TVM's formula, with n a tensor where it is symbolic (a dynamic batch; TVM's takes an int).
+    """
+    x, attrs = orig_call.args[0], orig_call.attrs
+    dtype = dtype_of(x)
+    n = _reduced_count(ctx, x, attrs.axis, dtype)
+    two = relax.const(2.0, dtype)
+    grad = two / n * x - two / n / n * op.sum(x, attrs.axis, keepdims=True)
+    if not attrs.keepdims and attrs.axis:
+        output_grad = op.expand_dims(output_grad, attrs.axis)
+    return [output_grad * grad]
+

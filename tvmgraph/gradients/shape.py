@@ -51,12 +51,14 @@ def strided_slice_grad(
     """
     x, axes, begin = orig_call.args[:3]
     strides = orig_call.args[4] if len(orig_call.args) > 4 else None
-    x_shape = shape_of(x)
+    x_shape = dims_of(x)  # a dynamic batch stays symbolic where it is not sliced
     grad: relax.Expr = output_grad
-    grad_shape = shape_of(orig_var)
+    grad_shape = dims_of(orig_var)
     for i, axis_value in enumerate(axes.fields):
         axis = int(scalar_of(axis_value)) % len(x_shape)
         dim, taken = x_shape[axis], grad_shape[axis]
+        if not (isinstance(dim, int) and isinstance(taken, int)):
+            shape_of(x)  # slicing the dynamic batch itself: not covered
         step = int(scalar_of(strides.fields[i])) if strides is not None else 1
         if step <= 0:
             raise NotImplementedError(

@@ -42,7 +42,8 @@ import tvm
 from tvm import relax
 
 from .. import gradients as _gradients  # noqa: F401  (registers the gradients TVM lacks)
-from ..errors import UnsupportedOpError
+from ..errors import UnsupportedOpError, reason_of
+from . import symbolic_shapes
 from .gradient_check import check_gradients
 from .optimizers import PARAM, UpdateRule
 from .plan import GroupPlan, TrainingPlan
@@ -127,12 +128,11 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
     main = mod["main"]
     check_gradients(main, loss_index, origins or {}, graph)
     num_outputs = len(main.ret_ty.fields)
+    symbolic = symbolic_shapes.is_symbolic(main)  # a dynamic batch (symbolic_shapes.py)
+    mod, lifted = symbolic_shapes.lift_shapes(mod) if symbolic else (mod, [])
     mod = _differentiate(mod, grad_indices, loss_index, graph)
-    if relax.analysis.defined_symbolic_vars(main):
-        # With a symbolic dim (a dynamic batch) TVM 0.27's Gradient recomputes the whole forward
-        # pass in the backward (`lv_cp = R.matmul(x, w)` beside `lv = R.matmul(x, w)`): the
-        # copies are merged back. (Attention that RecomputeAttention marks is then kept.)
-        mod = relax.transform.EliminateCommonSubexpr()(mod)
+    if symbolic:
+        mod = symbolic_shapes.bind_shapes(mod, lifted)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
@@ -189,28 +189,13 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination([FUNC_NAME]),
     ])(mod)
-    mod[FUNC_NAME] = _unify_symbolic_vars(mod[FUNC_NAME])
+    if symbolic:
+        mod[FUNC_NAME] = symbolic_shapes.unify_symbolic_vars(mod[FUNC_NAME])
     for gv in update_gvs:  # the pipeline fuses them (FuseModelUpdate) or inlines them
         mod[gv] = mod[gv].without_attr("global_symbol")
     layout = TrainStepLayout(tuple(grad_indices), tuple(state_shapes), len(plan.groups))
     return mod, layout
 
-
-def _unify_symbolic_vars(func: relax.Function) -> relax.Function:
-    """One variable per symbolic dim (a dynamic batch) in the train step.
-
-    Gradients build shapes from the forward program's types, whose symbolic variables are
-    other objects of the same name than the adjoint's parameters' ones; inlined, they are
-    undefined. The parameters take the gradients' variable instead (the only binding TVM
-    offers is of the parameters' variables)."""
-    free = {v.name: v for v in relax.analysis.free_symbolic_vars(func)}
-    renamed = {v: free[v.name] for v in relax.analysis.defined_symbolic_vars(func) if v.name in free}
-    return func.bind_symbolic_vars(renamed) if renamed else func
-
-
-# What TVM 0.27's Gradient raises for a binding whose value holds a symbolic shape
-# (`R.reshape(x, R.shape([n, 108]))`, `R.zeros(R.shape([n, 6]))`).
-_SYMBOLIC_SHAPE_FAILURE = "key is not in Map"
 
 # The NotImplementedError messages of tvmgraph/gradients: a configuration they do not cover.
 _NOT_COVERED = re.compile(r"gradient of relax\.[\w.]+ .*|tvmgraph\.gradients need static shapes.*")
@@ -249,13 +234,12 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
                                      f"{not_covered.group(0)}. Rewrite that part with covered ops or run it "
                                      f"outside the graph (TVM's autodiff differentiates everything the loss "
                                      f"depends on, so freezing parameters does not help).") from None
-        if _SYMBOLIC_SHAPE_FAILURE in str(e) and relax.analysis.defined_symbolic_vars(main):
+        if symbolic_shapes.is_symbolic(main):
             raise UnsupportedOpError(
-                f"{graph}: with a dynamic batch (config.enable_dynamic_batch()), TVM's autodiff cannot "
-                f"differentiate a program that builds a shape holding the batch (x.flatten(1), "
-                f"x.view(x.shape[0], -1), expand/broadcast to the batch); inference graphs and training "
-                f"graphs without such ops (an MLP on [batch, features]) work. Train with a static batch "
-                f"(the option off; a smaller last batch then compiles once more).") from None
+                f"{graph}: TVM's autodiff failed on this program with a dynamic batch "
+                f"(config.enable_dynamic_batch(); {type(e).__name__}: {reason_of(e)}). Train it with a "
+                f"static batch (the option off; a smaller last batch then compiles once more); an MLP or "
+                f"a CNN trains with a dynamic batch (docs/training.md, \"Dynamic batch\").") from e
         data_dependent = any(isinstance(b, relax.MatchCast) for block in main.body.blocks for b in block.bindings)
         if not (data_dependent and "var_binding" in str(e)):
             raise
