@@ -234,14 +234,14 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
                                      f"{not_covered.group(0)}. Rewrite that part with covered ops or run it "
                                      f"outside the graph (TVM's autodiff differentiates everything the loss "
                                      f"depends on, so freezing parameters does not help).") from None
-        if symbolic_shapes.is_symbolic(main):
-            raise UnsupportedOpError(
-                f"{graph}: TVM's autodiff failed on this program with a dynamic batch "
-                f"(config.enable_dynamic_batch(); {type(e).__name__}: {reason_of(e)}). Train it with a "
-                f"static batch (the option off; a smaller last batch then compiles once more); an MLP or "
-                f"a CNN trains with a dynamic batch (docs/training.md, \"Dynamic batch\").") from e
         data_dependent = any(isinstance(b, relax.MatchCast) for block in main.body.blocks for b in block.bindings)
         if not (data_dependent and "var_binding" in str(e)):
+            if symbolic_shapes.is_symbolic(main) and not data_dependent:  # a dynamic batch
+                raise UnsupportedOpError(
+                    f"{graph}: TVM's autodiff failed on this program with a dynamic batch "
+                    f"(config.enable_dynamic_batch(); {type(e).__name__}: {reason_of(e)}). Train it with a "
+                    f"static batch (the option off; a smaller last batch then compiles once more); an MLP or "
+                    f"a CNN trains with a dynamic batch (docs/training.md, \"Dynamic batch\").") from e
             raise
         raise UnsupportedOpError(f"{graph}: build() computes a shape from tensor values (nonzero, boolean masks, "
                                  f"torch.combinations) on the way to the loss; tvmgraph cannot differentiate "
