@@ -187,13 +187,13 @@ def _is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
 
 
-def _reduced_count(ctx: relax.BlockBuilder, x: relax.Expr, axis: object, dtype: str) -> relax.Expr:
-    """The number of elements `mean`/`variance` reduce over `axis` (all when None), a constant,
-    or for a symbolic (dynamic batch) dim a 0-d tensor: the sum of that many ones."""
+def _reduced_count(ctx: relax.BlockBuilder, x: relax.Expr, axis: object, dtype: str) -> int | relax.Expr:
+    """The number of elements `mean`/`variance` reduce over `axis` (all when None): an int, or
+    for a symbolic (dynamic batch) dim a 0-d tensor, the sum of that many ones."""
     dims = dims_of(x)
     count = prod(dims[i] for i in normalize_axes(axis, len(dims)))
     if isinstance(count, int):
-        return relax.const(count, dtype)
+        return count
     return ctx.emit(op.sum(op.ones(relax.ShapeExpr([count]), dtype)))
 
 
@@ -206,7 +206,9 @@ def mean_grad(
     TVM's is the same but takes n as a Python int: it fails for a dynamic batch's symbolic dim.
     """
     x, attrs = orig_call.args[0], orig_call.attrs
-    grad = output_grad / _reduced_count(ctx, x, attrs.axis, dtype_of(output_grad))
+    dtype = dtype_of(output_grad)
+    n = _reduced_count(ctx, x, attrs.axis, dtype)
+    grad = output_grad / (relax.const(n, dtype) if isinstance(n, int) else n)
     if not attrs.keepdims and attrs.axis:
         grad = op.expand_dims(grad, attrs.axis)
     return [op.broadcast_to(grad, dims_of(x))]
@@ -223,8 +225,12 @@ def variance_grad(
     x, attrs = orig_call.args[0], orig_call.attrs
     dtype = dtype_of(x)
     n = _reduced_count(ctx, x, attrs.axis, dtype)
-    two = relax.const(2.0, dtype)
-    grad = two / n * x - two / n / n * op.sum(x, attrs.axis, keepdims=True)
+    if isinstance(n, int):  # TVM's constants exactly
+        first, second = relax.const(2.0 / n, dtype), relax.const(2.0 / n / n, dtype)
+    else:
+        two = relax.const(2.0, dtype)
+        first, second = two / n, two / n / n
+    grad = first * x - second * op.sum(x, attrs.axis, keepdims=True)
     if not attrs.keepdims and attrs.axis:
         output_grad = op.expand_dims(output_grad, attrs.axis)
     return [output_grad * grad]
