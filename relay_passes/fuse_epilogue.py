@@ -36,8 +36,8 @@ check this, so `bindings.Acyclic` does, for the groups of each pattern in turn.
 
 Limits: a chain ends at the first op that is not listed (batch_norm, softmax, ...), that
 broadcasts the result to a larger shape, or at a reshape to a symbolic shape (a dynamic batch:
-FuseOpsByPattern would make the shape a parameter, which LegalizeOps cannot take); a transpose or regrouping whose result is also used
-elsewhere is left out of the group (it is materialized anyway); only float tensors; transposes up to rank 5.
+FuseOpsByPattern would make the shape a parameter, which LegalizeOps cannot take); a transpose
+or regrouping whose result is also used elsewhere is left out of the group (it is materialized anyway); only float tensors; transposes up to rank 5.
 """
 
 from __future__ import annotations
