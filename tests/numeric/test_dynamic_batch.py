@@ -73,7 +73,7 @@ def test_training_through_flatten_and_mse_mean_matches_eager() -> None:
     reference = copy.deepcopy(model)
     optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
     graph = dynamic(TrainGraph(model, nn.MSELoss(), optimizer))
-    for batch in (5, 1, 33):
+    for batch in (1, 5, 33):  # the first call traces a batch-2 copy (torch.export specializes 1)
         x, y = torch.randn(batch, 3, 2, 2), torch.randn(batch, 4)
         torch.testing.assert_close(graph(x, y), eager_step(reference, nn.MSELoss(), [ref_optimizer], x, y), **STEP_TOL)
         assert_same_state(model, reference)
