@@ -34,9 +34,10 @@ must end at the first residual add, since `b(x)`, which the second add reads, ne
 (one group with both adds would be computed from its own output). FuseOpsByPattern does not
 check this, so `bindings.Acyclic` does, for the groups of each pattern in turn.
 
-Limits: a chain ends at the first op that is not listed (batch_norm, softmax, ...) or that
-broadcasts the result to a larger shape; a transpose or regrouping whose result is also used
-elsewhere is left out of the group (it is materialized anyway); only float tensors; transposes up to rank 5.
+Limits: a chain ends at the first op that is not listed (batch_norm, softmax, ...), that
+broadcasts the result to a larger shape, or at a reshape to a symbolic shape (a dynamic batch:
+FuseOpsByPattern would make the shape a parameter, which LegalizeOps cannot take); a transpose
+or regrouping whose result is also used elsewhere is left out of the group (it is materialized anyway); only float tensors; transposes up to rank 5.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import DFPattern, is_op, wildcard
 from tvm.relax.transform import FusionPattern, PatternCheckContext
+from tvm.sym import Analyzer
 
 from .bindings import Acyclic
 
@@ -117,9 +119,20 @@ def _check(context: PatternCheckContext) -> bool:
             outside = not isinstance(var, relax.DataflowVar)  # a result of the block
             if outside or any(u not in inside for u in context.var_usages.get(var, [])):
                 return False
-        elif _numel(value) != size:
+        elif not _same_size(_numel(value), size):
+            return False
+        if _symbolic_reshape(value):
             return False
     return True
+
+
+def _symbolic_reshape(value: relax.Call) -> bool:
+    """A reshape to a symbolic shape (a dynamic batch): FuseOpsByPattern would pass the shape
+    into the group as a parameter, which LegalizeOps cannot legalize a reshape to."""
+    if not (isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.reshape"):
+        return False
+    shape = value.args[1]
+    return not (isinstance(shape, relax.ShapeExpr) and all(isinstance(d, tvm.tirx.IntImm) for d in shape.values))
 
 
 def _operand_side(producer: relax.Call, bindings: dict) -> set[relax.Var]:
@@ -134,16 +147,19 @@ def _operand_side(producer: relax.Call, bindings: dict) -> set[relax.Var]:
     return found
 
 
-def _numel(expr: relax.Expr) -> int | None:
+def _numel(expr: relax.Expr) -> tvm.tirx.PrimExpr | None:
+    """The number of elements, symbolic under a dynamic batch; None when the shape is unknown."""
     ty = expr.ty
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return None
-    n = 1
+    n = tvm.tirx.const(1, "int64")
     for d in ty.shape.values:
-        if not isinstance(d, tvm.tirx.IntImm):
-            return None
-        n *= int(d)
+        n = n * d
     return n
+
+
+def _same_size(a: tvm.tirx.PrimExpr | None, b: tvm.tirx.PrimExpr) -> bool:
+    return a is not None and Analyzer().can_prove_equal(a, b)
 
 
 Check = Callable[[PatternCheckContext], bool]

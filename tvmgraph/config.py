@@ -75,6 +75,7 @@ class CompileOptions:
     llvm_opt_level: int = 1
     tuning: bool = True
     tuning_name: str | None = None  # the tuning log's graph name; None: the Graph subclass's name
+    dynamic_batch: bool = False
 
     def changes_from(self, old: CompileOptions) -> list[str]:
         """`name old -> new` for each option that differs from `old`."""
@@ -98,7 +99,7 @@ class GraphConfig:
     _OPTIONS = ("amp", "amp_dtype", "zero", "data_parallel", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
                 "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name",
-                "activation_checkpointing")
+                "activation_checkpointing", "dynamic_batch")
 
     def __init__(self) -> None:
         self.training = False
@@ -118,6 +119,7 @@ class GraphConfig:
         self.tuning = True
         self.tuning_name = None
         self.activation_checkpointing: tuple[str, ...] = ()  # set through graph.<module>.to(GraphModule)
+        self.dynamic_batch = False
         self._defaults = self.options()
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -278,6 +280,16 @@ class GraphConfig:
             paths.discard(path)
         self.activation_checkpointing = tuple(sorted(paths))
 
+    def enable_dynamic_batch(self, mode: bool = True) -> None:
+        """Compile one program for every batch size (default: off; tvmgraph's own option).
+
+        Dim 0 of every tensor argument of `build()` with at least one dim is the batch: one
+        symbolic size, shared by all of them, so that a call with any batch size from 1 up runs
+        the same compiled program (docs/training.md, "Dynamic batch"). Off: each batch size is
+        its own signature, compiled on first use.
+        """
+        self.dynamic_batch = _flag("enable_dynamic_batch", mode)
+
     # ---- reading the options ----
 
     def options(self) -> dict[str, object]:
@@ -301,6 +313,7 @@ class GraphConfig:
                 cpu_schedules=settings.cpu_schedules, fast_math=settings.fast_math,
                 llvm_opt_level=settings.llvm_opt_level, tuning=self.tuning and settings.tuning,
                 tuning_name=self.tuning_name, activation_checkpointing=self.activation_checkpointing,
+                dynamic_batch=self.dynamic_batch,
             )
             object.__setattr__(self, "_snapshot", snap)
             object.__setattr__(self, "_snapshot_ranks", ranks)

@@ -57,7 +57,7 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     """(out, save_mean, save_invstd, new_running_mean, new_running_var), as aten defines them."""
     bb = importer.block_builder
     x = importer.env[node.args[0]]
-    shape = [int(d) for d in x.ty.shape]
+    shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in x.ty.shape]  # a dynamic batch stays symbolic
     x_dtype = x.ty.dtype.dtype
     channels = shape[1]
     weight, bias, running_mean, running_var = (
@@ -98,12 +98,21 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
         keep = relax.op.multiply(running, relax.const(1.0 - momentum, dtype))
         return bb.emit(relax.op.add(keep, relax.op.multiply(batch, relax.const(momentum * scale, dtype))))
 
-    unbiased = count / (count - 1) if count > 1 else 1.0
     new_mean = blend(running_mean, mean, 1.0)
-    new_var = blend(running_var, var, unbiased)
+    if isinstance(count, int):
+        new_var = blend(running_var, var, count / (count - 1) if count > 1 else 1.0)
+    else:  # a dynamic batch: the unbiased correction is computed at run time
+        new_var = blend(running_var, bb.emit(relax.op.multiply(var, _unbiased_scale(bb, count, dtype))), 1.0)
     if stats_dtype != dtype:
         new_mean, new_var = (bb.emit(relax.op.astype(v, stats_dtype)) for v in (new_mean, new_var))
     return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
+
+
+def _unbiased_scale(bb: relax.BlockBuilder, count: tvm.tirx.PrimExpr, dtype: str) -> relax.Expr:
+    """count / max(count - 1, 1) as a 0-d tensor for a symbolic `count`: the sum of `count` ones
+    (autodiff fails on `shape_to_tensor`; the ones cost far less than the batch norm itself)."""
+    n = bb.emit(relax.op.sum(relax.op.ones(relax.ShapeExpr([count]), dtype)))
+    return bb.emit(relax.op.divide(n, relax.op.maximum(n - relax.const(1.0, dtype), relax.const(1.0, dtype))))
 
 
 def batch_norm_with_update(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:

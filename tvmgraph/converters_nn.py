@@ -60,6 +60,14 @@ def _static_shape(expr: relax.Expr, what: str) -> list[int]:
     return [int(d) for d in shape]
 
 
+def _static_tail(expr: relax.Expr, what: str, count: int) -> list[int]:
+    """The last `count` dims as ints; the leading ones (a dynamic batch) may be symbolic."""
+    shape = expr.ty.shape
+    if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in list(shape)[-count:]):
+        raise NotImplementedError(f"{what} needs static sizes of its last {count} dims, got {shape}")
+    return [int(d) for d in list(shape)[-count:]]
+
+
 def _per_dim(value: object, rank: int, default: int) -> list[int]:
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         return [default] * rank
@@ -122,10 +130,10 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
     pool = relax.op.nn.max_pool2d if rank == 2 else relax.op.nn.max_pool3d
     # ceil_mode becomes extra padding at the end (max pooling pads with the lowest value): TVM's
     # ceil-mode gradient read past the input (garbage like 7e22 in max_pool1d's gradient).
-    size = _static_shape(data, f"max_pool{rank}d")[-rank:] if ceil_mode else []
+    size = _static_tail(data, f"max_pool{rank}d", rank) if ceil_mode else []
     end = [_ceil_extra(n, k, s, p, d) for n, k, s, p, d in zip(size, kernel, stride, padding, dilation)] \
         if ceil_mode else [0] * rank
-    spatial = _static_shape(data, f"max_pool{rank}d")[-rank:]
+    spatial = _static_tail(data, f"max_pool{rank}d", rank)
     if not any(padding) and all(d == 1 and k == n for d, k, n in zip(dilation, kernel, spatial)):
         # One window over the whole plane: a max reduction. TVM's pool gradient was wrong for a
         # 1x1 output with several channels (max_pool1d over its whole width).
@@ -136,7 +144,7 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
                               dilation=dilation, ceil_mode=False, layout="NCHW" if rank == 2 else "NCDHW"))
     indices = None
     if _output_used(node, 1):
-        _static_shape(data, f"max_pool{rank}d indices")
+        _static_tail(data, f"max_pool{rank}d indices", rank)
         indices = bb.emit_te(_pool_indices, data, values, kernel, stride, padding, dilation)
     if unbatched:
         values = bb.emit(relax.op.squeeze(values, axis=[0]))
@@ -170,7 +178,7 @@ def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
     x = importer.env[node.args[0]]
     kernel, stride, padding = _window(node, rank)
     count_include_pad = bool(_arg(node, 5, "count_include_pad", True))
-    size = _static_shape(x, f"avg_pool{rank}d")[-rank:]
+    size = _static_tail(x, f"avg_pool{rank}d", rank)
     out_size = [_pool_size(*dims, ceil_mode) for dims in zip(size, padding, kernel, stride)]
     extra = [max(0, (o - 1) * st + k - (n + 2 * p))
              for o, st, k, n, p in zip(out_size, stride, kernel, size, padding)]

@@ -76,6 +76,11 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
                                          f"implemented yet; save the inference program (the default)")
         raise SaveError(f"{obj.name}: program={program!r}; use 'inference'")
     traced, modules = _traced(obj, example_args)
+    if traced.signature.options.dynamic_batch:
+        raise UnsupportedOptionError(f"{obj.name}: tvmgraph.save of a graph with a dynamic batch is not "
+                                     f"implemented yet (a saved graph runs fixed shapes); turn it off first, "
+                                     f"graph.config.enable_dynamic_batch(False), then call the graph or pass "
+                                     f"example_args")
     lowered = traced.lower(None)
     device = traced.signature.leaves[0].device if traced.signature.leaves else torch.device("cpu")
     tvm_target, needs = resolve_target(obj.name, target, arch, device, traced.signature.options)

@@ -28,6 +28,7 @@ import torch
 from . import entry
 from .config import GraphConfig
 from .debug import GraphLog
+from .dynamic_batch import batch_specs
 from .errors import (
     BuildNotImplementedError,
     DeviceMismatchError,
@@ -456,11 +457,14 @@ class Graph:
         names = [p.name for p in self._build_params(st) if p.kind is not p.VAR_POSITIONAL]
         return [names[i] if i < len(names) else f"args[{i}]" for i in range(count)]
 
+    def _leaf_paths(self, st: _GraphState, args_tree: TreeDef) -> list[str]:
+        """Paths of the flat inputs, for messages: `x` for a tensor argument, `xs.0` inside a list."""
+        names = self._arg_names(st, len(args_tree.children))
+        return [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
+
     def _leaf_names(self, st: _GraphState, args_tree: TreeDef) -> list[str]:
         """Identifiers for the flat inputs: `x` for a tensor argument, `xs_0` inside a list."""
-        names = self._arg_names(st, len(args_tree.children))
-        paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
-        return [p.replace(".", "_").replace("[", "_").replace("]", "") for p in paths]
+        return [p.replace(".", "_").replace("[", "_").replace("]", "") for p in self._leaf_paths(st, args_tree)]
 
     def _flatten_args(self, st: _GraphState, args: tuple) -> tuple[list[torch.Tensor], TreeDef]:
         try:
@@ -493,8 +497,12 @@ class Graph:
             training += (("grad_scaler", id(scaler)),)
         parallel = self._parallel(st)
         ranks = (parallel.ranks.rank, parallel.ranks.world) if parallel is not None else None
-        return Signature(args_tree, tuple(TensorSpec.of(t) for t in flat), modes, training, structure,
-                         st.config.snapshot(ranks))
+        options = st.config.snapshot(ranks)
+        if options.dynamic_batch:
+            leaves = batch_specs(st.name, flat, lambda: self._leaf_paths(st, args_tree))
+        else:
+            leaves = tuple(TensorSpec.of(t) for t in flat)
+        return Signature(args_tree, leaves, modes, training, structure, options)
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:
@@ -502,7 +510,7 @@ class Graph:
         device = flat[0].device if flat else entry.module_device(st.modules)
         with st.log.stage("tracing build()"):
             result = trace_build(st.name, self.build, st.modules, args_tree, flat, self._leaf_names(st, args_tree),
-                                 autocast_args(device, options.amp, options.amp_dtype))
+                                 autocast_args(device, options.amp, options.amp_dtype), options.dynamic_batch)
         traced = TracedGraph(st.name, signature, args_tree, result)
         if st.log.on(1):
             for path, io in result.module_io.items():
@@ -534,7 +542,8 @@ class Graph:
                     f"{st.name}: this call would compile program #{len(st.entries) + 1}, past the graph's "
                     f"recompile limit of {limit}. What changed this time: {reason}. A shape that changes "
                     f"every call is the usual cause: keep input shapes fixed (pad the last batch, or "
-                    f"DataLoader(drop_last=True)); tvmgraph does not compile dynamic dimensions yet. If the "
+                    f"DataLoader(drop_last=True)), or compile one program for every batch size: "
+                    f"graph.config.enable_dynamic_batch(). If the "
                     f"programs are all wanted, raise the limit: graph.config.set_recompile_limit(n)."
                 )
             st.log.note(f"recompiling (program #{len(st.entries) + 1}): guard failed: {reason}")

@@ -270,10 +270,15 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
                                          no_bind_return_tuple=True, custom_convert_map=convert_map)
     _note_relax_vars(importer)
     num_user = lowered_sig.num_user_outputs - (1 if has_loss else 0)
-    types = tuple((tuple(int(d) for d in p.ty.shape), p.ty.dtype.dtype) for p in mod["main"].params)
+    types = tuple((_static_dims(p.ty.shape), p.ty.dtype.dtype) for p in mod["main"].params)
     lowered_sig = dataclasses.replace(lowered_sig, num_user_outputs=num_user, has_loss=has_loss,
                                       input_types=types)
     return mod, lowered_sig
+
+
+def _static_dims(shape: relax.ShapeExpr) -> tuple[int, ...]:
+    """A shape as ints; a symbolic dim (a dynamic batch) is -1."""
+    return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else -1 for d in shape)
 
 
 RELAX_VAR = "tvmgraph_relax_var"

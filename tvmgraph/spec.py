@@ -17,9 +17,12 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """Shape, dtype and device of one tensor leaf, e.g. `Tensor([64, 784], float32, cpu)`."""
+    """Shape, dtype and device of one tensor leaf, e.g. `Tensor([64, 784], float32, cpu)`.
 
-    shape: tuple[int, ...]
+    A dynamic batch dim (tvmgraph/dynamic_batch.py) is `None`: `Tensor([batch, 784], ...)`.
+    """
+
+    shape: tuple[int | None, ...]
     dtype: torch.dtype
     device: torch.device
 
@@ -32,11 +35,14 @@ class TensorSpec:
         return str(self.dtype).removeprefix("torch.")
 
     def __repr__(self) -> str:
-        return f"Tensor({list(self.shape)}, {self.dtype_name}, {self.device})"
+        return f"Tensor([{self._dims()}], {self.dtype_name}, {self.device})"
 
     def describe(self) -> str:
-        """Short form used in error messages: `float32[64, 784]`."""
-        return f"{self.dtype_name}[{', '.join(map(str, self.shape))}]"
+        """Short form used in error messages: `float32[64, 784]`, `float32[batch, 784]`."""
+        return f"{self.dtype_name}[{self._dims()}]"
+
+    def _dims(self) -> str:
+        return ", ".join("batch" if d is None else str(d) for d in self.shape)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dynamic_batch import HINT as DYNAMIC_BATCH_HINT
+from .dynamic_batch import export_arguments
 from .errors import BackwardError, GraphOutputError, TraceError, TvmGraphError
 from .spec import NotATreeError, TensorSpec, TreeDef, flatten
 
@@ -25,6 +27,8 @@ _state = threading.local()
 
 _DATA_DEPENDENT_MARKERS = ("data-dependent", "data dependent", "GuardOnDataDependent", "Could not guard",
                            "Could not extract specialized integer", "item()")
+# What torch.export says when build() fixed a size that dynamic_shapes left open.
+_SPECIALIZED_MARKER = "Constraints violated"
 _DATA_DEPENDENT_HINT = (
     "\nTracing runs build() once with symbolic tensors: data-dependent Python control flow "
     "(`if x.sum() > 0:`) and .item()/.tolist() cannot be traced. Rewrite them with torch.where / "
@@ -157,9 +161,11 @@ def trace_build(
     flat_inputs: list[torch.Tensor],
     arg_names: list[str],
     autocast: tuple[str, torch.dtype] | None = None,
+    dynamic_batch: bool = False,
 ) -> TraceResult:
     """Export `build(*args)` with torch.export (non-strict) and record module inputs/outputs;
-    with `autocast` (device_type, dtype), build() runs under `torch.autocast` (AMP)."""
+    with `autocast` (device_type, dtype), build() runs under `torch.autocast` (AMP). With
+    `dynamic_batch`, dim 0 of the tensor arguments is exported as one symbolic size."""
     record = _Record(graph_name, autocast)
     root = _named_inputs(_BuildRoot, arg_names)(record, build, modules, args_tree)
     module_io: dict[str, ModuleIO] = {}
@@ -174,11 +180,17 @@ def trace_build(
             # nn.RNN/LSTM/GRU refresh their `_flat_weights` list (views of their registered
             # parameters) on every forward; export warns about it although nothing is lost.
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights", category=UserWarning)
-            exported = torch.export.export(root, tuple(flat_inputs), strict=False)
+            if dynamic_batch:
+                examples, dynamic_shapes = export_arguments(flat_inputs)
+                exported = torch.export.export(root, examples, dynamic_shapes=dynamic_shapes, strict=False)
+            else:
+                exported = torch.export.export(root, tuple(flat_inputs), strict=False)
     except TvmGraphError:
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
         hint = _DATA_DEPENDENT_HINT if any(m in str(e) for m in _DATA_DEPENDENT_MARKERS) else ""
+        if dynamic_batch and _SPECIALIZED_MARKER in str(e):
+            hint = DYNAMIC_BATCH_HINT
         raise TraceError(
             f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}{hint}"
         ) from e

@@ -20,6 +20,7 @@ import operator
 from collections.abc import Callable, Sequence
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.op.base import register_gradient
 
@@ -70,9 +71,26 @@ def shape_of(expr: relax.Expr) -> list[int]:
     shape = list(expr.ty.shape)
     if not all(isinstance(dim, tvm.tirx.IntImm) for dim in shape):
         raise NotImplementedError(
-            f"tvmgraph.gradients need static shapes (as TVM's own gradients do), got {shape}"
+            f"tvmgraph.gradients need static shapes (as TVM's own gradients do), got {shape} (a "
+            f"symbolic dim is a dynamic batch: train this graph with a static batch)"
         )
     return [int(dim) for dim in shape]
+
+
+def dims_of(expr: relax.Expr) -> list[int | tvm.tirx.PrimExpr]:
+    """The shape of a tensor-typed expression: ints, and a symbolic dim (a dynamic batch) as
+    it is, for gradients that only pass the shape on to Relax ops (broadcast, reshape, zeros)."""
+    shape = expr.ty.shape
+    if shape is None:
+        raise NotImplementedError(f"tvmgraph.gradients need known shapes, got {expr.ty}")
+    return [int(dim) if isinstance(dim, tvm.tirx.IntImm) else dim for dim in shape]
+
+
+def same_dims(a: list[int | tvm.tirx.PrimExpr], b: list[int | tvm.tirx.PrimExpr]) -> bool:
+    """Whether two `dims_of` shapes are the same (symbolic dims compared structurally)."""
+    return len(a) == len(b) and all(
+        x == y if isinstance(x, int) and isinstance(y, int) else tvm_ffi.structural_equal(x, y)
+        for x, y in zip(a, b))
 
 
 def dtype_of(expr: relax.Expr) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from tvm import relax
 
-from ._common import dtype_of, prod, register, shape_of
+from ._common import dims_of, dtype_of, prod, register, shape_of
 
 op = relax.op
 
@@ -45,8 +45,8 @@ def conv_data_grad(
     of dy, its ``output_padding`` the rows of x past the last window."""
     rank = len(strides)
     data_layout, _, transposed_kernel, _ = _LAYOUTS[rank]
-    kernel = shape_of(weight)[2:]
-    grad = shape_of(output_grad)[2:]
+    kernel = dims_of(weight)[2:]
+    grad = dims_of(output_grad)[2:]
     covered = [
         (g - 1) * s - pb - pe + d * (k - 1) + 1
         for g, s, pb, pe, d, k in zip(grad, strides, padding[:rank], padding[rank:], dilation, kernel)
@@ -76,10 +76,10 @@ def conv_transpose_data_grad(
         output_grad, weight, strides, padding, dilation, groups,
         data_layout, kernel_layout, data_layout, out_dtype,
     )
-    kernel = shape_of(weight)[2:]
+    kernel = dims_of(weight)[2:]
     full = [
         (n + pb + pe - d * (k - 1) - 1) // s + 1
-        for n, pb, pe, d, k, s in zip(shape_of(output_grad)[2:], padding[:rank], padding[rank:],
+        for n, pb, pe, d, k, s in zip(dims_of(output_grad)[2:], padding[:rank], padding[rank:],
                                       dilation, kernel, strides)
     ]
     return _crop(grad, full, data_shape)
@@ -100,7 +100,7 @@ def conv_weight_grad(
     batch becomes the channels), cropped to k... (the windows' tail past the last stride)."""
     rank = len(strides)
     _, _, transposed_kernel, channels_first = _LAYOUTS[rank]
-    batch, channels, *size = shape_of(data)
+    batch, channels, *size = dims_of(data)
     if groups != 1:
         data = op.reshape(data, (batch, groups, channels // groups, *size))
         data = op.permute_dims(data, [1, 0, *range(2, rank + 3)])
@@ -112,7 +112,7 @@ def conv_weight_grad(
     full = [
         (n + pb + pe - (g - 1) * s - 1) // d + 1
         for n, pb, pe, g, s, d in zip(size, padding[:rank], padding[rank:],
-                                      shape_of(output_grad)[2:], strides, dilation)
+                                      dims_of(output_grad)[2:], strides, dilation)
     ]
     return _crop(grad, full, weight_shape)
 
@@ -155,11 +155,11 @@ class _Window:
 
 def _empty(orig_call: relax.Call) -> bool:
     """Whether x has no elements (an empty batch): its reshapes would read 0 as "keep"."""
-    return prod(shape_of(orig_call.args[0])) == 0
+    return any(d == 0 for d in dims_of(orig_call.args[0]) if isinstance(d, int))  # a symbolic batch is >= 1
 
 
 def _zeros(orig_call: relax.Call) -> list[relax.Expr]:
-    return [op.zeros(shape_of(arg), dtype_of(arg)) for arg in orig_call.args]
+    return [op.zeros(dims_of(arg), dtype_of(arg)) for arg in orig_call.args]
 
 
 def _conv_grads(
@@ -173,8 +173,8 @@ def _conv_grads(
     window = _Window(attrs)
     data, weight, output_grad = (window.unsqueeze(ctx, e) for e in (*orig_call.args, output_grad))
     return window.squeeze([
-        conv_data_grad(output_grad, weight, shape_of(data), *window.args()),
-        conv_weight_grad(data, output_grad, shape_of(weight), *window.args()),
+        conv_data_grad(output_grad, weight, dims_of(data), *window.args()),
+        conv_weight_grad(data, output_grad, dims_of(weight), *window.args()),
     ])
 
 
@@ -190,8 +190,8 @@ def _conv_transpose_grads(
     window = _Window(attrs)
     data, weight, output_grad = (window.unsqueeze(ctx, e) for e in (*orig_call.args, output_grad))
     return window.squeeze([
-        conv_transpose_data_grad(output_grad, weight, shape_of(data), *window.args()),
-        conv_weight_grad(output_grad, data, shape_of(weight), *window.args()),
+        conv_transpose_data_grad(output_grad, weight, dims_of(data), *window.args()),
+        conv_weight_grad(output_grad, data, dims_of(weight), *window.args()),
     ])
 
 

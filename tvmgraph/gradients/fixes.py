@@ -20,16 +20,16 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import const, dtype_of, prod, register, shape_of
+from ._common import const, dims_of, dtype_of, normalize_axes, prod, register, same_dims, shape_of
 
 op = relax.op
 
 
 def _sum_to(ctx: relax.BlockBuilder, grad: relax.Expr, like: relax.Expr) -> relax.Expr:
     """``grad`` summed over the axes ``like`` was broadcast along (a no-op for equal shapes)."""
-    if shape_of(like) == shape_of(ctx.normalize(grad)):
+    if same_dims(dims_of(like), dims_of(ctx.normalize(grad))):
         return grad
-    return op.collapse_sum_to(grad, shape_of(like))
+    return op.collapse_sum_to(grad, dims_of(like))
 
 
 @register("relax.take", fixes_tvm=True)
@@ -185,3 +185,53 @@ def astype_grad(
 
 def _is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
+
+
+def _reduced_count(ctx: relax.BlockBuilder, x: relax.Expr, axis: object, dtype: str) -> int | relax.Expr:
+    """The number of elements `mean`/`variance` reduce over `axis` (all when None): an int, or
+    for a symbolic (dynamic batch) dim a 0-d tensor, the sum of that many ones."""
+    dims = dims_of(x)
+    count = prod(dims[i] for i in normalize_axes(axis, len(dims)))
+    if isinstance(count, int):
+        return count
+    return ctx.emit(op.sum(op.ones(relax.ShapeExpr([count]), dtype)))
+
+
+@register("relax.mean", fixes_tvm=True)
+def mean_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = mean(x, axis)``:  ``dx = broadcast(dy / n)``, n the reduced count.
+
+    TVM's is the same but takes n as a Python int: it fails for a dynamic batch's symbolic dim.
+    """
+    x, attrs = orig_call.args[0], orig_call.attrs
+    dtype = dtype_of(output_grad)
+    n = _reduced_count(ctx, x, attrs.axis, dtype)
+    grad = output_grad / (relax.const(n, dtype) if isinstance(n, int) else n)
+    if not attrs.keepdims and attrs.axis:
+        grad = op.expand_dims(grad, attrs.axis)
+    return [op.broadcast_to(grad, dims_of(x))]
+
+
+@register("relax.variance", fixes_tvm=True)
+def variance_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = variance(x, axis)`` (biased):  ``dx = dy * (2/n x - 2/n^2 sum(x, axis))``.
+
+    TVM's formula, with n a tensor where it is symbolic (a dynamic batch; TVM's takes an int).
+    """
+    x, attrs = orig_call.args[0], orig_call.attrs
+    dtype = dtype_of(x)
+    n = _reduced_count(ctx, x, attrs.axis, dtype)
+    if isinstance(n, int):  # TVM's constants exactly
+        first, second = relax.const(2.0 / n, dtype), relax.const(2.0 / n / n, dtype)
+    else:
+        two = relax.const(2.0, dtype)
+        first, second = two / n, two / n / n
+    grad = first * x - second * op.sum(x, attrs.axis, keepdims=True)
+    if not attrs.keepdims and attrs.axis:
+        output_grad = op.expand_dims(output_grad, attrs.axis)
+    return [output_grad * grad]
+

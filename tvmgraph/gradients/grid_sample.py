@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from ._common import dtype_of, register, shape_of
+from ._common import dims_of, dtype_of, register, shape_of
 
 op = relax.op
 
@@ -98,7 +98,7 @@ def grid_sample_grad(
 
     if str(attrs.method) == "nearest":
         index, inside = corner(op.round(ix), op.round(iy))
-        return [scatter([(index, grad * inside)]), op.zeros(shape_of(grid), dtype)]
+        return [scatter([(index, grad * inside)]), op.zeros(dims_of(grid), dtype)]
 
     one = relax.const(1, dtype)
     x0, y0 = op.floor(ix), op.floor(iy)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dtype_of, prod, register, shape_of
+from ._common import dims_of, dtype_of, prod, register, shape_of
 
 op = relax.op
 
@@ -23,7 +23,7 @@ def gather_elements_grad(
     ``dx = scatter_elements(zeros_like(x), idx, dy, axis, reduction="add")``.
     """
     x, indices = orig_call.args
-    zeros = op.zeros(shape_of(x), dtype_of(x))
+    zeros = op.zeros(dims_of(x), dtype_of(x))
     axis = int(orig_call.attrs.axis)
     x_grad = op.scatter_elements(zeros, indices, output_grad, axis=axis, reduction="add")
     return [x_grad, grad_op.no_grad(indices)]
@@ -81,7 +81,7 @@ def scatter_elements_grad(
     axis, reduction = int(orig_call.attrs.axis), str(orig_call.attrs.reduction)
     dtype = dtype_of(x)
     one, zero = relax.const(1, dtype), relax.const(0, dtype)
-    zeros = op.zeros(shape_of(x), dtype)
+    zeros = op.zeros(dims_of(x), dtype)
 
     def gather(t: relax.Expr) -> relax.Expr:
         return op.gather_elements(t, indices, axis=axis)
@@ -92,7 +92,7 @@ def scatter_elements_grad(
     if reduction == "add":
         x_grad, src_grad = output_grad, gather(output_grad)
     elif reduction == "update":
-        hit = scatter(zeros, op.ones(shape_of(src), dtype), "update")
+        hit = scatter(zeros, op.ones(dims_of(src), dtype), "update")
         x_grad, src_grad = output_grad * (one - hit), gather(output_grad)
     elif reduction in ("max", "min"):
         self_ties = op.astype(op.equal(x, orig_var), dtype)

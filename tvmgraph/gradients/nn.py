@@ -8,7 +8,7 @@ import numpy as np
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dtype_of, register, scalar_of, shape_of, tuple_field_grad
+from ._common import dims_of, dtype_of, register, scalar_of, shape_of, tuple_field_grad
 
 op = relax.op
 
@@ -25,7 +25,7 @@ def dropout_grad(
     """
     dy = tuple_field_grad(ctx, output_grad, 0)
     x = orig_call.args[0]
-    return [op.zeros(shape_of(x), dtype_of(x)) if dy is None else dy]
+    return [op.zeros(dims_of(x), dtype_of(x)) if dy is None else dy]
 
 
 def window_matrix(in_size: int, out_size: int) -> np.ndarray:
@@ -65,7 +65,7 @@ def adaptive_avg_pool2d_grad(
     if (out_w, out_h) == (1, 1):
         # Global pooling, the common case: a broadcast needs no matrices.
         scale = relax.const(1.0 / (in_h * in_w), dtype)
-        return [op.broadcast_to(output_grad * scale, shape_of(x))]
+        return [op.broadcast_to(output_grad * scale, dims_of(x))]
     if out_w != in_w:
         grad = op.matmul(grad, relax.const(window_matrix(in_w, out_w), dtype))
     if out_h != in_h:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import const, normalize_axes, prod, register, shape_of, sum_to_shape
+from ._common import const, dims_of, normalize_axes, prod, register, shape_of, sum_to_shape
 from ._common import tuple_field_grad
 
 op = relax.op
@@ -62,7 +62,7 @@ def batch_norm_grad(
     """
     x, gamma, beta, moving_mean, moving_var = orig_call.args
     attrs = orig_call.attrs
-    x_shape = shape_of(x)
+    x_shape = dims_of(x)  # a dynamic batch stays symbolic
     axis = int(attrs.axis) % len(x_shape)
     axes = [i for i in range(len(x_shape)) if i != axis]
     channel_shape = [1] * len(x_shape)
@@ -98,6 +98,8 @@ def batch_norm_grad(
 
     if attrs.training:
         count = prod(x_shape[i] for i in axes)
+        if not isinstance(count, int) and (d_new_mean is not None or d_new_var is not None):
+            shape_of(x)  # a loss of the running statistics over a dynamic batch: not covered
         keep = const(1.0 - momentum, x)
         if d_new_mean is not None:
             shift = const(momentum / count, x) * op.reshape(d_new_mean, channel_shape)
@@ -135,7 +137,7 @@ def _affine_norm_grads(
     """
     _, gamma, beta = call.args
     attrs = call.attrs
-    x_shape = shape_of(x)
+    x_shape = dims_of(x)
     param_shape = [x_shape[i] if i in param_axes else 1 for i in range(len(x_shape))]
     others = [i for i in range(len(x_shape)) if i not in param_axes]
     centered, var = _statistics(x, axes)
@@ -160,7 +162,7 @@ def layer_norm_grad(
     gamma and beta have the shape of x's normalized axes, so they are summed over the others.
     """
     x = orig_call.args[0]
-    axes = normalize_axes(orig_call.attrs.axes, len(shape_of(x)))
+    axes = normalize_axes(orig_call.attrs.axes, len(dims_of(x)))
     return _affine_norm_grads(ctx, orig_call, x, output_grad, axes, axes)
 
 
@@ -171,7 +173,7 @@ def instance_norm_grad(
     """``y = instance_norm(x, gamma, beta, channel_axis, axes)``: the general formula with
     ``A = axes`` (each sample and channel on its own); gamma and beta are per channel."""
     x = orig_call.args[0]
-    ndim = len(shape_of(x))
+    ndim = len(dims_of(x))
     axes = normalize_axes(orig_call.attrs.axes, ndim)
     channel_axis = int(orig_call.attrs.channel_axis) % ndim
     return _affine_norm_grads(ctx, orig_call, x, output_grad, axes, [channel_axis])
@@ -188,7 +190,7 @@ def group_norm_grad(
     """
     x = orig_call.args[0]
     attrs = orig_call.attrs
-    x_shape = shape_of(x)
+    x_shape = dims_of(x)
     ndim = len(x_shape)
     groups = int(attrs.num_groups)
     axes = normalize_axes(attrs.axes, ndim)
@@ -218,7 +220,7 @@ def rms_norm_grad(
     """
     x, weight = orig_call.args
     attrs = orig_call.attrs
-    x_shape = shape_of(x)
+    x_shape = dims_of(x)
     axes = normalize_axes(attrs.axes, len(x_shape))
     others = [i for i in range(len(x_shape)) if i not in axes]
     param_shape = [x_shape[i] if i in axes else 1 for i in range(len(x_shape))]

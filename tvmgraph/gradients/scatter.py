@@ -13,7 +13,7 @@ import tvm
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dtype_of, prod, register, scalar_of, shape_of
+from ._common import dims_of, dtype_of, prod, register, scalar_of, shape_of
 
 op = relax.op
 
@@ -54,11 +54,11 @@ def index_put_grad(
     index_shape = shape_of(read)
     if orig_call.attrs.accumulate:
         return [output_grad, grad_op.no_grad(indices), _sum_to(read, values, index_shape)]
-    x_grad = op.index_put(output_grad, indices, op.zeros(shape_of(values), dtype_of(values)))
+    x_grad = op.index_put(output_grad, indices, op.zeros(dims_of(values), dtype_of(values)))
     if not _is_broadcast(ctx, values, index_shape):
         return [x_grad, grad_op.no_grad(indices), _sum_to(read, values, index_shape)]
     numbers = op.reshape(op.arange(0, prod(index_shape), 1, "int64"), index_shape)
-    winners = op.index_put(op.zeros(shape_of(x), "int64"), indices, numbers)
+    winners = op.index_put(op.zeros(dims_of(x), "int64"), indices, numbers)
     kept = op.equal(op.index_tensor(winners, indices), numbers)
     values_grad = _sum_to(op.where(kept, read, op.zeros(index_shape, dtype_of(read))), values, index_shape)
     return [x_grad, grad_op.no_grad(indices), values_grad]
@@ -76,6 +76,6 @@ def slice_scatter_grad(
     axis = int(orig_call.attrs.axis) % len(shape_of(x))
     bounds = [int(scalar_of(v)) for v in (start, end, step)]
     src_grad = op.strided_slice(output_grad, [axis], [bounds[0]], [bounds[1]], [bounds[2]])
-    zeros = op.zeros(shape_of(src), dtype_of(src))
+    zeros = op.zeros(dims_of(src), dtype_of(src))
     x_grad = op.slice_scatter(output_grad, zeros, *bounds, axis=axis)
     return [x_grad, src_grad, *(grad_op.no_grad(v) for v in (start, end, step))]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dtype_of, prod, register, scalar_of, shape_of
+from ._common import dims_of, dtype_of, prod, register, scalar_of, shape_of
 
 op = relax.op
 
@@ -19,7 +19,7 @@ def squeeze_grad(
     orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
 ) -> list[relax.Expr]:
     """``y = squeeze(x, axis)``:  ``dx = reshape(dy, x.shape)``."""
-    return [op.reshape(output_grad, shape_of(orig_call.args[0]))]
+    return [op.reshape(output_grad, dims_of(orig_call.args[0]))]
 
 
 @register("relax.flatten")
@@ -27,7 +27,7 @@ def flatten_grad(
     orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
 ) -> list[relax.Expr]:
     """``y = flatten(x)``:  ``dx = reshape(dy, x.shape)``."""
-    return [op.reshape(output_grad, shape_of(orig_call.args[0]))]
+    return [op.reshape(output_grad, dims_of(orig_call.args[0]))]
 
 
 @register("relax.flip")
@@ -51,12 +51,14 @@ def strided_slice_grad(
     """
     x, axes, begin = orig_call.args[:3]
     strides = orig_call.args[4] if len(orig_call.args) > 4 else None
-    x_shape = shape_of(x)
+    x_shape = dims_of(x)  # a dynamic batch stays symbolic where it is not sliced
     grad: relax.Expr = output_grad
-    grad_shape = shape_of(orig_var)
+    grad_shape = dims_of(orig_var)
     for i, axis_value in enumerate(axes.fields):
         axis = int(scalar_of(axis_value)) % len(x_shape)
         dim, taken = x_shape[axis], grad_shape[axis]
+        if not (isinstance(dim, int) and isinstance(taken, int)):
+            shape_of(x)  # slicing the dynamic batch itself: not covered
         step = int(scalar_of(strides.fields[i])) if strides is not None else 1
         if step <= 0:
             raise NotImplementedError(
@@ -89,7 +91,7 @@ def stack_grad(
 ) -> list[relax.Expr]:
     """``y = stack((x_0, ..., x_{k-1}), axis)``:
     ``dx_i = squeeze(split(dy, k, axis)[i], axis)``."""
-    axis = int(orig_call.attrs.axis) % len(shape_of(orig_var))
+    axis = int(orig_call.attrs.axis) % len(dims_of(orig_var))
     count = len(orig_call.args[0].ty.fields)
     parts = ctx.emit(op.split(output_grad, count, axis))
     return [relax.Tuple([op.squeeze(relax.TupleGetItem(parts, i), [axis]) for i in range(count)])]

@@ -8,14 +8,14 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dtype_of, normalize_axes, register, shape_of, tuple_field_grad
+from ._common import dims_of, dtype_of, normalize_axes, register, shape_of, tuple_field_grad
 
 op = relax.op
 
 
 def _scatter_back(x: relax.Expr, indices: relax.Expr, grad: relax.Expr, axis: int) -> relax.Expr:
     """``dx = scatter_elements(zeros_like(x), indices, grad, axis, reduction="add")``."""
-    zeros = op.zeros(shape_of(x), dtype_of(x))
+    zeros = op.zeros(dims_of(x), dtype_of(x))
     return op.scatter_elements(zeros, indices, grad, axis=axis, reduction="add")
 
 
@@ -35,7 +35,7 @@ def topk_grad(
         return [grad_op.no_grad(x)]
     values_grad = tuple_field_grad(ctx, output_grad, 0) if ret_type == "both" else output_grad
     if values_grad is None:
-        return [op.zeros(shape_of(x), dtype_of(x))]
+        return [op.zeros(dims_of(x), dtype_of(x))]
     if not shape_of(x):  # a 0-d x is its own top 1
         return [op.reshape(values_grad, [])]
     axis = int(attrs.axis) % len(shape_of(x))
@@ -77,7 +77,7 @@ def median_grad(
         raise NotImplementedError(f"gradient of relax.median over several axes {axes}")
     values_grad = tuple_field_grad(ctx, output_grad, 0)
     if values_grad is None:
-        return [op.zeros(shape_of(x), dtype_of(x))]
+        return [op.zeros(dims_of(x), dtype_of(x))]
     indices = relax.TupleGetItem(orig_var, 1)
     if not attrs.keepdims:
         values_grad, indices = op.expand_dims(values_grad, axes), op.expand_dims(indices, axes)

@@ -16,6 +16,8 @@ Schedule, with `vx` output columns per vector (16 floats on AVX-512, fewer for n
 The accumulators live in registers (a small cache_write buffer that LLVM promotes) and
 injective consumers of the output are computed on them before the store.
 
+The batch may be symbolic (a dynamic batch); it is only run in parallel.
+
 Limits: NCHW only; the output width should be a multiple of 4 to vectorize (else columns run
 scalar); stride > 1 reads the input with a stride (the vector loads become gathers);
 no Winograd, no input-channel blocking (fine for the channel counts of MobileNet-style nets).
@@ -108,7 +110,8 @@ def conv_shape(sch: s_tir.Schedule, main: SBlockRV) -> ConvShape | None:
     if any(v not in pos or kinds[pos[v]] != "S" for v in out):
         return None
     extent = [static_extent(sch, l) for l in sch.get_loops(main)]
-    if None in extent:
+    # Only the batch may be symbolic (a dynamic batch); the schedule tiles the other axes.
+    if any(e is None and i != pos[out[0]] for i, e in enumerate(extent)):
         return None
     reduce = [i for i, k in enumerate(kinds) if k == "R"]
     if len(kinds) - len(reduce) != 4:

@@ -73,7 +73,7 @@ class MatrixVector(ScheduleRule):
         if extents is None:
             return None
         s_ext, i_ext, j_ext, k_ext = extents
-        if i_ext * MAX_ROWS_PER_K > k_ext:
+        if s_ext is None or i_ext is None or k_ext is None or i_ext * MAX_ROWS_PER_K > k_ext:
             return None
         cpu = CPUTarget.from_target(target)
         width = cpu.lanes(str(sch.get(main).writes[0].source.dtype))

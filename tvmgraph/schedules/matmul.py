@@ -18,7 +18,10 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      accumulator tile lives in registers (a small cache_write buffer that LLVM promotes) and
      the epilogue runs on it before it is stored.
 
-Limits: static shapes only; float types only; no K blocking (fine while a B panel, K * nj
+A dynamic batch makes some axes symbolic: the tile is chosen as for a long axis, and a
+symbolic I or J is always zero-padded to whole tiles (a 1x1 convolution's J holds the batch).
+
+Limits: float types only; no K blocking (fine while a B panel, K * nj
 floats, fits in L2: K up to ~4096); a transposed B is packed with strided reads (about a
 third of the time of a 64 x 1024 x 1024 product goes to that); a matrix-vector product with
 a transposed B packs it too (a dot-product kernel would read it once).
@@ -77,6 +80,9 @@ _TILES_16_REGS = {
 }
 
 _PADDING_PENALTY = 1.05
+# The extent a tile is chosen for when an axis is symbolic (a dynamic batch): large enough that
+# padding it costs little, so the fastest tile wins.
+SYMBOLIC_EXTENT = 1024
 
 # NOTE: "global", not "local": TVM 0.27 keeps a "global" allocation under 1 KiB on the stack
 # but sends every "local" one (and every larger one) through TVMBackendAllocWorkspace, once per
@@ -155,9 +161,11 @@ class Matmul(ScheduleRule):
         dtype = sch.get(main).writes[0].source.dtype
         lanes = cpu.lanes(dtype)
         b_contiguous = _b_contiguous(func, sch, main, lanes)
-        tile = choose_tile(i_ext, j_ext, lanes, cpu.num_vector_registers, k_ext,
-                           tvm.DataType(str(dtype)).bits // 8, b_contiguous)
-        pad_i, pad_j = i_ext % tile.mi != 0, j_ext % tile.nj != 0
+        tile = choose_tile(i_ext or SYMBOLIC_EXTENT, j_ext or SYMBOLIC_EXTENT, lanes, cpu.num_vector_registers,
+                           k_ext or SYMBOLIC_EXTENT, tvm.DataType(str(dtype)).bits // 8, b_contiguous)
+        # A symbolic I or J is always padded to whole tiles (pad_einsum rounds it up at run time).
+        pad_i = i_ext is None or i_ext % tile.mi != 0
+        pad_j = j_ext is None or j_ext % tile.nj != 0
         if pad_i or pad_j:
             sch.pad_einsum(main, [1, tile.mi if pad_i else 1, tile.nj if pad_j else 1, 1])
         _prepare_a(sch, main, a)
@@ -174,8 +182,6 @@ def matmul_block(sch: s_tir.Schedule) -> SBlockRV | None:
         return None
     stmt = sch.get(reductions[0])
     if not _is_multiply_accumulate(stmt) or len(stmt.reads) != 2 or len(stmt.writes) != 1:
-        return None
-    if not all(isinstance(iv.dom.extent, tirx.IntImm) for iv in stmt.iter_vars):
         return None
     if not str(stmt.writes[0].source.dtype).startswith(("float", "bfloat")):
         return None
@@ -255,8 +261,10 @@ def _traits(stmt: s_tir.SBlock, a: int, b: int) -> list[IterTrait] | None:
 
 def canonicalize(
     sch: s_tir.Schedule, main: SBlockRV, a: int, b: int
-) -> tuple[int, int, int, int] | None:
-    """Rewrite `main` to C[S, I, J] += A[S, I, K] * B[S, J, K]; return (S, I, J, K)."""
+) -> tuple[int | None, int | None, int, int | None] | None:
+    """Rewrite `main` to C[S, I, J] += A[S, I, K] * B[S, J, K]; return (S, I, J, K).
+
+    Any of them may be symbolic (a dynamic batch; None is returned for it)."""
     traits = _traits(sch.get(main), a, b)
     if traits is None:
         return None
@@ -279,7 +287,7 @@ def canonicalize(
     sch.transform_layout(reindex_c, ("read", 0), operand_map(stmt.writes[0], [S, I, J]))
     sch.transform_block_layout(main, make_iter_fusion_index_map(traits, [S, I, J, K]))
     extents = [static_extent(sch, loop) for loop in sch.get_loops(main)]
-    if len(extents) != 4 or any(e is None for e in extents):
+    if len(extents) != 4:
         return None
     return tuple(extents)  # type: ignore[return-value]
 

@@ -46,8 +46,8 @@ import tvm
 from tvm import relax
 
 from .. import gradients as _gradients  # noqa: F401  (registers the gradients TVM lacks)
-from ..errors import UnsupportedOpError
-from . import loss_scale
+from ..errors import UnsupportedOpError, reason_of
+from . import loss_scale, symbolic_shapes
 from .gradient_check import check_gradients
 from .optimizers import PARAM, UpdateRule
 from .plan import TrainingPlan
@@ -182,7 +182,10 @@ def differentiate_main(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list
     mod = run_pass(CheckpointModules(checkpoint_regions, report), mod, graph, check=True)
     mod = run_pass(RecomputeAttention(plan.recompute_attention, report), mod, graph, check=True)
     check_gradients(mod["main"], loss_index, origins or {}, graph)
-    return _differentiate(mod, grad_indices, loss_index, graph, loss_divisor, scaling)
+    symbolic = symbolic_shapes.is_symbolic(mod["main"])  # a dynamic batch (symbolic_shapes.py)
+    mod, lifted = symbolic_shapes.lift_shapes(mod) if symbolic else (mod, [])
+    mod = _differentiate(mod, grad_indices, loss_index, graph, loss_divisor, scaling)
+    return symbolic_shapes.bind_shapes(mod, lifted) if symbolic else mod
 
 
 @dataclass
@@ -255,6 +258,9 @@ def finish_module(mod: tvm.IRModule, updates: GroupUpdates, entries: list[str]) 
         relax.transform.CanonicalizeBindings(),
         relax.transform.DeadCodeElimination(entries),
     ])(mod)
+    for name in entries:  # a dynamic batch: one symbolic variable per dim (symbolic_shapes.py)
+        if symbolic_shapes.is_symbolic(mod[name]):
+            mod[name] = symbolic_shapes.unify_symbolic_vars(mod[name])
     for gv in updates.update_gvs:  # the pipeline fuses them (FuseModelUpdate) or inlines them
         mod[gv] = mod[gv].without_attr("global_symbol")
     return mod
@@ -331,6 +337,12 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
                                      f"depends on, so freezing parameters does not help).") from None
         data_dependent = any(isinstance(b, relax.MatchCast) for block in main.body.blocks for b in block.bindings)
         if not (data_dependent and "var_binding" in str(e)):
+            if symbolic_shapes.is_symbolic(main) and not data_dependent:  # a dynamic batch
+                raise UnsupportedOpError(
+                    f"{graph}: TVM's autodiff failed on this program with a dynamic batch "
+                    f"(config.enable_dynamic_batch(); {type(e).__name__}: {reason_of(e)}). Train it with a "
+                    f"static batch (the option off; a smaller last batch then compiles once more); an MLP or "
+                    f"a CNN trains with a dynamic batch (docs/training.md, \"Dynamic batch\").") from e
             raise
         raise UnsupportedOpError(f"{graph}: build() computes a shape from tensor values (nonzero, boolean masks, "
                                  f"torch.combinations) on the way to the loss; tvmgraph cannot differentiate "

@@ -1,0 +1,161 @@
+"""Dynamic batch (config.enable_dynamic_batch()): one compiled program runs every batch size,
+with the numbers of eager torch (docs/training.md, "Dynamic batch")."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import tvm
+from torch import nn
+
+import tvmgraph
+
+from tests.conftest import ModuleGraph, TrainGraph, assert_close
+from tests.models import EncoderBlock, SmallCNN, mlp
+from tests.numeric.test_training import STEP_TOL, assert_same_state, eager_step
+from tvmgraph.errors import GraphArgumentError, TraceError, UnsupportedOpError, UnsupportedOptionError
+
+BATCHES = (1, 7, 64, 300)
+
+
+def dynamic(graph):
+    graph.config.enable_dynamic_batch()
+    return graph
+
+
+@pytest.mark.parametrize("make, shape", [
+    (mlp, (32,)),
+    pytest.param(lambda: SmallCNN().eval(), (3, 12, 12), marks=pytest.mark.slow),
+    pytest.param(lambda: EncoderBlock().eval(), (10, 32), marks=pytest.mark.slow),
+], ids=["mlp", "cnn", "transformer"])
+def test_inference_every_batch_size_one_compile(make, shape) -> None:
+    torch.manual_seed(0)
+    model = make()
+    graph = dynamic(ModuleGraph(model))
+    for batch in BATCHES:
+        x = torch.randn(batch, *shape)
+        with torch.no_grad():
+            expected = model(x)
+        assert_close(graph(x), expected, atol=1e-5, rtol=1e-4)
+    assert graph.num_compiled == 1
+
+
+def run_dynamic_side_by_side(model, batches, lr=0.05):
+    """Train `model` in a dynamic-batch graph and a copy eagerly on `batches`; compare every step."""
+    reference = copy.deepcopy(model)
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)  # noqa: E731
+    optimizer, ref_optimizer = make(model), make(reference)
+    graph = dynamic(TrainGraph(model, nn.CrossEntropyLoss(), optimizer))
+    for step, (x, y) in enumerate(batches):
+        loss = graph(x, y)
+        ref_loss = eager_step(reference, nn.CrossEntropyLoss(), [ref_optimizer], x, y)
+        torch.testing.assert_close(loss, ref_loss, **STEP_TOL, msg=lambda m: f"step {step} (batch {len(x)}): {m}")
+        assert_same_state(model, reference)
+    return graph
+
+
+def batches_of(sizes, shape, classes=10):
+    return [(torch.randn(n, *shape), torch.randint(0, classes, (n,))) for n in sizes]
+
+
+def test_training_mlp_varying_batch_matches_eager() -> None:
+    torch.manual_seed(0)
+    graph = run_dynamic_side_by_side(mlp(), batches_of((8, 3, 64, 1, 300, 8), (32,)))
+    assert graph.num_compiled == 1 and graph.step == 6
+
+
+def test_training_through_flatten_and_mse_mean_matches_eager() -> None:
+    """x.flatten(1) reshapes to a shape holding the batch; mse_loss takes a mean over it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 4))
+    reference = copy.deepcopy(model)
+    optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    graph = dynamic(TrainGraph(model, nn.MSELoss(), optimizer))
+    for batch in (1, 5, 33):  # the first call traces a batch-2 copy (torch.export specializes 1)
+        x, y = torch.randn(batch, 3, 2, 2), torch.randn(batch, 4)
+        torch.testing.assert_close(graph(x, y), eager_step(reference, nn.MSELoss(), [ref_optimizer], x, y), **STEP_TOL)
+        assert_same_state(model, reference)
+    assert graph.num_compiled == 1
+
+
+@pytest.mark.slow
+def test_training_cnn_batch_norm_varying_batch_matches_eager() -> None:
+    """Batch-norm statistics (batch mean/variance, unbiased running variance) over a symbolic
+    batch, convolutions, pools and a flatten."""
+    torch.manual_seed(0)
+    model = SmallCNN().train()
+    graph = run_dynamic_side_by_side(model, batches_of((8, 5, 16), (3, 12, 12)))
+    assert graph.num_compiled == 1
+    assert model.features[1].num_batches_tracked.item() == 3
+
+
+def test_training_the_transformer_is_a_clear_error() -> None:
+    """TVM's autodiff fails on the attention's reshapes of the symbolic batch (a limit of TVM
+    0.27's Gradient under symbolic shapes); the error says to train with a static batch."""
+    model = EncoderBlock()
+    graph = dynamic(TrainGraph(model, lambda out, y: (out - y).square().mean(),
+                               torch.optim.SGD(model.parameters(), lr=0.1)))
+    with pytest.raises(UnsupportedOpError, match=r"dynamic batch .*static batch"):
+        graph(torch.randn(2, 10, 32), torch.randn(2, 10, 32))
+
+
+def test_batch_64_matmul_gets_the_matmul_schedule() -> None:
+    """The register-tiled Matmul rule (tvmgraph/schedules/matmul.py) takes the dense layers of a
+    dynamic graph, not the Fallback or Reduction rule: its accumulator tile is a cache_write block
+    (`..._global`) around an unrolled, vectorized FMA loop, in parallel over the (padded) batch."""
+    graph = dynamic(ModuleGraph(mlp((32, 64, 64, 10))))
+    graph(torch.randn(64, 32))
+    compiled = graph.compiled  # maybe from the compiled cache: build it again to see its TIR
+    optimized, _ = compiled.lowered.build(compiled.target, compiled.traced.signature.options)
+    kernels = {gv.name_hint: f for gv, f in optimized.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint}
+    assert len(kernels) == 3
+    for name, func in kernels.items():
+        text = func.script()
+        assert "_reindex_pad_global" in text and "T.unroll" in text and "T.parallel" in text, name
+        assert "TypeVar(" in text, name  # the kernel takes any batch size
+
+
+def test_signature_leaves_the_batch_open() -> None:
+    graph = dynamic(ModuleGraph(mlp()))
+    graph(torch.randn(5, 32))
+    spec = graph.compiled.traced.signature.leaves[0]
+    assert spec.shape == (None, 32) and spec.describe() == "float32[batch, 32]"
+    graph(torch.randn(9, 32))
+    assert graph.num_compiled == 1
+    graph.config.enable_dynamic_batch(False)  # an option change compiles again, static
+    graph(torch.randn(9, 32))
+    assert graph.num_compiled == 2 and graph.compiled.traced.signature.leaves[0].shape == (9, 32)
+
+
+def test_batch_size_zero_is_a_clear_error() -> None:
+    graph = dynamic(ModuleGraph(mlp()))
+    with pytest.raises(GraphArgumentError, match=r"'args\[0\]' has batch size 0"):
+        graph(torch.randn(0, 32))
+
+
+def test_arguments_must_agree_on_the_batch_size() -> None:
+    model = mlp()
+    graph = dynamic(TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1)))
+    with pytest.raises(GraphArgumentError, match=r"'x' and 'y' have batch sizes \(dim 0\) 4 and 3"):
+        graph(torch.randn(4, 32), torch.randint(0, 10, (3,)))
+
+
+class FixedBatch(nn.Module):
+    def forward(self, x):
+        return x.view(4, -1)
+
+
+def test_build_that_fixes_the_batch_is_a_trace_error() -> None:
+    graph = dynamic(ModuleGraph(FixedBatch()))
+    with pytest.raises(TraceError, match=r"dynamic batch.*x\.flatten\(1\)"):
+        graph(torch.randn(4, 2, 3))
+
+
+def test_saving_a_dynamic_batch_graph_is_a_clear_error(tmp_path) -> None:
+    graph = dynamic(ModuleGraph(mlp()))
+    graph(torch.randn(3, 32))
+    with pytest.raises(UnsupportedOptionError, match=r"dynamic batch .*enable_dynamic_batch\(False\)"):
+        tvmgraph.save(graph, tmp_path / "mlp")

@@ -1,0 +1,93 @@
+"""Autodiff of a program with a symbolic dim (a dynamic batch) past three limits of TVM 0.27's
+`relax.transform.Gradient`.
+
+With a symbolic dim, Gradient copies the forward bindings into the backward pass
+(`lv_cp = R.matmul(x, w)` beside `lv = R.matmul(x, w)`), and
+
+1. fails ("key is not in Map") copying a binding whose call takes a symbolic shape
+   (`R.reshape(x, R.shape([n, 108]))` of `x.flatten(1)`, `R.ones(R.shape([n]))`): `lift_shapes`
+   makes each such shape a parameter of `main` before, `bind_shapes` puts it back into
+   `main_adjoint` after;
+2. would run the forward pass twice: `bind_shapes` merges the copies (common subexpressions);
+   attention that RecomputeAttention marks for recomputation is then kept instead;
+3. builds the gradients' shapes with the forward program's symbolic variables, other objects
+   of the same name than the adjoint's: `unify_symbolic_vars` makes them one variable again
+   once the adjoint is inlined into the train step.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+SHAPE_PARAM_PREFIX = "tvmgraph_shape_"
+
+
+def is_symbolic(func: relax.Function) -> bool:
+    return bool(relax.analysis.defined_symbolic_vars(func))
+
+
+def lift_shapes(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[str]]:
+    """`mod` whose `main` takes each symbolic shape argument of a call as a new last parameter;
+    the names of those parameters."""
+    main = mod["main"]
+    lifter = _ShapeLifter()
+    body = lifter.visit_expr(main.body)
+    if not lifter.params:
+        return mod, []
+    mod = mod.clone()
+    mod["main"] = relax.Function([*main.params, *lifter.params], body, main.ret_ty, main.is_pure, main.attrs)
+    return mod, [p.name for p in lifter.params]
+
+
+@mutator
+class _ShapeLifter(PyExprMutator):
+    def __init__(self) -> None:
+        super().__init__()
+        self.params: list[relax.Var] = []
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        # The bound variable keeps its type: inferred from a shape parameter, the result's shape
+        # would be that parameter (`R.Tensor(tvmgraph_shape_0)`), not the dims the gradients read.
+        value = self.visit_expr(binding.value)
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not any(_symbolic_shape(a) for a in call.args):
+            return call
+        args = []
+        for arg in call.args:
+            if _symbolic_shape(arg):
+                param = relax.Var(f"{SHAPE_PARAM_PREFIX}{len(self.params)}", relax.ShapeType(arg.values))
+                self.params.append(param)
+                arg = param
+            args.append(arg)
+        return relax.Call(call.op, args, call.attrs, call.ty_args)
+
+
+def _symbolic_shape(arg: relax.Expr) -> bool:
+    return isinstance(arg, relax.ShapeExpr) and not all(isinstance(d, tvm.tirx.IntImm) for d in arg.values)
+
+
+def bind_shapes(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:
+    """`main_adjoint` with the lifted shapes written back in place (each is its parameter's
+    type) and the forward pass's copies merged."""
+    adjoint = mod["main_adjoint"]
+    if names:
+        params = {p.name: p for p in adjoint.params}
+        adjoint = adjoint.bind_params({params[n]: relax.ShapeExpr(params[n].ty.values) for n in names})
+    mod = mod.clone()
+    del mod["main_adjoint"]  # a new GlobalVar: the old one's type lists the lifted parameters
+    builder = relax.BlockBuilder(mod)
+    builder.add_func(adjoint, "main_adjoint")
+    return relax.transform.EliminateCommonSubexpr()(builder.get())
+
+
+def unify_symbolic_vars(func: relax.Function) -> relax.Function:
+    """One variable per symbolic dim: the parameters take the variable that the inlined
+    gradients' shapes use (the only binding TVM offers is of the parameters' variables)."""
+    free = {v.name: v for v in relax.analysis.free_symbolic_vars(func)}
+    renamed = {v: free[v.name] for v in relax.analysis.defined_symbolic_vars(func) if v.name in free}
+    return func.bind_symbolic_vars(renamed) if renamed else func
