@@ -43,6 +43,7 @@ from .errors import (
     StaleGraphError,
     StateDictError,
     TvmGraphError,
+    UnsupportedOptionError,
     reason_of,
 )
 from .graph_module import ModuleProxy, unwrap
