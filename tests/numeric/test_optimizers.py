@@ -18,6 +18,7 @@ from tvm import relax
 
 from relay_passes.fuse_model_update import build_update_kernel
 from tests.conftest import TrainGraph
+from tests.numeric.test_training import eager_step
 from tvmgraph.errors import OptimizerError
 from tvmgraph.training.optimizers import RULES
 
@@ -96,13 +97,8 @@ def train_side_by_side(configs, fuse: bool) -> TrainGraph:
                     group["lr"] *= 0.5
         x, y = batches[step % len(batches)]
         loss = graph(x, y)
-        ref_loss = loss_fn(reference(x), y)
-        for opt in ref_optimizers:
-            opt.zero_grad()
-        ref_loss.backward()
-        for opt in ref_optimizers:
-            opt.step()
-        assert_close(loss, ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
+        ref_loss = eager_step(reference, loss_fn, ref_optimizers, x, y)
+        assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
         assert_same_optimizer(optimizers, ref_optimizers, step)
         groups = [(opt, group) for opt in optimizers for group in opt.param_groups]
         pointers = [p.data_ptr() for _, group in groups for p in group["params"]]
@@ -191,21 +187,13 @@ def test_state_dict_round_trips_into_eager() -> None:
     graph = TrainGraph(model, loss_fn, *optimizers)
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(5)]
 
-    def eager_step(net, opts, x, y):
-        loss = loss_fn(net(x), y)
-        for opt in opts:
-            opt.zero_grad()
-        loss.backward()
-        for opt in opts:
-            opt.step()
-
     for x, y in batches[:3]:
         graph(x, y)
-        eager_step(reference, ref_optimizers, x, y)
+        eager_step(reference, loss_fn, ref_optimizers, x, y)
     resumed = per_layer_optimizers(model, configs)
     for opt, trained in zip(resumed, optimizers):
         opt.load_state_dict(copy.deepcopy(trained.state_dict()))
     for x, y in batches[3:]:
-        eager_step(model, resumed, x, y)
-        eager_step(reference, ref_optimizers, x, y)
+        eager_step(model, loss_fn, resumed, x, y)
+        eager_step(reference, loss_fn, ref_optimizers, x, y)
     assert_same_optimizer(resumed, ref_optimizers, step=len(batches))

@@ -168,11 +168,7 @@ class Adam(UpdateRule):
         if flags["maximize"]:
             g = -g
         step = ops.output("step", state["step"] + one)
-        if flags["weight_decay"]:
-            if flags["decoupled"]:
-                p = p * (one - h["lr"] * h["weight_decay"])
-            else:
-                g = g + h["weight_decay"] * p
+        p, g = _adam_decay(ops, flags, p, g, h)
         beta1, beta2 = h["beta1"], h["beta2"]
         exp_avg = ops.output("exp_avg", beta1 * state["exp_avg"] + (one - beta1) * g)
         second = ops.output("exp_avg_sq", beta2 * state["exp_avg_sq"] + (one - beta2) * (g * g))
@@ -206,6 +202,15 @@ def _lerp(ops: UpdateOps, start: Value, end: Value, weight: Value) -> Value:
 def _decay(flags: dict[str, bool], g: Value, p: Value, h: dict[str, Value]) -> Value:
     """torch's `grad = grad.add(param, alpha=weight_decay)` (L2 penalty in the gradient)."""
     return g + h["weight_decay"] * p if flags["weight_decay"] else g
+
+
+def _adam_decay(ops: UpdateOps, flags: dict[str, bool], p: Value, g: Value,
+                h: dict[str, Value]) -> tuple[Value, Value]:
+    """(p, g) after the Adam family's weight decay: decoupled (AdamW's `param.mul_(1 - lr * wd)`)
+    or the L2 penalty in the gradient."""
+    if flags["weight_decay"] and flags["decoupled"]:
+        return p * (ops.const(1.0) - h["lr"] * h["weight_decay"]), g
+    return p, _decay(flags, g, p, h)
 
 
 class RMSprop(UpdateRule):
@@ -349,11 +354,7 @@ class NAdam(UpdateRule):
         step = ops.output("step", state["step"] + one)
         beta1, beta2, lr = h["beta1"], h["beta2"], h["lr"]
         bias_correction2 = one - ops.pow(beta2, step)
-        if flags["weight_decay"]:
-            if flags["decoupled"]:
-                p = p * (one - lr * h["weight_decay"])
-            else:
-                g = g + h["weight_decay"] * p
+        p, g = _adam_decay(ops, flags, p, g, h)
         # The momentum cache mu_t and mu_{t+1}.
         mu = beta1 * (one - half * ops.pow(ops.const(0.96), step * h["momentum_decay"]))
         mu_next = beta1 * (one - half * ops.pow(ops.const(0.96), (step + one) * h["momentum_decay"]))
@@ -395,11 +396,7 @@ class RAdam(UpdateRule):
             g = -g
         step = ops.output("step", state["step"] + one)
         beta1, beta2, lr = h["beta1"], h["beta2"], h["lr"]
-        if flags["weight_decay"]:
-            if flags["decoupled"]:
-                p = p * (one - lr * h["weight_decay"])
-            else:
-                g = g + h["weight_decay"] * p
+        p, g = _adam_decay(ops, flags, p, g, h)
         exp_avg = ops.output("exp_avg", _lerp(ops, state["exp_avg"], g, one - beta1))
         exp_avg_sq = ops.output("exp_avg_sq", state["exp_avg_sq"] * beta2 + (one - beta2) * (g * g))
         bias_correction1 = one - ops.pow(beta1, step)
