@@ -481,9 +481,7 @@ class Graph:
             ) from None
         devices = {t.device for t in flat}
         if len(devices) > 1:
-            names = self._arg_names(st, len(args))
-            paths = [p for n, sub in zip(names, tree.children) for p in sub.leaf_paths(n)]
-            where = ", ".join(f"'{p}' on {t.device}" for p, t in zip(paths, flat))
+            where = ", ".join(f"'{p}' on {t.device}" for p, t in zip(self._leaf_paths(st, tree), flat))
             raise DeviceMismatchError(f"{st.name}: inputs are on different devices ({where}); "
                                       f"move them to one device with .to(device).")
         return flat, tree
@@ -529,9 +527,7 @@ class Graph:
                  flat: list[torch.Tensor]) -> CompiledGraph:
         steps = signature.options.gradient_accumulation_steps
         if steps > 1:  # the program is compiled for one micro-batch (training/accumulation.py)
-            names = self._arg_names(st, len(args_tree.children))
-            paths = [p for n, sub in zip(names, args_tree.children) for p in sub.leaf_paths(n)]
-            flat = first_micro_batch(st.name, paths, flat, steps, bool(st.optimizers))
+            flat = first_micro_batch(st.name, self._leaf_paths(st, args_tree), flat, steps, bool(st.optimizers))
         if st.last is not None:
             old = st.last.traced.signature
             arg_names = self._arg_names(st, len(args_tree.children))
