@@ -35,6 +35,7 @@ from . import artifact, codegen
 from .artifact_format import document_digest, files_table, write_file
 from .binding import TensorBinder
 from .deploy_runtime import FORMAT, KIND, MANIFEST, host_machine
+from .deploy_train_step import train_step_program
 from .entry import tuning_log_for
 from .errors import SaveError, UnsupportedOptionError
 from .graph import Graph
@@ -48,6 +49,7 @@ LIBRARY = "graph.so"
 PARAMETERS = "params.safetensors"
 PIPELINE = "default"
 TARGETS = ("host", "x86_64", "aarch64", "cuda")
+PROGRAMS = ("inference", "train_step")
 CPU_OF = {"x86_64": "x86-64-v3", "aarch64": "neoverse-n1"}  # what a generic server of each kind has
 TRIPLE_OF = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 
@@ -59,7 +61,8 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
 
     A graph saves what its last call compiled; with `example_args` it is traced for those
     instead. A training graph saves its inference program: build() traced with the modules in
-    eval mode, without the optimizer update (`program="train_step"` is not implemented yet).
+    eval mode, without the optimizer update; `program="train_step"` saves the training step
+    instead (forward, backward and update, with the optimizer state: tvmgraph/deploy_train_step.py).
     `target` is "host" (the device the graph ran on), "x86_64", "aarch64", "cuda" (with `arch`,
     default sm_90), or a `tvm.target.Target`. Returns the directory.
     """
@@ -70,25 +73,30 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
             return path
         raise SaveError(f"tvmgraph.save takes a called tvmgraph.nn.Graph or a state dict, not a "
                         f"{type(obj).__name__}; for a module, save module.state_dict() or wrap it in a Graph")
-    if program != "inference":
-        if program == "train_step":
-            raise UnsupportedOptionError(f"{obj.name}: tvmgraph.save(..., program='train_step') is not "
-                                         f"implemented yet; save the inference program (the default)")
-        raise SaveError(f"{obj.name}: program={program!r}; use 'inference'")
-    traced, modules = _traced(obj, example_args)
+    if program not in PROGRAMS:
+        raise SaveError(f"{obj.name}: program={program!r}; use one of {', '.join(map(repr, PROGRAMS))}")
+    if program == "train_step":
+        traced, lowered, optimizer_state, training = train_step_program(obj, example_args)
+        modules = dict(obj.named_modules())
+    else:
+        traced, modules = _traced(obj, example_args)
+        lowered, optimizer_state, training = traced.lower(None), {}, None
     if traced.signature.options.dynamic_batch:
         raise UnsupportedOptionError(f"{obj.name}: tvmgraph.save of a graph with a dynamic batch is not "
                                      f"implemented yet (a saved graph runs fixed shapes); turn it off first, "
                                      f"graph.config.enable_dynamic_batch(False), then call the graph or pass "
                                      f"example_args")
-    lowered = traced.lower(None)
     device = traced.signature.leaves[0].device if traced.signature.leaves else torch.device("cpu")
     tvm_target, needs = resolve_target(obj.name, target, arch, device, traced.signature.options)
     tuning = tuning_log_for(type(obj).__name__, traced.signature.options, tvm_target)
     optimized, executable = lowered.build(tvm_target, traced.signature.options, PIPELINE, tuning=tuning)
     binder = TensorBinder(lowered.signature.inputs, modules, lowered.signature.constants)
     state = {s.target: t for s, t in zip(binder.sources, binder.tensors()) if s.kind != "constant"}
+    state.update(optimizer_state)
     manifest = _manifest(obj, traced, lowered, optimized, tvm_target, needs)
+    manifest["program"], manifest["entry"] = program, lowered.entry
+    if training is not None:
+        manifest["training"] = training
     manifest["tuning"] = {"log": str(tuning.directory), "kernels": tuning.kernels} if tuning is not None else None
     _write_atomically(path, manifest, executable, state, lowered, tvm_target)
     logger.info("%s: saved the %s program for %s to %s", obj.name, program, tvm_target, path)
@@ -186,7 +194,7 @@ def _manifest(graph: Graph, traced: TracedGraph, lowered: LoweredGraph, optimize
              if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     if len(names) != len(user_types):
         names = [f"input_{i}" for i in range(len(user_types))]
-    ret = lowered.mod["main"].ret_ty
+    ret = lowered.mod[lowered.entry].ret_ty
     fields = ret.fields if hasattr(ret, "fields") else [ret]
     n_mut = len(sig.mutations)
     outputs = [{"name": f"output_{i}", "dtype": str(f.dtype), "shape": [int(d) for d in f.shape.values]}
@@ -224,7 +232,7 @@ def _write_atomically(path: Path, manifest: dict[str, Any], executable: Any, sta
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         export(executable, tmp / LIBRARY, target)
-        meta_doc, data = artifact.encode_meta({"signature": lowered.signature, "train_layout": None,
+        meta_doc, data = artifact.encode_meta({"signature": lowered.signature, "train_layout": lowered.train_layout,
                                                "target": str(target)})
         arrays = {name: _numpy(manifest["graph"], name, t) for name, t in state.items()}
         data = {**data, PARAMETERS: save_safetensors(arrays, metadata={"graph": manifest["graph"]})}

@@ -152,10 +152,17 @@ class TreeSpec:
 
 
 class SavedGraph:
-    """A graph loaded by `tvmgraph.load`: call it with the arguments of the original `build()`."""
+    """A graph loaded by `tvmgraph.load`: call it with the arguments of the original `build()`.
 
-    __slots__ = ("path", "manifest", "name", "inputs", "outputs", "_args", "_outs", "_dev", "_sources",
-                 "_mutations", "_num_user_outputs", "_state", "_vm", "_entry")
+    A saved train step (`program == "train_step"`) trains on every call: it runs forward,
+    backward and the optimizer update, keeps the new parameters and optimizer state, and returns
+    what build() returned. `state_dict()` reads the trained parameters and buffers;
+    `set_hyperparameter` changes the lr (or another hyperparameter) between calls.
+    """
+
+    __slots__ = ("path", "manifest", "name", "program", "inputs", "outputs", "_args", "_outs", "_dev",
+                 "_sources", "_mutations", "_num_user_outputs", "_has_loss", "_state", "_vm", "_entry",
+                 "_training", "_optimizer_state", "_hypers", "_steps")
 
     def __init__(self, path: Path, manifest: dict[str, Any], files: Mapping[str, bytes], device: Any):
         import tvm
@@ -173,8 +180,16 @@ class SavedGraph:
         self._sources = [tuple(s) for s in sig["inputs"]]
         self._mutations = [tuple(s) for s in sig["mutations"]]
         self._num_user_outputs = sig["num_user_outputs"]
+        self._has_loss = bool(sig.get("has_loss", False))
         state = _read_state(files.get(manifest["parameters"], b""), sig["constants"], files.get("constants.bin", b""))
         self._state = {name: tvm.runtime.tensor(value, self._dev) for name, value in state.items()}
+        self.program = manifest.get("program", "inference")
+        self._training = manifest.get("training") if self.program == "train_step" else None
+        self._optimizer_state, self._hypers, self._steps = [], [], 0
+        if self._training is not None:
+            self._optimizer_state = [self._state.pop(name) for name in self._training["states"]]
+            self._hypers = [{"first_call": list(map(float, g["first_call"])),
+                             "later_calls": list(map(float, g["later_calls"]))} for g in self._training["groups"]]
         missing = [t for k, t in self._sources if k in ("parameter", "buffer", "constant") and t not in self._state]
         if missing:
             raise _refuse(path, manifest["parameters"], f"has no tensor {missing[0]!r}", "Save the graph again.")
@@ -200,15 +215,69 @@ class SavedGraph:
         flat = [self._check(i, value, use_torch) for i, (_, value) in enumerate(leaves)]
         rng = [self._seed()] if any(k == "rng" for k, _ in self._sources) else []
         state = [self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant")]
-        results = self._entry(*flat, *rng, *state)
-        n_mut = len(self._mutations)
+        results = self._entry(*flat, *rng, *state, *self._optimizer_inputs())
+        n_mut, n_user = len(self._mutations), self._num_user_outputs
         for (kind, target), value in zip(self._mutations, results[:n_mut]):
             if kind == "user":
                 _copy_into(leaves[int(target)][1], value)
             else:
                 self._state[target] = value
-        outs = [_as(value, use_torch) for value in results[n_mut:n_mut + self._num_user_outputs]]
+        outs = [_as(value, use_torch) for value in results[n_mut:n_mut + n_user]]
+        if self._training is not None:
+            self._keep_update(results[n_mut + n_user + int(self._has_loss):])
         return self._outs.unflatten(iter(outs))
+
+    def _optimizer_inputs(self) -> list:
+        """A train step's optimizer state, then one float64 hyperparameter vector per group."""
+        if self._training is None:
+            return []
+        import tvm
+
+        phase = "first_call" if self._steps == 0 else "later_calls"
+        hypers = [tvm.runtime.tensor(np.asarray(h[phase], dtype=np.float64), self._dev) for h in self._hypers]
+        return [*self._optimizer_state, *hypers]
+
+    def _keep_update(self, tail: Sequence[Any]) -> None:
+        """Keep `new_params..., new_states...` (the end of train_step's results)."""
+        params = self._training["params"]
+        for name, value in zip(params, tail[:len(params)]):
+            self._state[name] = value
+        self._optimizer_state = list(tail[len(params):])
+        self._steps += 1
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The parameters and buffers as numpy arrays, by their path in the graph (a train step's
+        trained values)."""
+        kinds = ("parameter", "buffer")
+        return {t: self._state[t].numpy() for k, t in self._sources if k in kinds}
+
+    @property
+    def hyperparameters(self) -> list[dict[str, float]]:
+        """A train step's hyperparameters per param group, as its next call uses them."""
+        if self._training is None:
+            return []
+        phase = "first_call" if self._steps == 0 else "later_calls"
+        return [dict(zip(g["hyper_keys"], h[phase])) for g, h in zip(self._training["groups"], self._hypers)]
+
+    def set_hyperparameter(self, key: str, value: float, group: int | None = None) -> None:
+        """Set a train step's hyperparameter (`lr`, `weight_decay`, ...) for every param group,
+        or for group `group` (in add_optimizer order)."""
+        if self._training is None:
+            raise SavedGraphInputError(f"{self.name}: this saved graph is its {self.program} program, which has "
+                                       f"no optimizer; save it with program='train_step' to train it")
+        groups = self._training["groups"]
+        if group is not None and not 0 <= group < len(groups):
+            raise SavedGraphInputError(f"{self.name}: group={group}; the saved train step has {len(groups)} "
+                                       f"param group(s), 0 to {len(groups) - 1}")
+        for i, (g, h) in enumerate(zip(groups, self._hypers)):
+            if group is not None and i != group:
+                continue
+            if key not in g["hyper_keys"] or key == "first":
+                names = ", ".join(k for k in g["hyper_keys"] if k != "first")
+                raise SavedGraphInputError(f"{self.name}: param group {i} ({g['optimizer']}) has no "
+                                           f"hyperparameter {key!r}; it has {names}")
+            slot = g["hyper_keys"].index(key)
+            h["first_call"][slot] = h["later_calls"][slot] = float(value)
 
     def _check(self, index: int, value: Any, use_torch: bool) -> Any:
         spec = self.inputs[index]

@@ -424,3 +424,137 @@ def test_buffers_constants_and_nested_outputs_survive_a_save(tmp_path: Path) -> 
     assert_close(out, expected.detach())
     assert_close(total, expected_total)
     assert none is None
+
+
+def _batches(n: int, x_shape: tuple, y_shape: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(x_shape, generator=gen), torch.randn(y_shape, generator=gen)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
+def test_saved_train_step_trains_like_the_graph(optimizer: str, tmp_path: Path) -> None:
+    """program='train_step' saves forward, backward and update with the optimizer state: the
+    loaded step, fed numpy batches, gives the graph's losses and parameters step for step (SGD
+    saved before any step, so its momentum starts on the first loaded call; AdamW after one)."""
+    torch.manual_seed(0)
+    model = mlp()
+    params = model.parameters()
+    opt = (torch.optim.SGD(params, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3) if optimizer == "sgd_momentum"
+           else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
+    graph = TrainGraph(model, torch.nn.MSELoss(), opt)
+    batches = _batches(5, (4, 32), (4, 10))
+    if optimizer == "sgd_momentum":
+        tvmgraph.save(graph, tmp_path / "step", example_args=batches[0], program="train_step")
+    else:
+        graph(*batches.pop(0))
+        tvmgraph.save(graph, tmp_path / "step", program="train_step")
+    loaded = tvmgraph.load(tmp_path / "step")
+    assert loaded.program == loaded.manifest["program"] == "train_step"
+    assert loaded.manifest["entry"] == "train_step"
+    for x, y in batches:
+        expected = graph(x, y)
+        got = loaded(x.numpy(), y.numpy())
+        assert_close(torch.from_numpy(np.asarray(got)), expected.detach(), rtol=1e-5, atol=1e-6)
+    trained = loaded.state_dict()
+    for name, p in model.named_parameters():
+        assert_close(torch.from_numpy(trained[f"model.{name}"]), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_saved_train_step_learning_rate_can_be_changed(tmp_path: Path) -> None:
+    """set_hyperparameter('lr', v) on the loaded step does what setting the optimizer's lr does
+    to the graph; an unknown key, or one on an inference save, is a clear error."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    graph = TrainGraph(model, torch.nn.MSELoss(), opt)
+    (x, y), (x2, y2) = _batches(2, (4, 32), (4, 10))
+    graph(x, y)
+    tvmgraph.save(graph, tmp_path / "step", program="train_step")
+    loaded = tvmgraph.load(tmp_path / "step")
+    assert loaded.hyperparameters == [{"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}]
+    loaded.set_hyperparameter("lr", 1e-3)
+    opt.param_groups[0]["lr"] = 1e-3
+    assert_close(torch.from_numpy(np.asarray(loaded(x2.numpy(), y2.numpy()))), graph(x2, y2).detach())
+    trained = loaded.state_dict()
+    for name, p in model.named_parameters():
+        assert_close(torch.from_numpy(trained[f"model.{name}"]), p.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(SavedGraphInputError, match="has no hyperparameter 'momentum'; it has lr, beta1"):
+        loaded.set_hyperparameter("momentum", 0.9)
+    with pytest.raises(SavedGraphInputError, match="group=3; the saved train step has 1 param group"):
+        loaded.set_hyperparameter("lr", 0.1, group=3)
+    tvmgraph.save(graph, tmp_path / "infer")
+    with pytest.raises(SavedGraphInputError, match="inference program, which has no optimizer"):
+        tvmgraph.load(tmp_path / "infer").set_hyperparameter("lr", 0.1)
+
+
+def test_saved_train_step_keeps_batch_norm_statistics(tmp_path: Path) -> None:
+    """A CNN with batch norm: the loaded step updates running statistics as the graph does."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    graph = TrainGraph(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    batches = _batches(3, (2, 3, 16, 16), (2, 10))
+    graph(*batches.pop(0))
+    tvmgraph.save(graph, tmp_path / "cnn", program="train_step")
+    loaded = tvmgraph.load(tmp_path / "cnn")
+    for x, y in batches:
+        assert_close(loaded(x, y), graph(x, y).detach(), rtol=1e-4, atol=1e-5)
+    trained = loaded.state_dict()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert_close(torch.from_numpy(trained[f"model.{name}"]), t.detach(), rtol=1e-4, atol=1e-5)
+
+
+TRAIN_TORCH_BLOCKED = """
+import sys, numpy as np
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this process")
+sys.meta_path.insert(0, Block())
+import tvmgraph
+step = tvmgraph.load(sys.argv[1])
+data = np.load(sys.argv[2])
+losses = [float(step(data[f"x{i}"], data[f"y{i}"])) for i in range(3)]
+assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules)
+np.savez(sys.argv[3], losses=np.array(losses), **step.state_dict())
+"""
+
+
+def test_saved_train_step_trains_in_a_process_without_torch(tmp_path: Path) -> None:
+    """A fresh process that cannot import torch loads the saved step and trains 3 steps on numpy
+    batches: its losses and parameters are the graph's."""
+    torch.manual_seed(0)
+    model = mlp()
+    graph = TrainGraph(model, torch.nn.MSELoss(), torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.5))
+    batches = _batches(4, (4, 32), (4, 10))
+    graph(*batches.pop(0))
+    tvmgraph.save(graph, tmp_path / "step", program="train_step")
+    np.savez(tmp_path / "data.npz", **{f"{k}{i}": t.numpy() for i, b in enumerate(batches) for k, t in zip("xy", b)})
+    done = subprocess.run([sys.executable, "-c", TRAIN_TORCH_BLOCKED, str(tmp_path / "step"),
+                           str(tmp_path / "data.npz"), str(tmp_path / "out.npz")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "TVM_USE_RUNTIME_LIB": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    expected = [float(graph(x, y)) for x, y in batches]
+    np.testing.assert_allclose(out["losses"], expected, rtol=1e-5)
+    for name, p in model.named_parameters():
+        assert_close(torch.from_numpy(out[f"model.{name}"]), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_train_step_save_refuses_what_it_cannot_carry(tmp_path: Path) -> None:
+    """An inference graph, gradient accumulation and an unknown program are clear errors."""
+    torch.manual_seed(0)
+    model = mlp()
+    inference = ModuleGraph(model)
+    with pytest.raises(SaveError, match="the graph has no optimizer; save its inference program"):
+        tvmgraph.save(inference, tmp_path / "a", example_args=(torch.randn(4, 32),), program="train_step")
+    graph = TrainGraph(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(SaveError, match="program='eval'; use one of 'inference', 'train_step'"):
+        tvmgraph.save(graph, tmp_path / "b", program="eval")
+    with pytest.raises(SaveError, match="no compiled train step to save; call it once, or pass inputs"):
+        tvmgraph.save(graph, tmp_path / "b", program="train_step")
+    graph.config.set_gradient_accumulation_steps(2)
+    with pytest.raises(tvmgraph.errors.UnsupportedOptionError, match="turn gradient accumulation and data "):
+        tvmgraph.save(graph, tmp_path / "c", example_args=(torch.randn(4, 32), torch.randn(4, 10)),
+                      program="train_step")
+    assert not any(p.name in "abc" for p in tmp_path.iterdir())

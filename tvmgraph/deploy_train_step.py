@@ -1,0 +1,75 @@
+"""`tvmgraph.save(graph, path, program="train_step")`: the training step itself, saved.
+
+The saved directory holds the compiled `train_step` function (forward, autodiff, optimizer
+update) with everything it reads besides the batch: parameters and buffers as for an inference
+save, plus the optimizer state in the program's order (`optimizer/<param path>/<key>` in
+params.safetensors) and each param group's hyperparameters (`training.groups` in the
+manifest). `tvmgraph.load` then returns a runner that trains on each call and keeps its own
+state (tvmgraph/deploy_runtime.py), with no torch, no optimizer object and no model code:
+fine-tuning on the deployment machine.
+
+What a saved step does not carry: lr schedulers (set the lr on the runner instead), a grad
+scaler, gradient accumulation and data parallelism, each refused with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import entry
+from .errors import SaveError, UnsupportedOptionError
+from .graph import Graph, _enabled
+from .stages import LoweredGraph, TracedGraph
+
+
+def train_step_program(graph: Graph, example_args: tuple | None
+                       ) -> tuple[TracedGraph, LoweredGraph, dict[str, torch.Tensor], dict[str, Any]]:
+    """The lowered training step of `graph` (its last call's, or traced for `example_args`),
+    the optimizer state tensors to save by name, and the manifest's `training` section."""
+    if not graph.training:
+        raise SaveError(f"{graph.name}: program='train_step' saves a training step, but the graph has no "
+                        f"optimizer; save its inference program (the default, program='inference')")
+    st = graph._state("saving the graph")
+    if _enabled(st.grad_scaler) is not None:
+        raise UnsupportedOptionError(f"{graph.name}: a saved train step cannot carry a grad scaler yet; save it "
+                                     f"without one (graph.set_grad_scaler(None); bfloat16 AMP needs none)")
+    if example_args is None:
+        compiled = graph.compiled
+        if compiled is None or compiled.train_layout is None:
+            raise SaveError(f"{graph.name}: the graph has not been called, so there is no compiled train step to "
+                            f"save; call it once, or pass inputs: tvmgraph.save(graph, path, example_args=(x, y), "
+                            f"program='train_step')")
+        traced, plan = compiled.traced, compiled.plan
+    else:
+        traced = graph.trace(*(example_args if isinstance(example_args, tuple) else (example_args,)))
+        plan = entry.training_plan(graph.name, st.optimizers, traced, graph.named_parameters,
+                                   traced.signature.options)
+    options = traced.signature.options
+    if options.gradient_accumulation_steps > 1 or options.data_parallel > 1:
+        raise UnsupportedOptionError(
+            f"{graph.name}: a saved train step runs one batch per step in one process; turn gradient "
+            f"accumulation and data parallelism off before saving it (set_gradient_accumulation_steps(1), "
+            f"enable_data_parallel(False)) and call the graph once more, or pass example_args")
+    if plan.lr_schedulers:
+        st.log.note("the saved train step keeps the current learning rate; its lr scheduler is not saved "
+                    "(set the lr on the loaded graph: loaded.set_hyperparameter('lr', value))")
+    lowered = traced.lower(plan)
+    states, groups = {}, []
+    for g_index, group in enumerate(plan.groups):
+        fresh = False
+        for target, param in zip(group.targets, group.params):
+            current = group.optimizer.state.get(param, {})
+            created = group.rule.init_state(param, group.flags, group.group) \
+                if any(k not in current for k in group.state_keys) else {}
+            fresh = fresh or bool(created)
+            for key in group.state_keys:
+                states[f"optimizer/{target}/{key}"] = current[key] if key in current else created[key]
+        groups.append({"optimizer": type(group.optimizer).__name__, "rule": group.rule.name,
+                       "index": g_index, "params": list(group.targets), "state_keys": list(group.state_keys),
+                       "hyper_keys": list(group.rule.hyper_keys),
+                       "first_call": group.rule.hyper_values(group.group, fresh),
+                       "later_calls": group.rule.hyper_values(group.group, False)})
+    training = {"params": plan.targets, "states": list(states), "groups": groups}
+    return traced, lowered, states, training
