@@ -301,8 +301,10 @@ class SavedGraph:
         if dtype != spec["dtype"] or shape != spec["shape"]:
             raise SavedGraphInputError(f"{where} is {dtype}{shape} but the graph was saved for {want}; a saved graph "
                                        f"runs only the shapes and dtypes it was compiled for (save one per shape)")
-        if use_torch:
-            return value if value.is_contiguous() else value.contiguous()
+        if use_torch:  # a misaligned view would crash the kernels (inputs.py): those are copied
+            from .inputs import runnable
+
+            return runnable(value)
         import tvm
 
         return tvm.runtime.tensor(np.ascontiguousarray(value), self._dev)

@@ -558,3 +558,17 @@ def test_train_step_save_refuses_what_it_cannot_carry(tmp_path: Path) -> None:
         tvmgraph.save(graph, tmp_path / "c", example_args=(torch.randn(4, 32), torch.randn(4, 10)),
                       program="train_step")
     assert not any(p.name in "abc" for p in tmp_path.iterdir())
+
+
+def test_loaded_graph_takes_misaligned_and_strided_torch_inputs(saved_mlp) -> None:
+    """Kernels assume 64-byte aligned, compact inputs (tvmgraph/inputs.py): a view starting
+    4 bytes into its storage crashed the loaded graph with SIGSEGV before it was copied. Such
+    views, transposes and lazily negated tensors now give eager's outputs."""
+    path, model, x = saved_mlp
+    loaded = tvmgraph.load(path)
+    misaligned = torch.cat([torch.zeros(1), x.flatten()])[1:].view(4, 32)
+    assert misaligned.data_ptr() % 64 and misaligned.is_contiguous()
+    transposed = x.t().contiguous().t()
+    negated = (-x)._neg_view()  # x, with its negation a lazy bit
+    for arg in (misaligned, transposed, negated):
+        assert_close(loaded(arg), model(x).detach())
