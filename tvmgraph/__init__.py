@@ -19,11 +19,12 @@ from .errors import TvmGraphError as TvmGraphError
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "GraphConfig", "TvmGraphError", "TracedGraph", "LoweredGraph", "CompiledGraph", "save", "load",
-           "tune"]
+__all__ = ["nn", "GraphConfig", "TvmGraphError", "TracedGraph", "LoweredGraph", "CompiledProgram", "CompiledGraph",
+           "save", "load", "tune"]
 
 _LAZY = {"GraphConfig": "tvmgraph.config", "TracedGraph": "tvmgraph.stages", "LoweredGraph": "tvmgraph.stages",
-         "CompiledGraph": "tvmgraph.stages", "save": "tvmgraph.deploy", "tune": "autotune.tuner"}
+         "CompiledProgram": "tvmgraph.compiled_program", "CompiledGraph": "tvmgraph.stages",
+         "save": "tvmgraph.deploy", "tune": "autotune.tuner"}
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +29,7 @@ from .compiled_cache import CompiledCache
 
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .lower import InputSource, LoweredSignature
-from .stages import CompiledGraph, TracedGraph
+from .stages import TracedGraph
 from .training.plan import TrainingPlan
 from .training.train_step import TrainStepLayout
 
@@ -235,7 +234,7 @@ def layout_from_json(doc: Mapping[str, Any]) -> TrainStepLayout:
 
 
 def encode_meta(meta: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """A compiled graph's cache metadata (`CompiledGraph.artifact_meta()`) as a JSON document
+    """A compiled program's cache metadata (`CompiledProgram.meta()`) as a JSON document
     plus data files."""
     signature, blob = signature_to_json(meta["signature"])
     layout = meta["train_layout"]
@@ -258,13 +257,3 @@ def compiled_cache() -> CompiledCache | None:
         return None
     return CompiledCache(settings.cache_dir / "compiled", settings.cache_max_bytes, encode_meta, decode_meta)
 
-
-def load(cache: CompiledCache, key: str, traced: TracedGraph, plan: TrainingPlan | None,
-         device: torch.device, modules: Mapping[str, torch.nn.Module]) -> CompiledGraph | None:
-    """The cached program for `key`, ready to run, or None (a miss, or an untrusted entry)."""
-    entry = cache.load(key)
-    if entry is None:
-        return None
-    meta = entry.meta
-    return CompiledGraph(traced, plan, meta["signature"], meta["train_layout"], entry.lib,
-                         tvm.target.Target(json.loads(meta["target"])), device, modules)

@@ -34,6 +34,7 @@ import tvm
 from . import artifact, codegen
 from .artifact_format import document_digest, files_table, write_file
 from .binding import TensorBinder
+from .compiled_program import CompiledProgram
 from .deploy_runtime import FORMAT, KIND, MANIFEST, host_machine
 from .deploy_train_step import train_step_program
 from .entry import tuning_log_for
@@ -89,16 +90,16 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
     device = traced.signature.leaves[0].device if traced.signature.leaves else torch.device("cpu")
     tvm_target, needs = resolve_target(obj.name, target, arch, device, traced.signature.options)
     tuning = tuning_log_for(type(obj).__name__, traced.signature.options, tvm_target)
-    optimized, executable = lowered.build(tvm_target, traced.signature.options, PIPELINE, tuning=tuning)
+    compiled = lowered.compile(tvm_target, traced.signature.options, PIPELINE, tuning=tuning)
     binder = TensorBinder(lowered.signature.inputs, modules, lowered.signature.constants)
     state = {s.target: t for s, t in zip(binder.sources, binder.tensors()) if s.kind != "constant"}
     state.update(optimizer_state)
-    manifest = _manifest(obj, traced, lowered, optimized, tvm_target, needs)
+    manifest = _manifest(obj, traced, lowered, tvm_target, needs)
     manifest["program"], manifest["entry"] = program, lowered.entry
     if training is not None:
         manifest["training"] = training
     manifest["tuning"] = {"log": str(tuning.directory), "kernels": tuning.kernels} if tuning is not None else None
-    _write_atomically(path, manifest, executable, state, lowered, tvm_target)
+    _write_atomically(path, manifest, compiled, state)
     logger.info("%s: saved the %s program for %s to %s", obj.name, program, tvm_target, path)
     return path
 
@@ -182,8 +183,8 @@ def _tree(tree: TreeDef) -> dict[str, Any]:
     return doc
 
 
-def _manifest(graph: Graph, traced: TracedGraph, lowered: LoweredGraph, optimized: tvm.IRModule,
-              target: tvm.target.Target, needs: list[str]) -> dict[str, Any]:
+def _manifest(graph: Graph, traced: TracedGraph, lowered: LoweredGraph, target: tvm.target.Target,
+              needs: list[str]) -> dict[str, Any]:
     import tvm_ffi
 
     import tvmgraph
@@ -221,8 +222,8 @@ def _manifest(graph: Graph, traced: TracedGraph, lowered: LoweredGraph, optimize
     }
 
 
-def _write_atomically(path: Path, manifest: dict[str, Any], executable: Any, state: Mapping[str, torch.Tensor],
-                      lowered: LoweredGraph, target: tvm.target.Target) -> None:
+def _write_atomically(path: Path, manifest: dict[str, Any], program: CompiledProgram,
+                      state: Mapping[str, torch.Tensor]) -> None:
     from safetensors.numpy import save as save_safetensors
 
     if path.exists() and not (path / MANIFEST).is_file():
@@ -231,9 +232,8 @@ def _write_atomically(path: Path, manifest: dict[str, Any], executable: Any, sta
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        export(executable, tmp / LIBRARY, target)
-        meta_doc, data = artifact.encode_meta({"signature": lowered.signature, "train_layout": lowered.train_layout,
-                                               "target": str(target)})
+        export(program.library, tmp / LIBRARY, program.target)
+        meta_doc, data = artifact.encode_meta(program.meta())
         arrays = {name: _numpy(manifest["graph"], name, t) for name, t in state.items()}
         data = {**data, PARAMETERS: save_safetensors(arrays, metadata={"graph": manifest["graph"]})}
         for name, blob in data.items():

@@ -7,7 +7,6 @@ at the graph's debug level (`compile_or_load`).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import re
@@ -18,8 +17,9 @@ import torch
 
 from . import artifact, codegen
 from . import lower as lowering
+from .compiled_program import CompiledProgram
 from .config import CompileOptions
-from .debug import GraphLog
+from .debug import GraphLog, logger
 from .errors import BackwardError, CompileError, OptimizerError, TvmGraphError, UnsupportedOpError, reason_of
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .target import target_for
@@ -99,23 +99,25 @@ def _compile_or_load(graph_class: str, traced: TracedGraph, plan: TrainingPlan |
     key = artifact.graph_key(graph_class, traced, plan, options, target, PIPELINE,
                              tuning.digest if tuning is not None else "none")
     if cache is not None:
-        compiled = artifact.load(cache, key, traced, plan, device, modules)
-        if compiled is not None:
+        program = CompiledProgram.from_cache(cache, key)
+        if program is not None:
             log.info(0, f"loaded the compiled program from the cache ({key}).")
-            return compiled
+            return program.bind(device, modules, traced, plan)
     with log.stage("lowering to Relax" + (" with autodiff and optimizer update" if plan else "")):
         lowered = traced.lower(plan, report=lambda msg: log.info(1, msg))
     if log.on(2):
         log_ops(log, lowered, build)
-    store = None
-    if cache is not None:
-        meta = {"signature": lowered.signature, "train_layout": lowered.train_layout, "target": str(target)}
-        store = functools.partial(cache.store, key, meta=meta, export=codegen.export_library)
     with log.stage(f"compiling for {device}"):
         # At debug(1) every pass's result is checked (tvmgraph/pipeline.py).
-        return lowered.compile(device, options, modules, PIPELINE, store=store,
-                               report=lambda msg: log.info(1, msg), checks=True if log.on(1) else None,
-                               tuning=tuning)
+        program = lowered.compile(target, options, PIPELINE, report=lambda msg: log.info(1, msg),
+                                  checks=True if log.on(1) else None, tuning=tuning)
+    if cache is not None:
+        try:
+            program = program.store(cache, key, codegen.export_library)
+        except Exception as e:  # exporting links with a C compiler; without one, run from memory
+            logger.warning("%s: could not export the compiled library (%s: %s); running it from memory "
+                           "and not caching it", traced.graph_name, type(e).__name__, e)
+    return program.bind(device, modules, traced, plan, lowered=lowered)
 
 
 def applied_tuning_log(graph_class: str, options: CompileOptions, target: Any, log: GraphLog) -> Any:

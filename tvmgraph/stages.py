@@ -1,8 +1,9 @@
 """The three stages of compiling a graph, each a small object you can hold and print.
 
-    Graph.trace(*args) -> TracedGraph         torch.export program of build(), ready to lower
-    TracedGraph.lower() -> LoweredGraph       Relax IRModule with a known calling convention
-    LoweredGraph.compile() -> CompiledGraph   shared library loaded on a device, ready to run
+    Graph.trace(*args) -> TracedGraph                  torch.export program of build(), ready to lower
+    TracedGraph.lower() -> LoweredGraph                Relax IRModule with a known calling convention
+    LoweredGraph.compile(target) -> CompiledProgram    library + calling convention, no device
+    CompiledProgram.bind(device, ...) -> CompiledGraph loaded on a device, bound to the modules
 
 `Graph.__call__` chains them with a cache keyed by the call's `Signature`, and with the
 persistent compiled cache (tvmgraph/artifact.py): a program compiled once, by any process, is
@@ -15,8 +16,7 @@ once per micro-batch and `apply_update` (tvmgraph/training/accumulation.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import tvm
@@ -26,6 +26,7 @@ from . import codegen
 from . import lower as lowering
 from .debug import logger
 from .binding import TensorBinder
+from .compiled_program import CompiledProgram, entry_name
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .errors import DeviceMismatchError, StaleGraphError, UnsupportedOptionError
 from .index_guard import IndexGuard
@@ -35,12 +36,11 @@ from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import target_for, tvm_device
 from .trace import ModuleIO, TraceResult
-from .training.accumulation import MICRO_STEP, Accumulation, append_accumulation, update_positions
+from .training.accumulation import Accumulation, append_accumulation, update_positions
 from .training.checkpoint_regions import checkpoint_regions
 from .training.data_parallel import DataParallel, update_plan
 from .training.plan import TrainingPlan
 from .training.runtime import TrainingBinding
-from .training.train_step import FUNC_NAME as TRAIN_STEP
 from .training.train_step import TrainStepLayout, append_train_step
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class LoweredGraph:
     def entry(self) -> str:
         """Name of the function a call runs: `main`, or `train_step` for a training graph
         (`accumulate_grads`, run once per micro-batch, with gradient accumulation)."""
-        return _entry_name(self.train_layout)
+        return entry_name(self.train_layout)
 
     def as_text(self) -> str:
         """TVMScript of the Relax module."""
@@ -162,54 +162,41 @@ class LoweredGraph:
                         type(e).__name__)
             return attempt(True)
 
-    def compile(self, device: torch.device, config: CompileOptions | GraphConfig, modules: Mapping[str, torch.nn.Module],
-                pipeline: str = "default", store: Callable[[relax.VMExecutable], Path] | None = None,
+    def compile(self, target: tvm.target.Target, config: CompileOptions | GraphConfig, pipeline: str = "default",
                 report: Callable[[str], None] | None = None, checks: bool | None = None,
-                tuning: AppliedLog | None = None) -> CompiledGraph:
-        """Build for `device`'s target and load the program onto `device`, bound to `modules`.
-
-        With `store` (the compiled cache's writer, returning the library's path) the program is
-        exported as a shared library and loaded from there; without it, it runs from memory.
-        """
-        target = target_for(device, compile_options(config))
+                tuning: AppliedLog | None = None) -> CompiledProgram:
+        """Build for `target` (any machine's: this needs no device): the device-free program,
+        which `.bind(device, modules, traced, plan)` turns into a runner."""
         optimized, executable = self.build(target, config, pipeline, report, checks, tuning)
-        lib = executable
-        if store is not None:
-            try:
-                lib = tvm.runtime.load_module(str(store(executable)))
-            except Exception as e:  # exporting links with a C compiler; without one, run from memory
-                logger.warning("%s: could not export the compiled library (%s: %s); running it from memory "
-                               "and not caching it", self.traced.graph_name, type(e).__name__, e)
-        return CompiledGraph(self.traced, self.plan, self.signature, self.train_layout, lib, target,
-                             device, modules, lowered=self, optimized=optimized)
+        return CompiledProgram(executable, self.signature, self.train_layout, target, optimized=optimized)
 
 
 class CompiledGraph:
-    """A compiled program loaded on a device, plus everything needed to call it with torch
-    tensors. Made by `LoweredGraph.compile`, or from a compiled-cache entry (no lowering)."""
+    """The runner: a `CompiledProgram` loaded on a device and bound to the graph's modules (and
+    optimizers), with everything needed to call it with torch tensors. Made by
+    `CompiledProgram.bind`, for a program just compiled or read from the compiled cache."""
 
-    __slots__ = ("traced", "plan", "signature", "train_layout", "lib", "target", "device", "binder",
+    __slots__ = ("traced", "plan", "program", "signature", "train_layout", "lib", "target", "device", "binder",
                  "training", "_lowered", "optimized", "_entry", "_num_mutations", "_num_user_outputs",
                  "_has_rng", "_index_guard", "_accumulation", "data_parallel")
 
-    def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, signature: lowering.LoweredSignature,
-                 train_layout: TrainStepLayout | None, lib: tvm.runtime.Module | relax.VMExecutable,
-                 target: tvm.target.Target,
-                 device: torch.device, modules: Mapping[str, torch.nn.Module],
-                 lowered: LoweredGraph | None = None, optimized: tvm.IRModule | None = None):
+    def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, program: CompiledProgram,
+                 device: torch.device, modules: Mapping[str, torch.nn.Module], lowered: LoweredGraph | None = None):
         self.traced = traced
         self.plan = plan
+        self.program = program
+        signature, train_layout, lib = program.signature, program.train_layout, program.library
         self.signature = signature
         self.train_layout = train_layout
         self.lib = lib
-        self.target = target
+        self.target = program.target
         self.device = device
         self.binder = TensorBinder(signature.inputs, modules, signature.constants)
         updated = update_plan(plan, traced.signature.options, traced.graph_name) if plan is not None else None
         self.training = TrainingBinding(updated, train_layout, device) if train_layout is not None else None
         self.data_parallel: DataParallel | None = None  # set by the graph in a process group
         self._lowered = lowered
-        self.optimized = optimized
+        self.optimized = program.optimized
         vm = relax.VirtualMachine(lib, tvm_device(device), memory_cfg=settings.vm_allocator)
         self._entry: Callable = vm[self.entry_name]
         self._accumulation = None
@@ -225,7 +212,7 @@ class CompiledGraph:
     def entry_name(self) -> str:
         """The function of the program that a call runs: `main`, `train_step` for training, or
         `accumulate_grads` (run once per micro-batch) with gradient accumulation."""
-        return _entry_name(self.train_layout)
+        return self.program.entry
 
     @property
     def lowered(self) -> LoweredGraph:
@@ -239,10 +226,6 @@ class CompiledGraph:
         if self.optimized is None:
             return "# loaded from the compiled cache; see .lowered.as_text() for the Relax program\n"
         return self.optimized.script(show_meta=False)
-
-    def artifact_meta(self) -> dict[str, Any]:
-        """What a compiled-cache entry stores besides the library."""
-        return {"signature": self.signature, "train_layout": self.train_layout, "target": str(self.target)}
 
     def run(self, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Run once: returns the user outputs (flat) and the loss, if build() called backward().
@@ -311,12 +294,6 @@ class CompiledGraph:
                     f"{self.device}; move the module with .to({str(self.device)!r}) or the inputs with "
                     f".to({str(t.device)!r})."
                 )
-
-
-def _entry_name(layout: TrainStepLayout | None) -> str:
-    if layout is None:
-        return "main"
-    return MICRO_STEP if layout.split else TRAIN_STEP
 
 
 def _draw_seed(device: torch.device) -> torch.Tensor:

@@ -197,7 +197,7 @@ def test_training_graph_meta_survives_a_json_round_trip() -> None:
     model = Scaled()
     graph = TrainGraph(model, nn.MSELoss(), torch.optim.Adam(model.parameters(), lr=0.1))
     graph(torch.randn(5, 4), torch.randn(5, 3))
-    meta = graph.compiled.artifact_meta()
+    meta = graph.compiled.program.meta()
     assert meta["train_layout"] is not None and "constant" in [s.kind for s in meta["signature"].inputs]
     doc, files = artifact.encode_meta(meta)
     back = artifact.decode_meta(json.loads(json.dumps(doc)), files)
@@ -598,3 +598,40 @@ def test_a_training_graph_loaded_in_a_new_process_matches_eager(tmp_path: Path) 
         assert run["graph"] == pytest.approx(run["eager"], rel=1e-4, abs=1e-5)
         assert run["diff"] < 1e-5
     assert second["graph"] == first["graph"]
+
+
+def test_a_compiled_program_is_device_free_and_binds_after_a_round_trip(tmp_path: Path) -> None:
+    """LoweredGraph.compile(target) gives a CompiledProgram (library, calling convention,
+    layout, target; no device, module or tensor). Stored and read back from the cache, it
+    binds to a device and a training graph's modules and optimizer and trains like eager."""
+    from tvmgraph import codegen
+    from tvmgraph.compiled_program import CompiledProgram
+    from tvmgraph.entry import training_plan
+
+    torch.manual_seed(0)
+    model, reference = mlp(), mlp()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    graph = TrainGraph(model, nn.MSELoss(), optimizer)
+    x, y = torch.randn(4, 32), torch.randn(4, 10)
+    traced = graph.trace(x, y)
+    plan = training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, graph.config)
+    program = traced.lower(plan).compile(target_for(x.device), graph.config)
+    assert program.entry == "train_step" and program.train_layout is not None and program.key is None
+    assert not any(isinstance(v, (torch.Tensor, nn.Module, torch.device)) for v in vars(program).values())
+    cache = CompiledCache(tmp_path, None, artifact.encode_meta, artifact.decode_meta)
+    program.store(cache, "k" * 64, codegen.export_library)
+    back = CompiledProgram.from_cache(cache, "k" * 64)
+    assert back.key == "k" * 64 and back.optimized is None and str(back.target) == str(program.target)
+    assert back.train_layout == program.train_layout
+    runner = back.bind(x.device, graph._state().modules, traced, plan)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        _, loss = runner.run([x, y])
+        ref_opt.zero_grad()
+        expected = nn.functional.mse_loss(reference(x), y)
+        expected.backward()
+        ref_opt.step()
+        assert_close(loss, expected.detach())
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_close(p.detach(), q.detach())

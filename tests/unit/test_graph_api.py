@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import tvmgraph
+from tvmgraph.target import target_for
 from tests.conftest import ModuleGraph
 
 
@@ -165,7 +166,8 @@ def test_debug_mode_false_and_other_ranks_are_silent(caplog: pytest.LogCaptureFi
 
 
 def test_stages_can_be_run_one_by_one() -> None:
-    """trace -> lower -> compile, each printable; graph.lowered is the last entry's Relax."""
+    """trace -> lower -> compile(target) -> bind(device, modules), each printable; graph.lowered
+    is the last entry's Relax."""
     graph = LinearGraph()
     x = torch.randn(4, 3)
     traced = graph.trace(x)
@@ -173,8 +175,11 @@ def test_stages_can_be_run_one_by_one() -> None:
     lowered = traced.lower()
     assert isinstance(lowered, tvmgraph.LoweredGraph)
     assert "def main(x: R.Tensor((4, 3)" in lowered.as_text() and "R.matmul" in lowered.as_text()
-    compiled = lowered.compile(x.device, graph.config, {"linear": graph.linear})
-    assert isinstance(compiled, tvmgraph.CompiledGraph)
+    program = lowered.compile(target_for(x.device), graph.config)
+    assert isinstance(program, tvmgraph.CompiledProgram) and program.entry == "main"
+    assert "main" in repr(program) and program.key is None  # built here, not stored
+    compiled = program.bind(x.device, {"linear": graph.linear}, traced, None)
+    assert isinstance(compiled, tvmgraph.CompiledGraph) and compiled.program is program
     (out,), loss = compiled.run([x])
     assert loss is None
     torch.testing.assert_close(out, graph.linear(x).detach())
