@@ -4,10 +4,12 @@ training through them works: a value picked by an index (`min.dim`, `kthvalue`, 
 is a `gather_elements` of the input at that index, whose gradient scatters back to the index,
 as torch's does.
 
-- `amax`, `amin`: `max`/`min` (ties share the gradient evenly, as in torch); a 0-d input is
-  itself.
-- `argmax`, `argmin`, `sum` of a 0-d tensor: TVM refuses to reduce 0-d.
-- `max.dim`, `min.dim`: argmax/argmin, then a gather (the stock `max.dim` used `topk`, which
+- `amax`, `amin`: `max`/`min` (ties share the gradient evenly, as in torch), then NaN and
+  all-infinite slices put right (TVM's reductions start from the lowest finite float and skip
+  NaN); a 0-d input is itself.
+- `argmax`, `argmin`: the first position equal to that extremum (TVM's argmax returned -1 for
+  an all -inf row); `sum` of a 0-d tensor: TVM refuses to reduce 0-d.
+- `max.dim`, `min.dim`: that index, then a gather (the stock `max.dim` used `topk`, which
   has no gradient).
 - `var_mean`, `median`, `nanmedian`, `kthvalue`, `mode`, `cummax`, `cummin`, `logcumsumexp`: built
   from sorts, masks and reductions; `mode` compares every pair, the scans every prefix
@@ -62,6 +64,50 @@ def _lowest(dtype: object, largest: bool) -> float | int:
 
 # ---- reductions ----
 
+def _extremum(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int] | None, keepdims: bool,
+              largest: bool) -> relax.Expr:
+    """max (largest) or min of float `x` over `axes` with torch's special values: NaN when the
+    slice holds a NaN, -inf (+inf for min) when every element is -inf (+inf).
+
+    TVM's max starts from the lowest finite float and its comparisons skip NaN: an all -inf row
+    came out as -3.4e38 and [NaN, 2] as 2. One more pass over `x` classifies each slice (2: has
+    a NaN; 0: all at the edge; 1: otherwise); the gradient still flows through max/min alone.
+    """
+    reduce = op.max if largest else op.min
+    out = bb.emit(reduce(x, axes, keepdims=keepdims))
+    if "float" not in _dtype(x):
+        return out
+    dtype = _dtype(x)
+    edge = relax.const(-math.inf if largest else math.inf, dtype)
+    code = bb.emit(op.where(op.isnan(x), relax.const(2, "int8"),
+                            op.where(op.equal(x, edge), relax.const(0, "int8"), relax.const(1, "int8"))))
+    kind = bb.emit(op.max(code, axes, keepdims=keepdims))
+    out = bb.emit(op.where(op.equal(kind, relax.const(0, "int8")), edge, out))
+    return bb.emit(op.where(op.equal(kind, relax.const(2, "int8")), relax.const(math.nan, dtype), out))
+
+
+def _first_extremum_index(bb: relax.BlockBuilder, x: relax.Expr, dim: int, largest: bool) -> relax.Expr:
+    """int64 index of the first max (min) along `dim`, keepdims, as torch's argmax: the first
+    NaN when there is one, the first element of an all -inf row.
+
+    TVM's argmax starts from (-1, lowest finite float) and never moves off it on such rows: it
+    returned -1, and `max.dim` then gathered another element's value. Here: the first position
+    equal to the (NaN-aware) extremum, a min over positions.
+    """
+    if _dtype(x) == "bool":
+        x = bb.emit(op.astype(x, "int8"))
+    size = x.ty.shape.values[dim]
+    best = _extremum(bb, x, [dim], True, largest)
+    hit = op.equal(x, best)
+    if "float" in _dtype(x):
+        hit = op.where(op.isnan(best), op.isnan(x), hit)
+    positions = bb.emit(op.reshape(op.arange(0, size, 1, "int64"),
+                                   [size if i == dim else 1 for i in range(x.ty.ndim)]))
+    # Every slice has a hit (its extremum is one of its elements), so the fill is never chosen.
+    never = relax.const(np.iinfo(np.int64).max, "int64")
+    return bb.emit(op.min(op.where(hit, positions, never), [dim], keepdims=True))
+
+
 def extremum(largest: bool):
     """amax / amin over `dim` (all axes when empty)."""
 
@@ -72,9 +118,8 @@ def extremum(largest: bool):
         keepdim = bool(_arg(node, 2, "keepdim", False))
         if x.ty.ndim == 0:
             return x
-        reduce = op.max if largest else op.min
         data = bb.emit(op.astype(x, "int8")) if _dtype(x) == "bool" else x
-        out = bb.emit(reduce(data, [int(d) for d in dims] or None, keepdims=keepdim))
+        out = _extremum(bb, data, [int(d) for d in dims] or None, keepdim, largest)
         return bb.emit(op.astype(out, "bool")) if data is not x else out
 
     return convert
@@ -96,13 +141,22 @@ def sum_over_dims(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
 
 
 def arg_extremum(largest: bool):
-    """argmax / argmin; 0-d input: index 0 (TVM cannot reduce a 0-d tensor)."""
+    """argmax / argmin: the first extremum (`_first_extremum_index`); 0-d input: index 0 (TVM
+    cannot reduce a 0-d tensor)."""
 
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        bb = importer.block_builder
         x = importer.env[node.args[0]]
         if x.ty.ndim == 0:
             return relax.const(0, "int64")
-        return importer._argmax_argmin(op.argmax if largest else op.argmin)(node)
+        dim = _arg(node, 1, "dim", None)
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        if dim is None:  # over every element: of the flattened tensor
+            index = _first_extremum_index(bb, bb.emit(op.reshape(x, [-1])), 0, largest)
+            return bb.emit(op.reshape(index, [1] * x.ty.ndim if keepdim else []))
+        dim = int(dim) % x.ty.ndim
+        index = _first_extremum_index(bb, x, dim, largest)
+        return index if keepdim else bb.emit(op.squeeze(index, axis=[dim]))
 
     return convert
 
@@ -126,9 +180,7 @@ def extremum_with_index(largest: bool):
         if x.ty.ndim == 0:
             return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
         dim = int(node.args[1]) % x.ty.ndim
-        arg = op.argmax if largest else op.argmin
-        index = bb.emit(op.astype(arg(x, dim, keepdims=True), "int64"))
-        return _pick(bb, x, index, dim, keepdim)
+        return _pick(bb, x, _first_extremum_index(bb, x, dim, largest), dim, keepdim)
 
     return convert
 
@@ -642,6 +694,8 @@ def embedding_bag(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
 CONVERTERS = {
     "amax.default": extremum(True),
     "amin.default": extremum(False),
+    "max.default": extremum(True),  # x.max(): over every element
+    "min.default": extremum(False),
     "sum.dim_IntList": sum_over_dims,
     "argmax.default": arg_extremum(True),
     "argmin.default": arg_extremum(False),

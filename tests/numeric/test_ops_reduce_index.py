@@ -48,6 +48,20 @@ def reductions(x, t, n):
     )
 
 
+def special_values(s):
+    """s [5, 3]: rows all -inf, all +inf, with NaN, with ties, plain. TVM's max/min start from
+    the lowest finite float and skip NaN, and its argmax stays at -1 on an all -inf row: these
+    came out -3.4e38, 2.0 (another element's value gathered at -1), and 2 for [NaN, -1, 2]."""
+    return (torch.amax(s, 1), torch.amin(s, 1), *torch.max(s, 1), *torch.min(s, 1), torch.argmax(s, 1),
+            torch.argmin(s, 1, keepdim=True), s.max(), s.min(), torch.argmax(s), torch.argmax(s[:2]),
+            torch.amax(s[:2], 0), *torch.max(s[:2], 0), torch.argmin(s[1:2], keepdim=True))
+
+
+def _special_values() -> torch.Tensor:
+    inf, nan = float("inf"), float("nan")
+    return torch.tensor([[-inf, -inf, -inf], [inf, inf, inf], [nan, -1.0, 2.0], [2.0, 1.0, 2.0], [0.5, -inf, inf]])
+
+
 def scans(x, t, n):
     return (*torch.cummax(x, 1), *torch.cummin(x, 0), *torch.cummax(t, 1), *torch.cummin(t, 0),
             *torch.cummax(n, 1), torch.logcumsumexp(x, 1), torch.logcumsumexp(x * 40, 0))
@@ -144,6 +158,7 @@ def _product_inputs():
 
 BATCHES = {
     "reductions": (reductions, lambda: (torch.randn(4, 6), _ties(), _with_nan())),
+    "special_values": (special_values, lambda: (_special_values(),)),
     "scans": (scans, lambda: (torch.randn(4, 6), _ties(), _with_nan())),
     "scatters": (scatters, _scatter_inputs),
     "scatter_ties": (scatter_ties, lambda: (_small_integers(), _small_integers())),
