@@ -64,6 +64,11 @@ def _lowest(dtype: object, largest: bool) -> float | int:
 
 # ---- reductions ----
 
+def _isnan(x: relax.Expr) -> relax.Expr:
+    """isnan for every float dtype: TVM's rejects bfloat16, and simplifies `x != x` to False."""
+    return op.isnan(op.astype(x, "float32") if _dtype(x) in ("float16", "bfloat16") else x)
+
+
 def _extremum(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int] | None, keepdims: bool,
               largest: bool) -> relax.Expr:
     """max (largest) or min of float `x` over `axes` with torch's special values: NaN when the
@@ -79,7 +84,7 @@ def _extremum(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int] | None, kee
         return out
     dtype = _dtype(x)
     edge = relax.const(-math.inf if largest else math.inf, dtype)
-    code = bb.emit(op.where(op.isnan(x), relax.const(2, "int8"),
+    code = bb.emit(op.where(_isnan(x), relax.const(2, "int8"),
                             op.where(op.equal(x, edge), relax.const(0, "int8"), relax.const(1, "int8"))))
     kind = bb.emit(op.max(code, axes, keepdims=keepdims))
     out = bb.emit(op.where(op.equal(kind, relax.const(0, "int8")), edge, out))
@@ -100,7 +105,7 @@ def _first_extremum_index(bb: relax.BlockBuilder, x: relax.Expr, dim: int, large
     best = _extremum(bb, x, [dim], True, largest)
     hit = op.equal(x, best)
     if "float" in _dtype(x):
-        hit = op.where(op.isnan(best), op.isnan(x), hit)
+        hit = op.where(_isnan(best), _isnan(x), hit)
     positions = bb.emit(op.reshape(op.arange(0, size, 1, "int64"),
                                    [size if i == dim else 1 for i in range(x.ty.ndim)]))
     # Every slice has a hit (its extremum is one of its elements), so the fill is never chosen.

@@ -179,6 +179,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.simplify_power import SimplifyPower
     from relay_passes.straighten import StraightenBindings
 
+    from .schedules.propagate_nan import PropagateNaN
+
     T = relax.transform
     is_gpu = target.kind.name == "cuda"
     return [
@@ -214,6 +216,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    CPU rules on LLVM.
         ApplyTuningLog(tuning, report),
         *default_schedules(target, config),
+        #    A float max/min with a NaN operand is NaN, as in torch (TVM's drops it on CPU).
+        *([PropagateNaN()] if target.kind.name == "llvm" else []),
         #    The kernels run in an order with fewer tensors live at once
         #    (enable_straighten_algorithm). NOTE: needs dataflow blocks, so before ToNonDataflow.
         StraightenBindings(config.straighten_algorithm, report),

@@ -237,3 +237,38 @@ def test_masked_attention_still_recomputed(caplog: pytest.LogCaptureFixture) -> 
         graph(w)
     assert "RecomputeAttention: 1 attention(s) recomputed in the backward pass" in caplog.text
     assert_close(x - model.x.detach(), leaf.grad)
+
+
+def _nan_activations(x):
+    """x [2, 3, 4, 4] holding NaN: every op torch propagates it through."""
+    zeros = torch.zeros_like(x)
+    return (F.relu(x), F.relu6(x), torch.clamp(x, -1, 1), torch.clamp_min(x, 0), F.hardtanh(x),
+            torch.maximum(x, zeros), torch.minimum(zeros, x), F.elu(x), torch.sigmoid(x), F.silu(x),
+            torch.tanh(x), F.gelu(x), torch.exp(x), torch.softmax(x, -1), F.hardswish(x),
+            F.max_pool2d(x, 2), F.adaptive_max_pool2d(x, 1), F.max_pool2d(x, 3, 1, 1), x.amax((2, 3)))
+
+
+def test_nan_propagates_like_eager() -> None:
+    """TVM's CPU max/min drop a NaN operand: relu(NaN) was 0, clamp(NaN, -1, 1) was 1,
+    sigmoid(NaN) 0 (its exp clamps), a max pool over a NaN its other values
+    (tvmgraph/schedules/propagate_nan.py). Each output now has NaN exactly where eager's has."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 4)
+    x[0, 1, 2, 3] = x[1, 0, 0, 0] = float("nan")
+    for i, (a, e) in enumerate(zip(ModuleGraph(Fn(_nan_activations))(x), _nan_activations(x))):
+        assert torch.equal(a.isnan(), e.isnan()), f"output {i}: NaN at {a.isnan().nonzero().tolist()}"
+        assert_close(a, e, equal_nan=True)
+
+
+def test_a_nan_input_makes_the_training_loss_nan_as_in_eager() -> None:
+    """A NaN reaching a ReLU network shows in the loss, as in eager, instead of training on
+    with a finite loss."""
+    from tests.conftest import TrainGraph
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 6), torch.randn(4, 2)
+    x[2, 1] = float("nan")
+    assert torch.isnan(nn.functional.mse_loss(model(x), y))
+    assert torch.isnan(graph(x, y))

@@ -9,8 +9,8 @@ each float32 call into the polynomial TVM's TOPI uses for `fast_exp`/`fast_erf`/
 Accuracy, measured against numpy float64 over [-20, 20] (see tests/numeric/test_cpu_schedules):
 exp within 2 ulp-ish (relative 3e-7) for x in [-87, 88], 0 below (exact 0 for -inf, which
 masked softmax relies on), 3.4e38 above instead of inf; erf and tanh within 1e-6 absolute;
-sigmoid within 1e-6 absolute. NaN inputs do not propagate through the clamps (an exp of NaN
-gives a finite value): torch would return NaN there.
+sigmoid within 1e-6 absolute. A NaN input gives NaN as in torch, through the clamps' max/min,
+once PropagateNaN (propagate_nan.py) has made those NaN-propagating.
 
 The rewrite works block by block: a block whose body is a store of an expression containing
 such calls is replaced by the same block with the calls expanded.
