@@ -497,6 +497,9 @@ class Graph:
         parallel = self._parallel(st)
         ranks = (parallel.ranks.rank, parallel.ranks.world) if parallel is not None else None
         options = st.config.snapshot(ranks)
+        if options.activation_checkpointing and not st.optimizers:
+            # Nothing is recomputed without a backward pass: the inference program stays the same.
+            options = dataclasses.replace(options, activation_checkpointing=())
         if options.dynamic_batch:
             leaves = batch_specs(st.name, flat, lambda: self._leaf_paths(st, args_tree))
         else:

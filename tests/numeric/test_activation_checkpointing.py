@@ -196,3 +196,18 @@ def test_graph_attribute_is_the_module_for_torch_code() -> None:
     assert type(pickle.loads(pickle.dumps(graph.model))) is nn.Sequential
     other = TrainGraph(graph.model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.05))
     assert other.named_modules()[0][1] is model  # another graph registers the module, not the proxy
+
+
+def test_an_inference_graph_ignores_the_flag_without_recompiling() -> None:
+    """Checkpointing recomputes activations for a backward pass; an inference graph has none,
+    so switching it on keeps the compiled program."""
+    from tests.conftest import ModuleGraph
+
+    model = mlp().eval()
+    graph = ModuleGraph(model)
+    x = torch.randn(4, 32)
+    expected = graph(x)
+    graph.model.to(tvmgraph.nn.GraphModule).activation_checkpointing = True
+    assert graph.model.to(tvmgraph.nn.GraphModule).activation_checkpointing is True
+    torch.testing.assert_close(graph(x), expected)
+    assert graph.num_compiled == 1
