@@ -42,7 +42,7 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import converters
-from .errors import UnsupportedOpError
+from .errors import TraceError, UnsupportedOpError
 
 _INPUT_ORDER = {InputKind.USER_INPUT: 0, InputKind.PARAMETER: 1, InputKind.BUFFER: 2,
                 InputKind.CONSTANT_TENSOR: 3}
@@ -165,6 +165,30 @@ def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> 
             + "\nRewrite that code with supported torch ops, or run the module eagerly outside "
             "the graph. Supported ops are listed by `tvmgraph.lower.supported_ops()`."
         )
+
+
+# Ops whose float operands eager torch requires to share one dtype (its kernels raise "mat1 and
+# mat2 must have the same dtype"); torch.export's meta kernels do not check, and TVM then failed
+# with an internal type error.
+_SAME_DTYPE_OPS = {"mm.default", "addmm.default", "bmm.default", "baddbmm.default", "addmv.default",
+                   "mv.default", "dot.default", "convolution.default"}
+
+
+def check_dtypes(exported: torch.export.ExportedProgram, graph_name: str) -> None:
+    """Raise TraceError for a matmul or convolution of float tensors of different dtypes (a
+    float64 module fed float32 inputs), as eager torch would raise."""
+    for node in exported.graph.nodes:
+        if node.op != "call_function" or op_key(node) not in _SAME_DTYPE_OPS:
+            continue
+        dtypes = {a.meta["val"].dtype for a in node.args
+                  if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+                  and a.meta["val"].is_floating_point()}
+        if len(dtypes) > 1:
+            names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            raise TraceError(
+                f"{graph_name}: {describe(node)} takes {names} tensors; eager torch raises here "
+                f"(\"must have the same dtype\"). Give the module and its inputs one dtype: "
+                f"module.float() or x.double(), or enable_amp(True) for mixed precision.")
 
 
 def supported_ops() -> list[str]:

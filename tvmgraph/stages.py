@@ -76,6 +76,7 @@ class TracedGraph:
         autodiff and the optimizer update. Passes say what they did through `report`."""
         exported = lowering.decompose(self.result.exported)
         lowering.check_supported(exported, self.graph_name)
+        lowering.check_dtypes(exported, self.graph_name)
         with to_debug_log("import"):  # a failed import's BlockBuilder complains on stderr
             mod, sig = lowering.to_relax(exported, self.graph_name, self.result.has_backward)
         layout = None

@@ -115,6 +115,23 @@ def test_data_dependent_control_flow_is_a_trace_error() -> None:
         graph(torch.ones(3))
 
 
+@pytest.mark.parametrize("model, x", [
+    (nn.Linear(4, 3).double(), torch.randn(2, 4)),
+    (nn.Sequential(nn.Flatten(0), nn.Linear(8, 2)), torch.randn(2, 4).double()),
+])
+def test_mixed_float_dtypes_in_a_matmul_are_a_trace_error(model: nn.Module, x: torch.Tensor) -> None:
+    """A float64 module fed float32 inputs (or the reverse): eager raises "must have the same
+    dtype"; torch.export does not check, and TVM failed with an internal type error that the
+    graph reported as a tvmgraph bug."""
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        model(x)
+    graph = ModuleGraph(model)
+    with pytest.raises(errors.TraceError, match=rf"{graph.name}: aten\.(addmm|mm)\.default from '[\w.]+' \(Linear\)"
+                                                 rf".* takes float32 and float64 tensors; .* module\.float\(\) or "
+                                                 rf"x\.double\(\)"):
+        graph(x)
+
+
 def test_tensor_attribute_is_refused() -> None:
     class HoldsTensor(tvmgraph.nn.Graph):
         def __init__(self):
