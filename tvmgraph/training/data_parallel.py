@@ -29,6 +29,7 @@ graph, the rank and the step, raised on every rank within the process group's ti
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -66,14 +67,19 @@ class Ranks:
 
 def owners(sizes: Sequence[int], world: int) -> list[int]:
     """The rank that owns each parameter under ZeRO: largest first, to the least loaded rank
-    (ties: the lower rank), the same on every rank."""
+    (ties: the lower rank), the same on every rank. Remembered per sizes: every ZeRO step asks."""
+    return list(_owners(tuple(sizes), world))
+
+
+@functools.lru_cache(maxsize=16)
+def _owners(sizes: tuple[int, ...], world: int) -> tuple[int, ...]:
     load = [0] * world
     owner = [0] * len(sizes)
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         rank = min(range(world), key=lambda r: (load[r], r))
         owner[index] = rank
         load[rank] += sizes[index]
-    return owner
+    return tuple(owner)
 
 
 def program_digest(parts: Sequence[object]) -> int:
