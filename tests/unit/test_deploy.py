@@ -88,13 +88,16 @@ def test_manifest_lists_specs_target_versions_and_every_file(saved_mlp) -> None:
     assert doc["sha256"] == document_digest(doc)
 
 
-TORCH_BLOCKED = """
+BLOCK_TORCH = """
 import sys, numpy as np
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name == "torch" or name.startswith("torch."):
             raise ImportError("torch is blocked in this process")
 sys.meta_path.insert(0, Block())
+"""
+
+TORCH_BLOCKED = BLOCK_TORCH + """
 import tvmgraph
 graph = tvmgraph.load(sys.argv[1])
 x = np.frombuffer(open(sys.argv[2], "rb").read(), dtype=np.float32).reshape(4, 32)
@@ -503,13 +506,7 @@ def test_saved_train_step_keeps_batch_norm_statistics(tmp_path: Path) -> None:
         assert_close(torch.from_numpy(trained[f"model.{name}"]), t.detach(), rtol=1e-4, atol=1e-5)
 
 
-TRAIN_TORCH_BLOCKED = """
-import sys, numpy as np
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this process")
-sys.meta_path.insert(0, Block())
+TRAIN_TORCH_BLOCKED = BLOCK_TORCH + """
 import tvmgraph
 step = tvmgraph.load(sys.argv[1])
 data = np.load(sys.argv[2])
