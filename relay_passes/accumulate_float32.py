@@ -30,6 +30,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from relay_passes import graph_functions, report_counts
 from relay_passes.rebind import rebind
 
 LOW_PRECISION = ("bfloat16", "float16")
@@ -88,10 +89,7 @@ class AccumulateFloat32:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         accumulator = _Accumulator(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and "Primitive" not in (func.attrs or {}):
-                accumulator.builder_.update_func(gv, accumulator.visit_expr(func))
-        if accumulator.counts:
-            done = ", ".join(f"{name} x{n}" for name, n in sorted(accumulator.counts.items()))
-            self.report(f"AccumulateFloat32: {done}")
+        for gv, func in graph_functions(mod):
+            accumulator.builder_.update_func(gv, accumulator.visit_expr(func))
+        report_counts(self.report, "AccumulateFloat32", accumulator.counts)
         return accumulator.builder_.get()

@@ -47,6 +47,7 @@ from tvm import relax, tirx
 from tvm.ir.transform import PassContext
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from relay_passes import graph_functions, report_counts
 from relay_passes.rebind import rebind
 
 Shape = list[tvm.ir.expr.Expr]  # dimensions (PrimExprs)
@@ -291,10 +292,7 @@ class SimplifyBroadcastMatmul:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: PassContext) -> tvm.IRModule:
         simplifier = _Simplifier(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and "Primitive" not in (func.attrs or {}):
-                simplifier.builder_.update_func(gv, simplifier.simplify_function(func))
-        if simplifier.counts:
-            done = ", ".join(f"{name} x{n}" for name, n in sorted(simplifier.counts.items()))
-            self.report(f"SimplifyBroadcastMatmul: {done}")
+        for gv, func in graph_functions(mod):
+            simplifier.builder_.update_func(gv, simplifier.simplify_function(func))
+        report_counts(self.report, "SimplifyBroadcastMatmul", simplifier.counts)
         return simplifier.builder_.get()

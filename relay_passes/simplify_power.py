@@ -29,6 +29,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from relay_passes import graph_functions, report_counts
 from relay_passes.rebind import rebind
 
 _FOLD: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -94,11 +95,8 @@ class SimplifyPower:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         simplifier = _Simplifier(mod)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and "Primitive" not in (func.attrs or {}):
-                new = simplifier.visit_expr(func)
-                simplifier.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
-        if simplifier.counts:
-            done = ", ".join(f"{name} x{n}" for name, n in sorted(simplifier.counts.items()))
-            self.report(f"SimplifyPower: {done}")
+        for gv, func in graph_functions(mod):
+            new = simplifier.visit_expr(func)
+            simplifier.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
+        report_counts(self.report, "SimplifyPower", simplifier.counts)
         return simplifier.builder_.get()
