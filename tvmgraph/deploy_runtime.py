@@ -233,8 +233,7 @@ class SavedGraph:
             return []
         import tvm
 
-        phase = "first_call" if self._steps == 0 else "later_calls"
-        hypers = [tvm.runtime.tensor(np.asarray(h[phase], dtype=np.float64), self._dev) for h in self._hypers]
+        hypers = [tvm.runtime.tensor(np.asarray(h[self._phase], dtype=np.float64), self._dev) for h in self._hypers]
         return [*self._optimizer_state, *hypers]
 
     def _keep_update(self, tail: Sequence[Any]) -> None:
@@ -256,8 +255,12 @@ class SavedGraph:
         """A train step's hyperparameters per param group, as its next call uses them."""
         if self._training is None:
             return []
-        phase = "first_call" if self._steps == 0 else "later_calls"
-        return [dict(zip(g["hyper_keys"], h[phase])) for g, h in zip(self._training["groups"], self._hypers)]
+        return [dict(zip(g["hyper_keys"], h[self._phase])) for g, h in zip(self._training["groups"], self._hypers)]
+
+    @property
+    def _phase(self) -> str:
+        """Which hyperparameter vectors the next call takes (SGD's first step differs)."""
+        return "first_call" if self._steps == 0 else "later_calls"
 
     def set_hyperparameter(self, key: str, value: float, group: int | None = None) -> None:
         """Set a train step's hyperparameter (`lr`, `weight_decay`, ...) for every param group,

@@ -22,6 +22,7 @@ from . import entry
 from .errors import SaveError, UnsupportedOptionError
 from .graph import Graph, _enabled
 from .stages import LoweredGraph, TracedGraph
+from .training.runtime import lazy_state
 
 
 def train_step_program(graph: Graph, example_args: tuple | None
@@ -60,12 +61,12 @@ def train_step_program(graph: Graph, example_args: tuple | None
     for g_index, group in enumerate(plan.groups):
         fresh = False
         for target, param in zip(group.targets, group.params):
-            current = group.optimizer.state.get(param, {})
-            created = group.rule.init_state(param, group.flags, group.group) \
-                if any(k not in current for k in group.state_keys) else {}
-            fresh = fresh or bool(created)
+            # Not put into the optimizer: its next graph step must still find them missing (fresh).
+            missing = lazy_state(group, param)
+            fresh = fresh or bool(missing)
+            current = {**group.optimizer.state.get(param, {}), **missing}
             for key in group.state_keys:
-                states[f"optimizer/{target}/{key}"] = current[key] if key in current else created[key]
+                states[f"optimizer/{target}/{key}"] = current[key]
         groups.append({"optimizer": type(group.optimizer).__name__, "rule": group.rule.name,
                        "index": g_index, "params": list(group.targets), "state_keys": list(group.state_keys),
                        "hyper_keys": list(group.rule.hyper_keys),

@@ -15,8 +15,18 @@ from collections.abc import Collection, Sequence
 import torch
 
 from ..amp import scaler_hypers, scaler_tensors
-from .plan import TrainingPlan
+from .plan import GroupPlan, TrainingPlan
 from .train_step import TrainStepLayout
+
+
+def lazy_state(group: GroupPlan, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """The state entries torch creates before `param`'s first step that `group`'s optimizer does
+    not hold yet (none after the first step); the optimizer itself is left as it is."""
+    state = group.optimizer.state.get(param, {})
+    if all(k in state for k in group.state_keys):
+        return {}
+    created = group.rule.init_state(param, group.flags, group.group)
+    return {k: v for k, v in created.items() if k not in state}
 
 
 class TrainingBinding:
@@ -37,10 +47,10 @@ class TrainingBinding:
             fresh = False
             keys = group.state_keys
             for param in group.params:
+                missing = lazy_state(group, param)
                 state = group.optimizer.state[param]
-                if any(k not in state for k in keys):
-                    created = group.rule.init_state(param, group.flags, group.group)
-                    state.update({k: v for k, v in created.items() if k not in state})
+                if missing:
+                    state.update(missing)
                     fresh = True
                 for key in keys:
                     value = state[key]
