@@ -27,14 +27,14 @@ from . import lower as lowering
 from .debug import logger
 from .binding import TensorBinder
 from .compiled_program import CompiledProgram, entry_name
-from .config import CompileOptions, GraphConfig, compile_options, settings
+from .config import CompileOptions, GraphConfig, settings
 from .errors import DeviceMismatchError, StaleGraphError, UnsupportedOptionError
 from .index_guard import IndexGuard
 from .inputs import runnable_all
 from .native_output import to_debug_log
 from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
-from .target import target_for, tvm_device
+from .target import tvm_device
 from .trace import ModuleIO, TraceResult
 from .training.accumulation import Accumulation, append_accumulation, update_positions
 from .training.checkpoint_regions import checkpoint_regions
@@ -177,28 +177,22 @@ class CompiledGraph:
     optimizers), with everything needed to call it with torch tensors. Made by
     `CompiledProgram.bind`, for a program just compiled or read from the compiled cache."""
 
-    __slots__ = ("traced", "plan", "program", "signature", "train_layout", "lib", "target", "device", "binder",
-                 "training", "_lowered", "optimized", "_entry", "_num_mutations", "_num_user_outputs",
-                 "_has_rng", "_index_guard", "_accumulation", "data_parallel")
+    __slots__ = ("traced", "plan", "program", "device", "binder", "training", "_lowered", "_entry",
+                 "_num_mutations", "_num_user_outputs", "_has_rng", "_index_guard", "_accumulation", "data_parallel")
 
     def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, program: CompiledProgram,
                  device: torch.device, modules: Mapping[str, torch.nn.Module], lowered: LoweredGraph | None = None):
         self.traced = traced
         self.plan = plan
         self.program = program
-        signature, train_layout, lib = program.signature, program.train_layout, program.library
-        self.signature = signature
-        self.train_layout = train_layout
-        self.lib = lib
-        self.target = program.target
+        signature, train_layout = program.signature, program.train_layout
         self.device = device
         self.binder = TensorBinder(signature.inputs, modules, signature.constants)
         updated = update_plan(plan, traced.signature.options, traced.graph_name) if plan is not None else None
         self.training = TrainingBinding(updated, train_layout, device) if train_layout is not None else None
         self.data_parallel: DataParallel | None = None  # set by the graph in a process group
         self._lowered = lowered
-        self.optimized = program.optimized
-        vm = relax.VirtualMachine(lib, tvm_device(device), memory_cfg=settings.vm_allocator)
+        vm = relax.VirtualMachine(program.library, tvm_device(device), memory_cfg=settings.vm_allocator)
         self._entry: Callable = vm[self.entry_name]
         self._accumulation = None
         if train_layout is not None and train_layout.split:
@@ -208,6 +202,13 @@ class CompiledGraph:
         self._num_user_outputs = signature.num_user_outputs
         self._has_rng = any(s.kind == "rng" for s in signature.inputs)
         self._index_guard = IndexGuard.of(traced.graph_name, traced.result.exported)
+
+    # What the program holds, read through it.
+    signature = property(lambda self: self.program.signature)
+    train_layout = property(lambda self: self.program.train_layout)
+    lib = property(lambda self: self.program.library)
+    target = property(lambda self: self.program.target)
+    optimized = property(lambda self: self.program.optimized)
 
     @property
     def entry_name(self) -> str:
