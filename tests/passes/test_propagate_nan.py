@@ -11,11 +11,12 @@ from tvm import relax, tirx
 from tvmgraph.schedules.propagate_nan import PropagateNaN
 
 
-def _legalized(*ops) -> tvm.IRModule:
-    """A module whose kernels are TVM's own legalization of `ops(x, y)` on float32 [4, 8]."""
+def _legalized(*ops, dtype: str = "float32") -> tvm.IRModule:
+    """A module whose kernels are TVM's own legalization of `ops(x, y, i)`: x, y [4, 8] of
+    `dtype`, i [4, 8] int32."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
-    y = relax.Var("y", relax.TensorType((4, 8), "float32"))
+    x = relax.Var("x", relax.TensorType((4, 8), dtype))
+    y = relax.Var("y", relax.TensorType((4, 8), dtype))
     i = relax.Var("i", relax.TensorType((4, 8), "int32"))
     with bb.function("main", [x, y, i]):
         with bb.dataflow():
@@ -27,17 +28,6 @@ def _legalized(*ops) -> tvm.IRModule:
 
 def _kernels(mod: tvm.IRModule) -> dict[str, str]:
     return {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
-
-
-def _legalized_as(dtype: str, *ops) -> tvm.IRModule:
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((4, 8), dtype))
-    y = relax.Var("y", relax.TensorType((4, 8), dtype))
-    with bb.function("main", [x, y]):
-        with bb.dataflow():
-            gv = bb.emit_output(relax.Tuple([bb.emit(op(x, y)) for op in ops]))
-        bb.emit_func_output(gv)
-    return relax.transform.LegalizeOps()(bb.get())
 
 
 def test_float32_max_and_min_become_llvm_maximum_and_minimum() -> None:
@@ -62,9 +52,9 @@ def test_float32_max_and_min_become_llvm_maximum_and_minimum() -> None:
 def test_half_floats_get_selects_that_skip_constants() -> None:
     """bfloat16 (widened by TVM only later): a select on isnan of the float32 value, none for
     relu's constant 0."""
-    ops = (lambda x, y: relax.op.nn.relu(x), lambda x, y: relax.op.maximum(x, y))
-    before = _kernels(_legalized_as("bfloat16", *ops))
-    after = _kernels(PropagateNaN()(_legalized_as("bfloat16", *ops)))
+    ops = (lambda x, y, i: relax.op.nn.relu(x), lambda x, y, i: relax.op.maximum(x, y))
+    before = _kernels(_legalized(*ops, dtype="bfloat16"))
+    after = _kernels(PropagateNaN()(_legalized(*ops, dtype="bfloat16")))
     old = "T.max(x[v_i0, v_i1], T.bfloat16(0.0))"
     new = f"T.Select(T.isnan(T.Cast(\"float32\", x[v_i0, v_i1])), x[v_i0, v_i1], {old})"
     assert after["relu"] == before["relu"].replace(old, new)
