@@ -21,7 +21,11 @@ import tvmgraph  # noqa: E402
 TOLERANCES = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),
     torch.float64: dict(atol=1e-10, rtol=1e-8),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),  # torch.testing's defaults
     torch.int64: dict(atol=0, rtol=0),
+    torch.int8: dict(atol=0, rtol=0),
+    torch.uint8: dict(atol=0, rtol=0),
+    torch.bool: dict(atol=0, rtol=0),
 }
 
 

@@ -77,8 +77,10 @@ def _constants(exported: torch.export.ExportedProgram) -> bytes:
     h = hashlib.sha256()
     for name, value in sorted(exported.constants.items()):
         h.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        if isinstance(value, torch.Tensor):  # raw bytes: numpy has no bfloat16
+            value = value.detach().cpu().contiguous()
+            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.digest()
 
 

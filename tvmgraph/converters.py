@@ -22,7 +22,7 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   refuses negative indices and wraps (`wrap`) where torch counts them from the end, and
   gather/scatter indices are clamped before the kernel. Index *inputs* out of range never get
   this far (index_guard.py raises first); this keeps indices computed in the graph inside the
-  tensor.
+  tensor. The stock `embedding` also ignored `padding_idx` and `scale_grad_by_freq`.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch; `convolution` covers every rank (the stock one had no 3-D transposed
@@ -47,8 +47,8 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters_nn, converters_reduce, converters_special
-from .converters_nn import _arg
+from . import converters_nn, converters_reduce, converters_sort, converters_special, stop_gradient
+from .converters_nn import _arg, _static_shape
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -226,11 +226,32 @@ def _clamped(bb: relax.BlockBuilder, index: relax.Expr, size: int | None) -> rel
 # where it counts them from the end.
 
 def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """weight[ids], the ids clamped into the table (see the module docstring)."""
+    """weight[ids], the ids clamped into the table (see the module docstring).
+
+    `padding_idx` and `scale_grad_by_freq` change only the gradient, as in torch: the rows read
+    at `padding_idx` get none, the others are divided by how often their id occurs in the batch.
+    The value is `fixed + (rows - fixed) * scale` with `fixed` = no_grad(rows): exactly `rows`,
+    with the gradient times `scale`. Before this, both were ignored and the padding row trained.
+    """
     bb = importer.block_builder
     weight, ids = importer.env[node.args[0]], importer.env[node.args[1]]
+    padding_idx = int(node.args[2]) if len(node.args) > 2 else -1
+    by_frequency = bool(node.args[3]) if len(node.args) > 3 else False
     flat = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(ids, "int32")), [-1]))
     rows = bb.emit(relax.op.take(weight, flat, axis=0, mode="clip"))
+    if padding_idx >= 0 or by_frequency:
+        dtype = weight.ty.dtype.dtype
+        scale = relax.op.ones(flat.ty.shape, dtype)
+        if by_frequency:
+            table = _static_shape(weight, "embedding")[0]
+            counts = relax.op.scatter_elements(relax.op.zeros([table], dtype), flat, scale, axis=0, reduction="add")
+            scale = relax.op.divide(scale, relax.op.take(counts, flat, axis=0, mode="clip"))
+        if padding_idx >= 0:
+            padded = relax.op.equal(flat, relax.const(padding_idx, "int32"))
+            scale = relax.op.where(padded, relax.const(0.0, dtype), scale)
+        fixed = bb.emit(relax.op.grad.no_grad(rows))
+        rows = bb.emit(relax.op.add(fixed, relax.op.multiply(relax.op.subtract(rows, fixed),
+                                                              relax.op.expand_dims(scale, -1))))
     if len(ids.ty.shape) == 1:
         return rows
     return bb.emit(relax.op.reshape(rows, [*ids.ty.shape, weight.ty.shape[-1]]))
@@ -266,6 +287,87 @@ def index_tensor(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     axis, index = indexed[0]
     x = importer.env[node.args[0]]
     return importer.block_builder.emit(relax.op.take(x, importer.env[index], axis=axis, mode="wrap"))
+
+
+def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x.index_put(indices, values, accumulate) where `indices` (adjacent tensors, None for
+    a whole dim) name fewer dims than x has, as `x[idx] += v` on a matrix: every dim gets an
+    index, the whole ones an `arange`, all broadcast to the indexing result's shape. TVM's
+    index_put needs one index a dim; the stock converter padded only leading dims and failed on
+    the others. Negative indices count from the end and all are clamped into x, as `take`'s."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    indices = list(node.args[1])
+    values = importer.env[node.args[2]]
+    accumulate = bool(_arg(node, 3, "accumulate", False))
+    shape = x.ty.shape.values
+    given = [d for d, i in enumerate(indices) if i is not None]
+    if (not given or given != list(range(given[0], given[-1] + 1))
+            or any(not isinstance(d, tvm.tirx.IntImm) for d in shape)):
+        return importer._index_put(node)  # TVM's layout rules for the other cases
+    indices += [None] * (len(shape) - len(indices))
+    tensors = [importer.env[indices[d]] for d in given]
+    batch = list(np.broadcast_shapes(*[tuple(int(v) for v in t.ty.shape.values) for t in tensors]))
+    first = given[0]
+    out_shape = [int(v) for v in shape[:first]] + batch + [int(v) for v in shape[given[-1] + 1:]]
+    full = []
+    for d, size in enumerate(int(v) for v in shape):
+        if d in given:
+            index = bb.emit(relax.op.astype(importer.env[indices[d]], "int64"))
+            index = bb.emit(relax.op.where(relax.op.less(index, relax.const(0, "int64")),
+                                           relax.op.add(index, relax.const(size, "int64")), index))
+            index = bb.emit(relax.op.broadcast_to(relax.op.clip(index, 0, size - 1), batch))
+            index = bb.emit(relax.op.reshape(index, [1] * first + batch + [1] * (len(out_shape) - first - len(batch))))
+        else:
+            at = d if d < first else d - len(given) + len(batch)
+            index = bb.emit(relax.op.reshape(relax.op.arange(0, size, 1, "int64"),
+                                             [size if i == at else 1 for i in range(len(out_shape))]))
+        # 1-D: TVM logs a line for every index tensor of more dims
+        full.append(bb.emit(relax.op.reshape(bb.emit(relax.op.broadcast_to(index, out_shape)), [-1])))
+    values = bb.emit(relax.op.reshape(bb.emit(relax.op.broadcast_to(values, out_shape)), [-1]))
+    return bb.emit(relax.op.index_put(x, relax.Tuple(full), values, accumulate))
+
+
+def clamp(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """clamp(x, min, max) with scalar or tensor bounds as two `where`s, so that the gradient is
+    torch's: x's passes where min <= x <= max (the edges included), a tensor bound's where it
+    was chosen. The stock converter used `clip` (whose gradient stops at the edges, as
+    hardtanh's does), `maximum`/`minimum` (which split it in two at the edges) and an infinite
+    bound that integer tensors cannot hold. Everything is computed in torch's result dtype."""
+    bb = importer.block_builder
+    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    x = importer.env[node.args[0]]
+    bounds = [_arg(node, 1, "min", None), _arg(node, 2, "max", None)]
+    if node.target.__name__.startswith("clamp_max"):
+        bounds = [None, _arg(node, 1, "max", None)]
+    low, high = (None if b is None else
+                 _as_dtype(bb, importer.env[b], dtype) if isinstance(b, torch.fx.Node) else relax.const(b, dtype)
+                 for b in bounds)
+    out = _as_dtype(bb, x, dtype)
+    if _decomposed_from(node).startswith(_STRICT_EDGES) and not any(isinstance(b, torch.fx.Node) for b in bounds):
+        # from a loss whose eager backward stops at the edges: clip's gradient does too
+        return bb.emit(relax.op.clip(out, -math.inf if bounds[0] is None else bounds[0],
+                                     math.inf if bounds[1] is None else bounds[1]))
+    if low is not None:
+        out = bb.emit(relax.op.where(relax.op.less(out, low), low, out))
+    if high is not None:
+        out = bb.emit(relax.op.where(relax.op.greater(out, high), high, out))
+    return out
+
+
+# Ops with their own eager backward that stops where the clamp of their decomposition is at its
+# edge (z == 0 in a margin loss): with the clamp's own gradient the graph differed there.
+_STRICT_EDGES = ("aten.multi_margin_loss.",)
+
+
+def _decomposed_from(node: torch.fx.Node) -> str:
+    """The op `node` came from by decomposition (`aten.multi_margin_loss.default`), else ''."""
+    sources = node.meta.get("from_node") or []
+    return str(sources[0].target) if sources else ""
+
+
+def _as_dtype(bb: relax.BlockBuilder, x: relax.Expr, dtype: str) -> relax.Expr:
+    return x if x.ty.dtype.dtype == dtype else bb.emit(relax.op.astype(x, dtype))
 
 
 def clamped_index(stock: str) -> Converter:
@@ -356,7 +458,16 @@ CONVERTERS: dict[str, Converter] = {
     "gather.default": clamped_index("_gather"),
     "scatter.src": clamped_index("_scatter"),
     "scatter.value": clamped_index("_scatter_value"),
+    "index_put.default": index_put,
+    "clamp.default": clamp,
+    "clamp.Tensor": clamp,
+    "clamp_min.default": clamp,
+    "clamp_max.default": clamp,
+    "clamp_min.Tensor": clamp,
+    "clamp_max.Tensor": clamp,
 }
 CONVERTERS.update(converters_nn.CONVERTERS)
 CONVERTERS.update(converters_reduce.CONVERTERS)
 CONVERTERS.update(converters_special.CONVERTERS)
+CONVERTERS.update(converters_sort.CONVERTERS)
+CONVERTERS.update(stop_gradient.CONVERTERS)

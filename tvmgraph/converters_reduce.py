@@ -37,6 +37,9 @@ from tvm import relax, topi
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from .converters_nn import _arg, _static_shape
+from .converters_sort import isnan as _isnan
+from .converters_sort import pick as _pick
+from .converters_sort import sorted_index as _sorted_index
 
 op = relax.op
 
@@ -63,11 +66,6 @@ def _lowest(dtype: object, largest: bool) -> float | int:
 
 
 # ---- reductions ----
-
-def _isnan(x: relax.Expr) -> relax.Expr:
-    """isnan for every float dtype: TVM's rejects bfloat16, and simplifies `x != x` to False."""
-    return op.isnan(op.astype(x, "float32") if _dtype(x) in ("float16", "bfloat16") else x)
-
 
 def _extremum(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int] | None, keepdims: bool,
               largest: bool) -> relax.Expr:
@@ -166,15 +164,6 @@ def arg_extremum(largest: bool):
     return convert
 
 
-def _pick(bb: relax.BlockBuilder, x: relax.Expr, index: relax.Expr, dim: int, keepdim: bool) -> relax.Expr:
-    """(x gathered at `index` along `dim`, index), both squeezed unless keepdim; `index` has
-    size 1 along `dim`."""
-    values = bb.emit(op.gather_elements(x, index, axis=dim))
-    if not keepdim:
-        values, index = (bb.emit(op.squeeze(v, axis=[dim])) for v in (values, index))
-    return bb.emit(relax.Tuple([values, index]))
-
-
 def extremum_with_index(largest: bool):
     """max.dim / min.dim: (values, int64 indices of the first extremum)."""
 
@@ -190,6 +179,48 @@ def extremum_with_index(largest: bool):
     return convert
 
 
+def _power_of_nonnegative(x: relax.Expr, exponent: float) -> relax.Expr:
+    """x ** exponent for x >= 0, with 0 (and a zero gradient) at x == 0: TVM's power gradient
+    there is inf * 0 = NaN for exponents below 1, and torch masks it to 0."""
+    dtype = _dtype(x)
+    positive = op.greater(x, relax.const(0, dtype))
+    safe = op.where(positive, x, relax.const(1, dtype))
+    return op.where(positive, op.power(safe, relax.const(exponent, dtype)), relax.const(0, dtype))
+
+
+def _vector_norm(bb: relax.BlockBuilder, x: relax.Expr, order: float, axes: list[int] | None,
+                 keepdim: bool) -> relax.Expr:
+    """torch.linalg.vector_norm with torch's gradient at 0: zero, where the stock
+    `sum(|x|^p)^(1/p)` gave NaN (the zero rows of `F.normalize`, `torch.dist(x, x)`)."""
+    magnitude = bb.emit(op.abs(x))
+    if order == math.inf or order == -math.inf:
+        return bb.emit((op.max if order > 0 else op.min)(magnitude, axes, keepdims=keepdim))
+    if order == 0:
+        return bb.emit(op.sum(op.astype(op.not_equal(x, relax.const(0, _dtype(x))), _dtype(x)), axes,
+                              keepdims=keepdim))
+    if order == 1:
+        return bb.emit(op.sum(magnitude, axes, keepdims=keepdim))
+    powered = op.multiply(x, x) if order == 2 else _power_of_nonnegative(magnitude, order)
+    total = bb.emit(op.sum(powered, axes, keepdims=keepdim))
+    return bb.emit(_power_of_nonnegative(total, 1.0 / order))
+
+
+def vector_norm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """linalg_vector_norm(x, ord, dim, keepdim, dtype=)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    dtype = node.kwargs.get("dtype")
+    if dtype is not None:
+        x = bb.emit(op.astype(x, str(dtype).removeprefix("torch.")))
+    order = float(_arg(node, 1, "ord", 2))
+    dims = _arg(node, 2, "dim", None)
+    if x.ty.ndim == 0:
+        x, dims = bb.emit(op.reshape(x, [1])), None
+    axes = [int(d) for d in dims] if dims else None
+    out = _vector_norm(bb, x, order, axes, bool(_arg(node, 3, "keepdim", False)))
+    return bb.emit(op.reshape(out, [])) if importer.env[node.args[0]].ty.ndim == 0 else out
+
+
 def var_mean(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """(var, mean): the stock var converter (it reads the same arguments) and a mean."""
     bb = importer.block_builder
@@ -199,14 +230,6 @@ def var_mean(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
     var = importer._var_correction(node)
     mean = bb.emit(op.mean(x, [int(d) for d in dims] if dims else None, keepdims=keepdim))
     return bb.emit(relax.Tuple([var, mean]))
-
-
-def _sorted_index(bb: relax.BlockBuilder, key: relax.Expr, dim: int, position: relax.Expr | int) -> relax.Expr:
-    """The int64 index (size 1 along `dim`) of the element at `position` in `key` sorted along `dim`."""
-    order = bb.emit(op.argsort(key, axis=dim, dtype="int64"))
-    if isinstance(position, int):
-        return bb.emit(op.strided_slice(order, axes=[dim], begin=[position], end=[position + 1]))
-    return bb.emit(op.gather_elements(order, position, axis=dim))
 
 
 def median(ignore_nan: bool):
@@ -228,15 +251,14 @@ def median(ignore_nan: bool):
         one, zero = relax.const(1, "int64"), relax.const(0, "int64")
         if "float" not in _dtype(x):
             index = _sorted_index(bb, data, dim, (length - 1) // 2)
-        elif ignore_nan:
-            nan = bb.emit(op.isnan(data))
-            key = bb.emit(op.where(nan, relax.const(math.inf, _dtype(x)), data))  # NaN sorts last
+        elif ignore_nan:  # NaN sorts last: the median of the first `count`
+            nan = bb.emit(_isnan(data))
             count = bb.emit(op.sum(op.astype(op.logical_not(nan), "int64"), [dim], keepdims=True))
             position = bb.emit(op.maximum(op.floor_divide(op.subtract(count, one), relax.const(2, "int64")), zero))
-            index = _sorted_index(bb, key, dim, position)
+            index = _sorted_index(bb, data, dim, position)
             index = bb.emit(op.where(op.greater(count, zero), index, op.zeros_like(index)))
         else:
-            nan = bb.emit(op.astype(op.isnan(data), "int8"))
+            nan = bb.emit(op.astype(_isnan(data), "int8"))
             first_nan = bb.emit(op.astype(op.argmax(nan, dim, keepdims=True), "int64"))
             index = _sorted_index(bb, data, dim, (length - 1) // 2)
             index = bb.emit(op.where(op.greater(op.max(nan, [dim], keepdims=True), relax.const(0, "int8")),
@@ -256,19 +278,7 @@ def _shared_by_ties(bb: relax.BlockBuilder, flat: relax.Expr, value: relax.Expr)
         return value
     ties = bb.emit(op.equal(flat, value))
     masked = bb.emit(op.where(ties, flat, relax.const(-math.inf, dtype)))
-    return bb.emit(op.where(op.isnan(value), value, op.max(masked)))
-
-
-def kthvalue(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """(k-th smallest along dim, its index)."""
-    bb = importer.block_builder
-    x = importer.env[node.args[0]]
-    k = int(node.args[1])
-    keepdim = bool(_arg(node, 3, "keepdim", False))
-    if x.ty.ndim == 0:
-        return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
-    dim = int(_arg(node, 2, "dim", -1)) % x.ty.ndim
-    return _pick(bb, x, _sorted_index(bb, x, dim, k - 1), dim, keepdim)
+    return bb.emit(op.where(_isnan(value), value, op.max(masked)))
 
 
 def mode(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -310,7 +320,7 @@ def _cum_extremum_index(bb: relax.BlockBuilder, x: relax.Expr, dim: int, largest
     last_best = last(op.equal(earlier, best))
     if "float" not in dtype:
         return last_best
-    last_nan = last(op.isnan(earlier))
+    last_nan = last(_isnan(earlier))
     return bb.emit(op.where(op.greater_equal(last_nan, relax.const(0, "int64")), last_nan, last_best))
 
 
@@ -323,7 +333,8 @@ def cum_extremum(largest: bool):
         if x.ty.ndim == 0:
             return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
         dim = int(node.args[1]) % x.ty.ndim
-        index = _cum_extremum_index(bb, x, dim, largest)
+        data = bb.emit(op.astype(x, "int8")) if _dtype(x) == "bool" else x  # bool has no lowest value
+        index = _cum_extremum_index(bb, data, dim, largest)
         return bb.emit(relax.Tuple([bb.emit(op.gather_elements(x, index, axis=dim)), index]))
 
     return convert
@@ -707,11 +718,11 @@ CONVERTERS = {
     "max.dim": extremum_with_index(True),
     "min.dim": extremum_with_index(False),
     "var_mean.correction": var_mean,
+    "linalg_vector_norm.default": vector_norm,
     "median.default": median(ignore_nan=False),
     "median.dim": median(ignore_nan=False),
     "nanmedian.default": median(ignore_nan=True),
     "nanmedian.dim": median(ignore_nan=True),
-    "kthvalue.default": kthvalue,
     "mode.default": mode,
     "cummax.default": cum_extremum(True),
     "cummin.default": cum_extremum(False),

@@ -41,7 +41,7 @@ from torch.export.graph_signature import (
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters
+from . import converters, decompositions, type_promotion
 from .errors import TraceError, UnsupportedOpError
 
 _INPUT_ORDER = {InputKind.USER_INPUT: 0, InputKind.PARAMETER: 1, InputKind.BUFFER: 2,
@@ -101,6 +101,11 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         # branch `where` drops (log_ndtr); converters_special.py lowers them.
         table.pop(torch.ops.aten.heaviside.default)
         table.pop(torch.ops.aten.special_log_ndtr.default)
+        # Kept whole: their decompositions clamp, whose gradient passes at the edges where
+        # theirs stops (x = +-3); the stock converters' `clip` stops there too.
+        table.pop(torch.ops.aten.hardsigmoid.default)
+        table.pop(torch.ops.aten.hardswish.default)
+        table.update(decompositions.FIXED)  # torch's own give other numbers than eager
         return exported.run_decompositions(table)
 
 
@@ -288,6 +293,7 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     exported._graph_signature = plain_sig
     exported._constants = {}  # constants are inputs now; nothing is bound into the module
     convert_map = dict(converters.CONVERTERS, **{"native_dropout.default": converters.dropout(seed, salts)})
+    convert_map = type_promotion.with_promotion(convert_map)
     convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
     importer = ExportedProgramImporter()
     mod = importer.from_exported_program(exported, keep_params_as_input=False, unwrap_unit_return_tuple=False,

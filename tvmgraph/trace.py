@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import stop_gradient
 from .dynamic_batch import HINT as DYNAMIC_BATCH_HINT
 from .dynamic_batch import export_arguments
 from .errors import BackwardError, GraphOutputError, TraceError, TvmGraphError
@@ -199,6 +200,7 @@ def trace_build(
         for h in handles:
             h.remove()
     assert record.out_tree is not None
+    stop_gradient.mark(exported)
     return TraceResult(exported, record.out_tree, module_io, record.backward is not None)
 
 

@@ -62,6 +62,27 @@ def _special_values() -> torch.Tensor:
     return torch.tensor([[-inf, -inf, -inf], [inf, inf, inf], [nan, -1.0, 2.0], [2.0, 1.0, 2.0], [0.5, -inf, inf]])
 
 
+def sorts(s, b, i):
+    """s [4, 6] float32 with NaN and infinities (at most one NaN a row: the order among tied
+    NaNs of topk/kthvalue is an accident of torch's selection); b: bfloat16 with ties; i: int8.
+    torch sorts NaN above +inf. TVM's sort left NaN in place ([1, NaN, 3, 2] sorted to
+    [1, NaN, 2, 3]), sorted bfloat16 wrongly (median [4, 2, 2, 1] was 4) and refused int8."""
+    return (*torch.sort(s, 1), *torch.sort(s, 1, descending=True), *torch.sort(s, stable=True, dim=0),
+            torch.argsort(s, 1, descending=True), torch.msort(s), *torch.topk(s, 2, 1),
+            *torch.topk(s, 3, 1, largest=False), *torch.kthvalue(s, 2, 1), *torch.kthvalue(s, 6, 1),
+            torch.quantile(s, 0.3, 1), torch.nanquantile(s, 0.7, 1), *torch.median(s, 0),
+            *torch.sort(b, 1), *torch.sort(b, 0, descending=True), *torch.topk(b, 2, 1), *torch.median(b, 1),
+            *torch.kthvalue(b, 5, 1), *torch.cummax(b, 1), *torch.sort(i, 1), *torch.sort(i > 0, stable=True, dim=1))
+
+
+def _sort_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor([[1.0, nan, 3.0, 2.0, -inf, inf], [nan, 0.0, -1.0, 5.0, 4.0, inf],
+                            [inf, 3.0, nan, -inf, 2.0, 1.0], [0.5, -0.5, 0.25, 2.0, 3.0, -1.0]])
+    ties = torch.tensor([[4.0, 2.0, 2.0, 1.0, 3.0, 0.5], [1.5, -2.0, 1.25, 8.0, -2.0, 0.0]]).bfloat16()
+    return special, ties, torch.randint(-5, 5, (3, 6), dtype=torch.int8)
+
+
 def scans(x, t, n):
     return (*torch.cummax(x, 1), *torch.cummin(x, 0), *torch.cummax(t, 1), *torch.cummin(t, 0),
             *torch.cummax(n, 1), torch.logcumsumexp(x, 1), torch.logcumsumexp(x * 40, 0))
@@ -160,6 +181,7 @@ BATCHES = {
     "reductions": (reductions, lambda: (torch.randn(4, 6), _ties(), _with_nan())),
     "special_values": (special_values, lambda: (_special_values(),)),
     "scans": (scans, lambda: (torch.randn(4, 6), _ties(), _with_nan())),
+    "sorts": (sorts, _sort_inputs),
     "scatters": (scatters, _scatter_inputs),
     "scatter_ties": (scatter_ties, lambda: (_small_integers(), _small_integers())),
     "larger_sources": (larger_sources, lambda: (torch.randn(3, 6), torch.randn(4, 7), _index())),
@@ -212,6 +234,7 @@ class LossOfParameters(nn.Module):
 GRADIENT_BATCHES = {
     "reductions": [0, 1],  # not the NaN input: NaN * w makes a NaN loss
     "scans": [0, 1],
+    "sorts": [0],  # on finite values (below): NaN * w makes a NaN loss
     "scatters": [0, 1],
     "scatter_ties": [0, 1],
     "views": [0, 1],
@@ -232,6 +255,8 @@ def test_gradient_matches_eager(name: str) -> None:
     args = make_args()
     if name in ("reductions", "scans"):
         args = (*args[:2], torch.nan_to_num(args[2], nan=0.5))
+    if name == "sorts":
+        args = (torch.randn(4, 6), *args[1:])
     leaves = [a.clone().requires_grad_() if i in param_at else a for i, a in enumerate(args)]
     outputs = [o for o in fn(*leaves) if o.is_floating_point()]
     weights = [torch.randn_like(o) for o in outputs]

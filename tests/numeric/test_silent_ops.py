@@ -32,6 +32,31 @@ def _quarter_grid() -> torch.Tensor:
     return torch.randint(-4, 5, (2, 4, 5, 2)) / 4.0  # points on pixel centres and half-way
 
 
+def _edges() -> torch.Tensor:
+    return torch.tensor([[-2.0, -1.0, 0.0, 1.0, 2.0, 0.5], [1.0, 1.0, -1.0, 0.0, 3.0, -0.5]])
+
+
+def _zero_row() -> torch.Tensor:
+    return torch.tensor([[1.0], [0.0]])
+
+
+def _probabilities() -> torch.Tensor:
+    return torch.tensor([[0.1, 0.2, 0.0, 1.0, 0.5, 0.3], [1.0, 0.9, 0.4, 0.0, 0.2, 0.7]])
+
+
+def _soft_targets() -> torch.Tensor:
+    return torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.5, 0.3], [1.0, 0.0, 0.4, 0.0, 0.2, 1.0]])
+
+
+def _under_no_grad(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return x * 3
+
+
+def _labels() -> torch.Tensor:
+    return torch.tensor([[1, 4, -1, 0, 0, 0], [0, -1, 0, 0, 0, 0]])  # -1 ends a row's labels
+
+
 def _bool_mask() -> torch.Tensor:
     # Row 1 is fully masked: SDPA must give zeros there (torch's _safe_softmax), not NaN.
     return torch.tensor([[True, False, True, True], [False] * 4, [True, True, False, False], [True] * 4])
@@ -106,7 +131,46 @@ FORWARD = [
     pytest.param(F.selu, lambda: (torch.randn(4, 9),), id="selu"),
     pytest.param(lambda x: F.celu(x, 0.5), lambda: (torch.randn(4, 9),), id="celu-alpha"),
     pytest.param(lambda x: F.elu(x, 0.7), lambda: (torch.randn(4, 9),), id="elu-alpha"),
+    # index_put naming fewer dims than x has (x[idx] += v on a matrix) failed to compile
+    pytest.param(lambda x: x.index_put((_index(),), torch.ones(5), accumulate=True), lambda: (torch.randn(3, 4, 5),),
+                 id="index_put-leading-accumulate"),
+    pytest.param(lambda x: torch.ops.aten.index_put(x, [None, _index()], torch.arange(16.0).view(4, 4, 1)),
+                 lambda: (torch.randn(4, 4, 5),), id="index_put-middle"),
+    pytest.param(lambda x: torch.ops.aten.index_put(x, [None, None, _index()], torch.ones(4), True),
+                 lambda: (torch.randn(3, 4, 5),), id="index_put-last-accumulate"),
+    pytest.param(lambda x: x.index_put((_index(), _index().flip(0)), torch.ones(4, 5), accumulate=True),
+                 lambda: (torch.randn(3, 4, 5),), id="index_put-two-accumulate"),
+    pytest.param(lambda x: x.index_put((torch.tensor([[1], [2]]), _index()), torch.ones(5), accumulate=True),
+                 lambda: (torch.randn(3, 4, 5),), id="index_put-broadcast_indices"),
+    # torch's own decomposition summed the label slots after the -1 too (1.25 became 8.92)
+    pytest.param(lambda x: (F.multilabel_margin_loss(x, _labels()), F.multilabel_margin_loss(x, _labels(), reduction="none"),
+                            F.multilabel_margin_loss(x[0], _labels()[0], reduction="sum")),
+                 lambda: (_edges() * 0.7,), id="multilabel_margin_loss-padding"),
+    pytest.param(lambda p, y: (F.binary_cross_entropy(p, y), F.binary_cross_entropy(p, y, reduction="none"),
+                               F.binary_cross_entropy(p, y, weight=torch.arange(6.0), reduction="sum"),
+                               torch.std(p, 1), torch.std(p, 0, correction=0, keepdim=True), *torch.std_mean(p, 1),
+                               torch.sinc(p - 0.5)),
+                 lambda: (_probabilities(), _soft_targets()), id="binary_cross_entropy-std-sinc"),
+    # torch's type promotion: computed in the integer dtype, 7 / 2 was 3 and i * 0.5 was 0
+    pytest.param(lambda i, j: (i / j, i / 2, torch.true_divide(i, j), i * 0.5, i + 0.25, 0.5 - i, i.abs() ** 0.5,
+                               torch.sqrt(i.abs()), torch.exp(i.clamp(max=3)), torch.sigmoid(i)),
+                 lambda: (_ints(), _ints().flip(0) + 7), id="promotion-int_to_float"),
+    pytest.param(lambda i, j: (i < 0.5, i == 2.0, torch.where(i > 0, i, 0.5), torch.maximum(i, j.double()),
+                               i.to(torch.uint8) * 2, i.to(torch.int8) + 1.5, torch.arange(6) / 6),
+                 lambda: (_ints(), _ints().flip(1) * 1.5), id="promotion-mixed"),
+    pytest.param(lambda b, c: (b + c, b * c, b / c.float(), torch.maximum(b, c), b + 1, b * 2.5),
+                 lambda: (_ints() > 0, _ints() < 2), id="promotion-bool"),
+    pytest.param(lambda x, s: (x * s, x + s.to(torch.int64), x.bfloat16() * 0.1, x.half() + x),
+                 lambda: (torch.randn(3, 4), torch.tensor(0.3, dtype=torch.float64)), id="promotion-0d_and_half"),
 ]
+
+
+def _ints() -> torch.Tensor:
+    return torch.tensor([[7, -7, 3, 0], [1, 2, -3, 5], [4, 6, -1, 2]])
+
+
+def _index() -> torch.Tensor:
+    return torch.tensor([0, 2, -1, 0])  # a repeat and a negative index
 
 
 def _as_tuple(value) -> tuple:
@@ -203,7 +267,56 @@ GRADIENTS = [
                  id="upsample_nearest2d-size"),
     pytest.param(lambda x: F.interpolate(x, size=(11, 13), mode="nearest"), x4, id="upsample_nearest2d-size-up"),
     pytest.param(lambda x: F.group_norm(x, 3), lambda: torch.randn(2, 6, 5), id="group_norm-no_affine"),
+    # padding_idx and scale_grad_by_freq were ignored: the padding row trained like any other
+    pytest.param(lambda w: F.embedding(_ids(), w, padding_idx=0), lambda: torch.randn(6, 3), id="embedding-padding_idx"),
+    pytest.param(lambda w: F.embedding(_ids(), w, scale_grad_by_freq=True), lambda: torch.randn(6, 3),
+                 id="embedding-scale_grad_by_freq"),
+    pytest.param(lambda w: F.embedding(_ids(), w, padding_idx=5, scale_grad_by_freq=True), lambda: torch.randn(6, 3),
+                 id="embedding-padding_idx-scale_grad_by_freq"),
+    pytest.param(lambda w: F.embedding_bag(_ids().view(-1), w, torch.tensor([0, 3]), mode="sum", padding_idx=2),
+                 lambda: torch.randn(6, 3), id="embedding_bag-padding_idx"),
+    # clamp's gradient passes at its edges (clip's stopped there; maximum/minimum halved it)
+    pytest.param(lambda x: torch.clamp(x, -1.0, 1.0), _edges, id="clamp-edges"),
+    pytest.param(lambda x: x.clamp_min(0.0), _edges, id="clamp_min-edge"),
+    pytest.param(lambda x: torch.clamp(x, min=torch.zeros(6), max=torch.ones(6)), _edges, id="clamp-tensor_bounds"),
+    pytest.param(lambda x: torch.clamp(x * 0.5, min=x * 0.5, max=x * 0.25 + 0.25), _edges, id="clamp-tensor_bounds-grads"),
+    # ... but hardsigmoid's and hardswish's stop at +-3, as in torch (their decompositions clamp)
+    pytest.param(lambda x: F.hardsigmoid(x * 3), _edges, id="hardsigmoid-edges"),
+    pytest.param(lambda x: F.hardswish(x * 3), _edges, id="hardswish-edges"),
+    # norms of a zero vector: torch's gradient is 0, the stock sum(|x|^p)^(1/p) gave NaN
+    pytest.param(lambda x: torch.linalg.vector_norm(x * _zero_row(), dim=1), _edges, id="vector_norm-zero_row"),
+    pytest.param(lambda x: torch.linalg.vector_norm(x * _zero_row(), 3, dim=1, keepdim=True), _edges,
+                 id="vector_norm-p3-zero_row"),
+    pytest.param(lambda x: torch.linalg.vector_norm(x * _zero_row(), 0.5, dim=1), _edges,
+                 id="vector_norm-p0.5-zeros"),
+    pytest.param(lambda x: torch.linalg.vector_norm(x, float("inf"), dim=1), _edges, id="vector_norm-inf-ties"),
+    pytest.param(lambda x: torch.linalg.vector_norm(x, 1, dim=0), _edges, id="vector_norm-p1"),
+    pytest.param(lambda x: F.normalize(x * _zero_row()), _edges, id="normalize-zero_row"),
+    pytest.param(lambda x: torch.dist(x, x.detach() * 1.0), _edges, id="dist-equal"),
+    # detach() and no_grad blocks were differentiated through (x * x.detach() had twice the gradient)
+    pytest.param(lambda x: x * x.detach(), _edges, id="detach"),
+    pytest.param(lambda x: x * (x * 2).detach().exp(), _edges, id="detach-chain"),
+    pytest.param(lambda x: x * _under_no_grad(x), _edges, id="no_grad-block"),
+    # margin losses at the hinge's edge (z == 0): eager's kernels pass no gradient there
+    pytest.param(lambda x: F.multi_margin_loss(x, torch.tensor([1, 4])), _edges, id="multi_margin_loss-edge"),
+    pytest.param(lambda x: F.multilabel_margin_loss(x, _labels()), _edges, id="multilabel_margin_loss"),
+    # NaN where eager's gradient is finite: a saturated probability, a constant slice, sinc(0)
+    pytest.param(lambda p: F.binary_cross_entropy(p, _soft_targets()), _probabilities, id="binary_cross_entropy-0_and_1"),
+    pytest.param(lambda p: F.binary_cross_entropy(p, _soft_targets(), weight=torch.arange(6.0), reduction="sum"),
+                 _probabilities, id="binary_cross_entropy-weight-sum"),
+    pytest.param(lambda x: torch.std(x[:, :1], 1, correction=0), _edges, id="std-one_element"),
+    pytest.param(lambda x: torch.std(x * _zero_row(), 1), _edges, id="std-constant_row"),
+    pytest.param(lambda x: torch.std_mean(x * _zero_row(), 1)[0], _edges, id="std_mean-constant_row"),
+    pytest.param(torch.sinc, _edges, id="sinc-zero"),
+    # index_put with fewer indices than dims failed to compile
+    pytest.param(lambda x: torch.zeros(2, 6).index_put((torch.tensor([0, 0, 1]),), x[[0, 0, 1]] * 2.0, accumulate=True),
+                 _edges, id="index_put-accumulate-rows"),
 ]
+
+
+
+def _ids() -> torch.Tensor:
+    return torch.tensor([[0, 2, 5, 0], [2, 2, 1, 5]])  # repeated ids, the padding ids among them
 
 
 @pytest.mark.parametrize("fn, make_x", GRADIENTS)

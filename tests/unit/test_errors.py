@@ -8,7 +8,7 @@ from torch import nn
 
 import tvmgraph
 from tvmgraph import errors
-from tests.conftest import ModuleGraph
+from tests.conftest import ModuleGraph, TrainGraph
 
 
 class TwoInputs(tvmgraph.nn.Graph):
@@ -130,6 +130,16 @@ def test_mixed_float_dtypes_in_a_matmul_are_a_trace_error(model: nn.Module, x: t
                                                  rf".* takes float32 and float64 tensors; .* module\.float\(\) or "
                                                  rf"x\.double\(\)"):
         graph(x)
+
+
+def test_training_bfloat16_parameters_is_refused_with_the_amp_fix() -> None:
+    """TVM's autodiff takes float16/32/64 parameters only: a bfloat16 model failed with an
+    internal check that the graph called a tvmgraph bug. float16 parameters train."""
+    model = nn.Linear(4, 3).bfloat16()
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(errors.UnsupportedOpError, match=rf"{graph.name}: parameter model_weight is bfloat16.*"
+                                                        r"enable_amp\(True, dtype=torch\.bfloat16\)"):
+        graph(torch.randn(8, 4).bfloat16(), torch.randn(8, 3).bfloat16())
 
 
 def test_tensor_attribute_is_refused() -> None:

@@ -22,6 +22,8 @@ NON_DIFFERENTIABLE = (
     "relax.argsort", "relax.argmax", "relax.argmin", "relax.nonzero", "relax.one_hot",
     # constants
     "relax.arange", "relax.eye", "relax.eye_like",
+    # a stop: its input's value with no gradient (the embedding converter's padding_idx)
+    "relax.grad.no_grad",
 )
 
 

@@ -303,6 +303,13 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
     `nonzero` or boolean masks), which `Gradient` rejects ("Check failed: (var_binding)").
     """
     main = mod["main"]
+    for i in grad_indices:  # Gradient checks float16/32/64 only and fails with an internal error
+        if main.params[i].ty.dtype.dtype == "bfloat16":
+            raise UnsupportedOpError(
+                f"{graph}: parameter {main.params[i].name.removeprefix('p_')} is bfloat16, and TVM "
+                "0.27's autodiff differentiates float16/32/64 parameters only. Keep the parameters in "
+                "float32 and train in bfloat16 with graph.config.enable_amp(True, dtype=torch.bfloat16) "
+                "(float32 master weights, as torch.autocast does).")
     loss = main.body.body.fields[loss_index]
     target_index = loss_index
     dtype = loss.ty.dtype.dtype

@@ -1,0 +1,103 @@
+"""Decompositions tvmgraph uses instead of torch's own, where torch's give other numbers than
+its eager kernels (tests/numeric/test_silent_ops.py).
+
+- `multilabel_margin_loss_forward`: torch 2.13's decomposition also sums the label slots after
+  a target's first -1 (the padding), so any target with padding gave a larger loss than eager
+  (1.25 became 8.92). Here those slots are masked out, and the hinge is `where(z > 0, z, 0)`:
+  the eager kernel's gradient stops at z == 0, a clamp's would not.
+
+The others give eager's values but NaN gradients where eager's are finite: a `where` or
+`maximum` keeps the value finite, but autodiff multiplies the unused branch's infinite
+derivative by zero.
+- `binary_cross_entropy` at a probability of exactly 0 or 1 (a saturated sigmoid): eager's
+  gradient is `(p - y) / max(p (1 - p), 1e-12)`. Here the loss carries that gradient through
+  `stop_gradient` (value `loss + (p - stop(p)) * stop(dp)`, exactly the loss).
+- `std`, `std_mean` of a constant slice: eager's gradient is 0 there; `sqrt(var)` gave NaN.
+- `sinc` at 0: eager's gradient is 0; `sin(pi x) / (pi x)` gave NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import stop_gradient as _stop_gradient  # noqa: F401  (registers tvmgraph::stop_gradient)
+
+aten = torch.ops.aten
+_stop = torch.ops.tvmgraph.stop_gradient.default
+
+_REDUCTION_NONE, _REDUCTION_MEAN = 0, 1
+
+
+def multilabel_margin_loss_forward(input: torch.Tensor, target: torch.Tensor,
+                                   reduction: int) -> tuple[torch.Tensor, torch.Tensor]:
+    target_shape = target.shape
+    scores, labels = torch.atleast_2d(input), torch.atleast_2d(target)
+    dim = scores.shape[1]
+    idx = torch.arange(dim, device=labels.device)
+    end = torch.amin(torch.where(labels == -1, idx, dim), dim=-1, keepdim=True)
+    in_use = idx < end  # [n, slot]: the labels before the first -1
+    label_score = torch.gather(scores, -1, torch.where(in_use, labels, 0))  # [n, slot]
+    is_target = torch.any(idx == torch.where(in_use, labels, -1).unsqueeze(-1), dim=1)  # [n, j]
+    z = 1.0 - label_score.unsqueeze(-1) + scores.unsqueeze(1)  # [n, slot, j]
+    z = torch.where(z > 0, z, 0.0) / dim
+    z = torch.where(is_target.unsqueeze(1) | ~in_use.unsqueeze(-1), 0.0, z)
+    loss = z.sum(dim=(1, 2))
+    if reduction == _REDUCTION_MEAN:
+        loss = loss.mean()
+    elif reduction != _REDUCTION_NONE:
+        loss = loss.sum()
+    elif input.dim() <= 1:
+        loss = loss.reshape(())
+    return loss, is_target.to(input.dtype).reshape(target_shape)
+
+
+def _reduce(loss: torch.Tensor, reduction: int) -> torch.Tensor:
+    if reduction == _REDUCTION_MEAN:
+        return loss.mean()
+    return loss if reduction == _REDUCTION_NONE else loss.sum()
+
+
+def binary_cross_entropy(p: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                         reduction: int = _REDUCTION_MEAN) -> torch.Tensor:
+    log_p = torch.clamp_min(torch.log(p), -100)  # torch's clamp of the logs
+    log_q = torch.clamp_min(torch.log1p(-p), -100)
+    loss = -(target * log_p + (1 - target) * log_q)
+    d_p = (p - target) / torch.clamp_min(p * (1 - p), 1e-12)  # eager's gradients
+    d_target = log_q - log_p
+    loss = _stop(loss) + (p - _stop(p)) * _stop(d_p) + (target - _stop(target)) * _stop(d_target)
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+def _sqrt_of_variance(var: torch.Tensor) -> torch.Tensor:
+    positive = var > 0
+    return torch.where(positive, torch.sqrt(torch.where(positive, var, 1.0)), 0.0)
+
+
+def std(x: torch.Tensor, dim: list[int] | None = None, *, correction: float | None = None,
+        keepdim: bool = False) -> torch.Tensor:
+    return _sqrt_of_variance(torch.var(x, dim, correction=correction, keepdim=keepdim))
+
+
+def std_mean(x: torch.Tensor, dim: list[int] | None = None, *, correction: float | None = None,
+             keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    var, mean = torch.var_mean(x, dim, correction=correction, keepdim=keepdim)
+    return _sqrt_of_variance(var), mean
+
+
+def sinc(x: torch.Tensor) -> torch.Tensor:
+    zero = x == 0
+    scaled = math.pi * torch.where(zero, 1.0, x)
+    return torch.where(zero, 1.0, torch.sin(scaled) / scaled)
+
+
+FIXED = {
+    aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
+    aten.binary_cross_entropy.default: binary_cross_entropy,
+    aten.std.correction: std,
+    aten.std_mean.correction: std_mean,
+    aten.sinc.default: sinc,
+}

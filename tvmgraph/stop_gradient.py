@@ -1,0 +1,69 @@
+"""Where gradients stop in build(): `x.detach()` and `with torch.no_grad():` blocks.
+
+torch.export keeps both in its training IR (`aten.detach`, and the `wrap_with_set_grad_enabled`
+higher-order op around a no_grad block), but `run_decompositions` turns `detach` into `alias`
+and inlines the block. The Relax program, differentiated as a whole, then sent gradients through
+them: `x * x.detach()` trained with twice torch's gradient, and a teacher's output computed
+under no_grad was differentiated. `mark(exported)`, run right after export, rewrites them into
+`tvmgraph::stop_gradient`, an op that survives decomposition and lowers to `relax.grad.no_grad`
+(the identity, with no gradient).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from tvm import relax
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+
+@torch.library.custom_op("tvmgraph::stop_gradient", mutates_args=())
+def stop_gradient(x: torch.Tensor) -> torch.Tensor:
+    """x, through which no gradient flows (only traced: the compiled program runs it)."""
+    return x.clone()
+
+
+@stop_gradient.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_STOP = torch.ops.tvmgraph.stop_gradient.default
+_DETACH = torch.ops.aten.detach.default
+_SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+
+
+def mark(exported: torch.export.ExportedProgram) -> int:
+    """Rewrite `exported` in place: each `detach` becomes a stop, and so does each tensor that
+    leaves a no_grad block. Returns how many stops it placed; running it again places none."""
+    graph = exported.graph_module.graph
+    placed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is _DETACH:
+            node.target = _STOP
+            placed += 1
+        elif node.target is _SET_GRAD and node.args and node.args[0] is False:
+            for out in [u for u in node.users if u.target is operator.getitem]:
+                if _is_tensor(out) and not any(u.target is _STOP for u in out.users):
+                    with graph.inserting_after(out):
+                        stop = graph.call_function(_STOP, (out,))
+                    stop.meta.update(out.meta)
+                    out.replace_all_uses_with(stop, delete_user_cb=lambda user, stop=stop: user is not stop)
+                    placed += 1
+    if placed:
+        exported.graph_module.recompile()
+    return placed
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    return importer.block_builder.emit(relax.op.grad.no_grad(importer.env[node.args[0]]))
+
+
+CONVERTERS = {"stop_gradient.default": convert}

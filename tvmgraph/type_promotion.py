@@ -1,0 +1,107 @@
+"""torch's type promotion for elementwise ops, which the ATen graph leaves implicit.
+
+`int_tensor / 2`, `torch.arange(n) * 0.5`, `mask.sum() / n` and `torch.sqrt(int_tensor)` give
+float32 in torch. ATen records no cast: the op promotes its inputs itself. TVM's importer
+computed these in the integer dtype (3 / 2 gave 1, x * 0.5 gave 0, silently) and failed to
+compile `bool + bool`. Here the tensor inputs of each op in `PROMOTING` are cast to torch's
+computation dtype first (the output's dtype; for comparisons `torch.result_type` of the inputs;
+int8 for arithmetic on bools), so the importer's constants take that dtype too, and the result
+is cast to the dtype torch gives where they still differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tvm import relax
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
+
+_COMPARISONS = {f"{op}.{kind}" for op in ("eq", "ne", "lt", "le", "gt", "ge") for kind in ("Tensor", "Scalar")}
+_ARITHMETIC = {
+    "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Tensor", "rsub.Scalar",
+    "mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode",
+    "floor_divide.default", "remainder.Tensor", "remainder.Scalar", "fmod.Tensor", "fmod.Scalar",
+    "pow.Tensor_Tensor", "pow.Tensor_Scalar", "maximum.default", "minimum.default", "fmax.default",
+    "fmin.default", "atan2.default", "hypot.default", "copysign.Tensor", "where.self",
+}
+# Ops that give a float for an integer input.
+_FLOAT_MATH = {f"{name}.default" for name in (
+    "sqrt", "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan",
+    "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf",
+    "erfc", "erfinv", "reciprocal", "lgamma", "digamma")}
+PROMOTING = _COMPARISONS | _ARITHMETIC | _FLOAT_MATH
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _value(arg: object) -> object:
+    """What `torch.result_type` reads for an argument: a tensor's dtype, or the number."""
+    if isinstance(arg, torch.fx.Node):
+        val = arg.meta.get("val")
+        return torch.empty((), dtype=val.dtype) if isinstance(val, torch.Tensor) and val.dim() == 0 else \
+            torch.empty((1,), dtype=val.dtype) if isinstance(val, torch.Tensor) else None
+    return arg
+
+
+def computation_dtype(node: torch.fx.Node, key: str) -> torch.dtype | None:
+    """The dtype torch computes `node` in, or None when it cannot tell."""
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return None
+    if key in _COMPARISONS:
+        values = [_value(a) for a in node.args[:2]]
+        if any(v is None for v in values) or not any(isinstance(v, torch.Tensor) for v in values):
+            return None
+        return torch.result_type(*values)
+    if out.dtype == torch.bool:  # add/mul/max of bools: integer arithmetic, then back to bool
+        return torch.int8
+    return out.dtype
+
+
+def promoting(key: str, inner: Converter | None) -> Converter:
+    """`inner` (None: the importer's own converter for `key`) with torch's promotion around it."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        def run() -> relax.Expr:
+            if inner is not None:
+                return inner(node, importer)
+            stock = importer.__dict__.setdefault("_tvmgraph_stock_converters", importer.create_convert_map())
+            return stock[key](node)
+
+        compute = computation_dtype(node, key)
+        if compute is None:
+            return run()
+        target = _torch_dtype_name(compute)
+        bb = importer.block_builder
+        args = node.args[1:] if key == "where.self" else node.args
+        saved = {}
+        for arg in args:
+            if isinstance(arg, torch.fx.Node) and arg not in saved:
+                expr = importer.env.get(arg)
+                if isinstance(expr, relax.Expr) and isinstance(expr.ty, relax.TensorType) \
+                        and expr.ty.dtype.dtype != target:
+                    saved[arg] = expr
+                    importer.env[arg] = bb.emit(relax.op.astype(expr, target))
+        try:
+            out = run()
+        finally:
+            importer.env.update(saved)
+        want = _torch_dtype_name(node.meta["val"].dtype)
+        if isinstance(out, relax.Expr) and isinstance(out.ty, relax.TensorType) and out.ty.dtype.dtype != want:
+            out = bb.emit(relax.op.astype(out, want))
+        return out
+
+    return convert
+
+
+def with_promotion(converters: dict[str, Converter]) -> dict[str, Converter]:
+    """`converters` plus torch's promotion for every op in `PROMOTING`."""
+    out = dict(converters)
+    for key in PROMOTING:
+        out[key] = promoting(key, converters.get(key))
+    return out
