@@ -86,7 +86,8 @@ class _GraphState:
         self.log = GraphLog(f"(GRAPH:{name}:{cls})")
         self.modules: dict[str, torch.nn.Module] = {}
         self.guard = StructureGuard(lambda: modules_of(self.modules))
-        self.entries: dict[Signature, CompiledGraph] = {}
+        # Per signature, the programs compiled for the attribute values build() read (attribute_guard.py).
+        self.entries: dict[Signature, list[CompiledGraph]] = {}
         self.last: CompiledGraph | None = None
         self.build_params: list[inspect.Parameter] | None = None
         self.optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, lr_sch)
@@ -314,8 +315,8 @@ class Graph:
 
     @property
     def num_compiled(self) -> int:
-        """How many signatures have been compiled so far."""
-        return len(self._state().entries)
+        """How many programs have been compiled so far (signatures and attribute values)."""
+        return sum(map(len, self._state().entries.values()))
 
     def __repr__(self) -> str:
         st = self._state()
@@ -365,9 +366,10 @@ class Graph:
         parallel = st.data_parallel if signature.options.data_parallel > 1 else None
         if parallel is not None:
             parallel.before_call(signature, lambda: self._program_parts(st, signature), st.modules)
-        entry = st.entries.get(signature)
+        variants = st.entries.get(signature, ())
+        entry = next((e for e in variants if e.traced.result.attributes.holds()), None)
         if entry is None:
-            entry = self._compile(st, signature, args_tree, flat)
+            entry = self._compile(st, signature, args_tree, flat, variants[-1] if variants else None)
         entry.data_parallel = parallel
         return entry
 
@@ -527,7 +529,9 @@ class Graph:
                 for path, p in m.named_parameters()]
 
     def _compile(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
-                 flat: list[torch.Tensor]) -> CompiledGraph:
+                 flat: list[torch.Tensor], stale: CompiledGraph | None = None) -> CompiledGraph:
+        """Trace and compile for this call; `stale`: the entry of this signature whose
+        attribute values no longer hold."""
         steps = signature.options.gradient_accumulation_steps
         if steps > 1:  # the program is compiled for one micro-batch (training/accumulation.py)
             flat = first_micro_batch(st.name, self._leaf_paths(st, args_tree), flat, steps, bool(st.optimizers))
@@ -535,18 +539,20 @@ class Graph:
             old = st.last.traced.signature
             arg_names = self._arg_names(st, len(args_tree.children))
             diffs = signature.differences(old, arg_names, st.guard.paths)
+            if stale is not None:
+                diffs += stale.traced.result.attributes.changes()
             reason = "; ".join(diffs or ["(a signature seen before was changed back)"])
             limit = st.config.recompile_limit
-            if len(st.entries) >= limit:
+            if self.num_compiled >= limit:
                 raise RecompileLimitError(
-                    f"{st.name}: this call would compile program #{len(st.entries) + 1}, past the graph's "
+                    f"{st.name}: this call would compile program #{self.num_compiled + 1}, past the graph's "
                     f"recompile limit of {limit}. What changed this time: {reason}. A shape that changes "
                     f"every call is the usual cause: keep input shapes fixed (pad the last batch, or "
                     f"DataLoader(drop_last=True)), or compile one program for every batch size: "
                     f"graph.config.enable_dynamic_batch(). If the "
                     f"programs are all wanted, raise the limit: graph.config.set_recompile_limit(n)."
                 )
-            st.log.note(f"recompiling (program #{len(st.entries) + 1}): guard failed: {reason}")
+            st.log.note(f"recompiling (program #{self.num_compiled + 1}): guard failed: {reason}")
         traced = self._trace(st, signature, args_tree, flat)
         options = signature.options
         plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters, options,
@@ -554,7 +560,7 @@ class Graph:
         device = flat[0].device if flat else entry.module_device(st.modules)
         compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, options, st.modules,
                                          st.log, self.build)
-        st.entries[signature] = compiled
+        st.entries.setdefault(signature, []).append(compiled)
         st.guard.current(bool(st.optimizers))  # tracing registers modules: absorb that epoch change now
         return compiled
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import stop_gradient
+from .attribute_guard import AttributeGuard, recording
 from .dynamic_batch import HINT as DYNAMIC_BATCH_HINT
 from .dynamic_batch import export_arguments
 from .errors import BackwardError, GraphOutputError, TraceError, TvmGraphError
@@ -152,6 +153,7 @@ class TraceResult:
     out_tree: TreeDef
     module_io: dict[str, ModuleIO]
     has_backward: bool
+    attributes: AttributeGuard = field(default_factory=AttributeGuard)  # plain values build() read
 
 
 def trace_build(
@@ -181,11 +183,14 @@ def trace_build(
             # nn.RNN/LSTM/GRU refresh their `_flat_weights` list (views of their registered
             # parameters) on every forward; export warns about it although nothing is lost.
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights", category=UserWarning)
-            if dynamic_batch:
-                examples, dynamic_shapes = export_arguments(flat_inputs)
-                exported = torch.export.export(root, examples, dynamic_shapes=dynamic_shapes, strict=False)
-            else:
-                exported = torch.export.export(root, tuple(flat_inputs), strict=False)
+            owners = [("self", getattr(build, "__self__", None))] + [
+                (f"self.{path}", m) for path, m in root.named_modules() if path]
+            with recording([(w, o) for w, o in owners if o is not None]) as attributes:
+                if dynamic_batch:
+                    examples, dynamic_shapes = export_arguments(flat_inputs)
+                    exported = torch.export.export(root, examples, dynamic_shapes=dynamic_shapes, strict=False)
+                else:
+                    exported = torch.export.export(root, tuple(flat_inputs), strict=False)
     except TvmGraphError:
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
@@ -201,7 +206,7 @@ def trace_build(
             h.remove()
     assert record.out_tree is not None
     stop_gradient.mark(exported)
-    return TraceResult(exported, record.out_tree, module_io, record.backward is not None)
+    return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0])
 
 
 def _record_frames_of(build: Callable) -> None:

@@ -139,6 +139,75 @@ def test_frozen_layer_is_not_updated_after_requires_grad_flip() -> None:
         assert_close(got.detach(), want.detach())
 
 
+class Scaled(nn.Module):
+    """Plain Python attributes read by forward(): program constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = 1.0
+        self.use_relu = True
+
+    def forward(self, x):
+        y = self.fc(x) * self.scale
+        return torch.relu(y) if self.use_relu else y
+
+
+def test_changed_python_attribute_recompiles(caplog: pytest.LogCaptureFixture) -> None:
+    """`module.scale = 3.0` after a call: the program baked 1.0 in and ran on with it (stale)."""
+    model = Scaled()
+    graph = ModuleGraph(model)
+    x = torch.randn(5, 4)
+    graph(x)
+    model.scale = 3.0
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        assert_close(graph(x), model(x))
+    assert "guard failed: attribute self.model.scale was 1.0, now 3.0" in caplog.text
+    model.use_relu = False
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 3
+    model.scale, model.use_relu = 1.0, True  # values seen before: their program, no compile
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 3
+
+
+def test_graph_attribute_read_by_build_recompiles() -> None:
+    class Weighted(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.alpha = 0.5
+
+        def build(self, x):
+            return self.fc(x) * self.alpha
+
+    graph, x = Weighted(), torch.randn(2, 4)
+    first = graph(x)
+    graph.alpha = 2  # an int: another constant than 2.0 would be, the same numbers here
+    assert_close(graph(x), first * 4)
+    assert graph.num_compiled == 2
+
+
+def test_attribute_changed_mid_training_matches_eager() -> None:
+    torch.manual_seed(0)
+    model, reference = Scaled(), Scaled()
+    reference.load_state_dict(model.state_dict())
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    eager_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    for step in range(4):
+        if step == 2:
+            model.scale = reference.scale = 2.5
+        loss = graph(x, y)
+        eager_opt.zero_grad()
+        eager_loss = nn.MSELoss()(reference(x), y)
+        eager_loss.backward()
+        eager_opt.step()
+        assert_close(loss, eager_loss.detach())
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert_close(got.detach(), want.detach())
+
+
 def test_config_change_after_first_call_recompiles(caplog: pytest.LogCaptureFixture) -> None:
     """A changed option takes effect at the next call, and repr shows what runs."""
     model = mlp()

@@ -1,0 +1,117 @@
+"""Guards on the Python values build() read: a compiled program holds them as constants.
+
+`self.scale = 3.0` on a module, or `self.use_act = False`, after a graph compiled bakes the
+old value into the program; before this guard the graph kept running it (silently stale).
+While build() is traced, `recording` notes every plain value (bool, int, float, str, None, a
+dtype, tuples of them) that the code reads from a module's or the graph's own attributes. An
+`AttributeGuard` holds those (object dict, name, value) triples; a compiled entry runs only
+while `holds()`, otherwise the graph compiles for the new values, as it does for a new input
+shape. A check costs one dict lookup and an identity compare per value read.
+
+Not covered: values that build() itself changes while it is traced (a call counter: a side
+effect, run once per trace), values read through class attributes or module-level globals, and
+containers (lists, dicts) changed in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+
+import torch
+
+_MISSING = object()
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+# Guarded separately (module modes, guards.py) or internal to torch.
+_SKIPPED = frozenset({"training"})
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _same(now: object, then: object) -> bool:
+    """Equal as a program constant: 1 and True and 1.0 are different constants."""
+    if now is then:
+        return True
+    if type(now) is not type(then):
+        return False
+    if isinstance(now, tuple):
+        return len(now) == len(then) and all(map(_same, now, then))
+    return now == then
+
+
+class AttributeGuard:
+    """The plain attribute values a trace read: `(owner's __dict__, where, name, value)`."""
+
+    __slots__ = ("reads", "_dicts", "_names", "_values")
+
+    def __init__(self, reads: tuple[tuple[dict, str, str, object], ...] = ()):
+        self.reads = reads
+        self._dicts = [r[0] for r in reads]
+        self._names = [r[2] for r in reads]
+        self._values = [r[3] for r in reads]
+
+    def holds(self) -> bool:
+        # Every call: C-level maps (about 40 ns a value) while the objects are the ones seen
+        # last; equal objects put in their place (export re-creates conv tuples) take the slow
+        # compare once, then become the ones seen.
+        now = list(map(dict.get, self._dicts, self._names))
+        if all(map(operator.is_, now, self._values)):
+            return True
+        if all(n is v or (n is not None and _same(n, v)) or (n is None and v is None and name in d)
+               for d, name, n, v in zip(self._dicts, self._names, now, self._values)):
+            self._values = now
+            return True
+        return False
+
+    def changes(self) -> list[str]:
+        """What changed since the trace, in words."""
+        out = []
+        for attrs, where, name, value in self.reads:
+            now = attrs.get(name, _MISSING)
+            if now is not value and not _same(now, value):
+                shown = "deleted" if now is _MISSING else repr(now)
+                out.append(f"attribute {where}.{name} was {value!r}, now {shown}")
+        return out
+
+    def __len__(self) -> int:
+        return len(self.reads)
+
+
+@contextlib.contextmanager
+def recording(owners: list[tuple[str, object]]) -> Iterator[list[AttributeGuard]]:
+    """Record the plain attributes of `owners` (`(where, object)`: modules, the graph) read in
+    the block; the guard is the single item of the yielded list once the block ends.
+
+    Reads go through `object.__getattribute__` of `torch.nn.Module` and the graph's class,
+    replaced for the block only (nn.Module defines none of its own)."""
+    watched = {id(o): (where, o) for where, o in owners}
+    reads: dict[tuple[int, str], tuple[dict, str, str, object]] = {}
+
+    def getattribute(obj: object, name: str) -> object:
+        value = object.__getattribute__(obj, name)
+        owner = watched.get(id(obj))
+        if owner is not None and owner[1] is obj and name not in _SKIPPED and (id(obj), name) not in reads:
+            attrs = object.__getattribute__(obj, "__dict__")
+            if attrs.get(name, _MISSING) is value and _plain(value):
+                reads[(id(obj), name)] = (attrs, owner[0], name, value)
+        return value
+
+    classes = {torch.nn.Module} | {type(o) for _, o in owners if not isinstance(o, torch.nn.Module)}
+    patched = [c for c in classes if "__getattribute__" not in c.__dict__]
+    result: list[AttributeGuard] = []
+    for cls in patched:
+        cls.__getattribute__ = getattribute
+    try:
+        yield result
+    finally:
+        for cls in patched:
+            del cls.__getattribute__
+        # A value the traced code changed itself (`self.calls += 1`) is a side effect, not a
+        # constant: guarding it would fail on every call.
+        kept = tuple(r for r in reads.values() if _same(r[0].get(r[2], _MISSING), r[3]))
+        result.append(AttributeGuard(kept))
