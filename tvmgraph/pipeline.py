@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import tvm
 from tvm import relax
 
+from . import legalize_fixes  # noqa: F401  (registers the legalizations that replace failing ones)
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .debug import logger
 from .errors import PassError, reason_of

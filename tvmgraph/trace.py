@@ -94,7 +94,7 @@ class _BuildRoot(torch.nn.Module):
         record = self._record
         args = self._args_tree.unflatten(flat_inputs)
         amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
-        with _capture_backward(record), amp:  # export records autocast's casts as ops
+        with _capture_backward(record), _causal_hints_from_arguments(), amp:  # export records autocast's casts
             out = self._build_fn(*args)
         try:
             leaves, record.out_tree = flatten(out, "output")
@@ -115,6 +115,21 @@ class _BuildRoot(torch.nn.Module):
             # The loss joins the outputs so that autodiff can find it in the lowered program.
             leaves = [*leaves, record.backward.loss]
         return tuple(leaves)
+
+
+@contextlib.contextmanager
+def _causal_hints_from_arguments() -> Iterator[None]:
+    """nn.Transformer(Encoder/Decoder) compare a mask with the causal one to set `is_causal` (a
+    speed hint: the mask is applied either way); on traced tensors that comparison depends on
+    data and export fails. While tracing, the hint comes from the arguments only."""
+    from torch.nn.modules import transformer
+
+    original = transformer._detect_is_causal_mask
+    transformer._detect_is_causal_mask = lambda mask, is_causal=None, size=None: is_causal is True
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = original
 
 
 @contextlib.contextmanager

@@ -45,6 +45,23 @@ def _segmentation(n: int, size: int, classes: int):
                       torch.randint(0, classes, (n, size, size), generator=g))
 
 
+class Seq2Seq(nn.Module):
+    """nn.Transformer as its docs use it: a causal `tgt_mask` (its causality found by comparing
+    it with the causal mask, which export could not trace), a source padding mask and an
+    embedding whose padding row must not train."""
+
+    def __init__(self, vocab: int = 12, width: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=0)
+        self.transformer = nn.Transformer(width, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        src, tgt = self.embed(tokens), self.embed(tokens.roll(1, 1))
+        return self.head(self.transformer(src, tgt, tgt_mask=mask, src_key_padding_mask=tokens == 0))
+
+
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
 
@@ -61,4 +78,5 @@ ZOO = {
     "unet": ZooEntry(UNet, _segmentation(2, 16, 2), F.cross_entropy, _sgd),
     # SGD: nn.MultiheadAttention has a key bias (see CausalSelfAttention), which Adam would amplify.
     "vit": ZooEntry(ViT, _images(2, 16, 5), F.cross_entropy, _sgd),
+    "seq2seq": ZooEntry(Seq2Seq, _tokens(2, 6, 12), _lm_loss, _sgd),
 }
