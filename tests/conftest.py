@@ -24,6 +24,7 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),  # torch.testing's defaults
     torch.int64: dict(atol=0, rtol=0),
     torch.int8: dict(atol=0, rtol=0),
+    torch.int32: dict(atol=0, rtol=0),
     torch.uint8: dict(atol=0, rtol=0),
     torch.bool: dict(atol=0, rtol=0),
 }

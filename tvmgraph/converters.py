@@ -48,7 +48,7 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import converters_nn, converters_reduce, converters_sort, converters_special, stop_gradient
-from .converters_nn import _arg, _static_shape
+from .converters_nn import _arg, _static_shape, stock_converter
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -328,6 +328,29 @@ def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     return bb.emit(relax.op.index_put(x, relax.Tuple(full), values, accumulate))
 
 
+def add_or_sub(kind: str) -> Converter:
+    """add / sub / rsub (`a - alpha * b`, `b - alpha * a`) with `alpha`, which the stock
+    converters ignored: `ema.add_(x, alpha=0.1)` added x whole. alpha == 1 goes to them."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        alpha = _arg(node, 2, "alpha", 1)
+        if alpha == 1:
+            return stock_converter(importer, node.target.__name__)(node)
+        bb = importer.block_builder
+        dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+
+        def operand(value: object) -> relax.Expr:
+            return importer.env[value] if isinstance(value, torch.fx.Node) else relax.const(value, dtype)
+
+        first, second = operand(node.args[0]), operand(node.args[1])
+        if kind == "rsub":
+            first, second = second, first
+        second = bb.emit(relax.op.multiply(second, relax.const(alpha, dtype)))
+        return bb.emit((relax.op.add if kind == "add" else relax.op.subtract)(first, second))
+
+    return convert
+
+
 def clamp(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """clamp(x, min, max) with scalar or tensor bounds as two `where`s, so that the gradient is
     torch's: x's passes where min <= x <= max (the edges included), a tensor bound's where it
@@ -459,6 +482,12 @@ CONVERTERS: dict[str, Converter] = {
     "scatter.src": clamped_index("_scatter"),
     "scatter.value": clamped_index("_scatter_value"),
     "index_put.default": index_put,
+    "add.Tensor": add_or_sub("add"),
+    "add.Scalar": add_or_sub("add"),
+    "sub.Tensor": add_or_sub("sub"),
+    "sub.Scalar": add_or_sub("sub"),
+    "rsub.Tensor": add_or_sub("rsub"),
+    "rsub.Scalar": add_or_sub("rsub"),
     "clamp.default": clamp,
     "clamp.Tensor": clamp,
     "clamp_min.default": clamp,

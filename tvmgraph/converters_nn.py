@@ -53,6 +53,11 @@ def _arg(node: torch.fx.Node, index: int, name: str, default: object) -> object:
     return node.kwargs.get(name, default)
 
 
+def stock_converter(importer: ExportedProgramImporter, key: str):
+    """The importer's own converter for `key` (`add.Tensor`), which a custom one replaces."""
+    return importer.__dict__.setdefault("_tvmgraph_stock_converters", importer.create_convert_map())[key]
+
+
 def _static_shape(expr: relax.Expr, what: str) -> list[int]:
     shape = expr.ty.shape
     if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):

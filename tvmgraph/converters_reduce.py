@@ -36,7 +36,7 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import _arg, _static_shape
+from .converters_nn import _arg, _static_shape, stock_converter
 from .converters_sort import isnan as _isnan
 from .converters_sort import pick as _pick
 from .converters_sort import sorted_index as _sorted_index
@@ -66,6 +66,21 @@ def _lowest(dtype: object, largest: bool) -> float | int:
 
 
 # ---- reductions ----
+
+def self_comparison(key: str):
+    """`x != x` (torch's isnan idiom, in `nanmean`'s decomposition), `x == x`, `x <= x`,
+    `x >= x` on one float tensor: TVM's simplifier folds them to a constant, as if no value
+    were NaN (nanmean divided by the count of every element). Here: isnan / not isnan."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        x = importer.env.get(node.args[0])
+        if node.args[0] is not node.args[1] or x is None or "float" not in _dtype(x):
+            return stock_converter(importer, key)(node)
+        nan = _isnan(x)
+        return importer.block_builder.emit(nan if key.startswith("ne") else op.logical_not(nan))
+
+    return convert
+
 
 def _extremum(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int] | None, keepdims: bool,
               largest: bool) -> relax.Expr:
@@ -719,6 +734,10 @@ CONVERTERS = {
     "min.dim": extremum_with_index(False),
     "var_mean.correction": var_mean,
     "linalg_vector_norm.default": vector_norm,
+    "ne.Tensor": self_comparison("ne.Tensor"),
+    "eq.Tensor": self_comparison("eq.Tensor"),
+    "le.Tensor": self_comparison("le.Tensor"),
+    "ge.Tensor": self_comparison("ge.Tensor"),
     "median.default": median(ignore_nan=False),
     "median.dim": median(ignore_nan=False),
     "nanmedian.default": median(ignore_nan=True),

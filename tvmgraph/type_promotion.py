@@ -17,6 +17,8 @@ import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+from .converters_nn import stock_converter
+
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
 _COMPARISONS = {f"{op}.{kind}" for op in ("eq", "ne", "lt", "le", "gt", "ge") for kind in ("Tensor", "Scalar")}
@@ -70,8 +72,7 @@ def promoting(key: str, inner: Converter | None) -> Converter:
         def run() -> relax.Expr:
             if inner is not None:
                 return inner(node, importer)
-            stock = importer.__dict__.setdefault("_tvmgraph_stock_converters", importer.create_convert_map())
-            return stock[key](node)
+            return stock_converter(importer, key)(node)
 
         compute = computation_dtype(node, key)
         if compute is None:
