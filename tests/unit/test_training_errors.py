@@ -91,10 +91,10 @@ def test_parameter_in_two_optimizers() -> None:
         graph(torch.ones(4, 3))
 
 
-def test_capturable_adam_is_refused() -> None:
+def test_differentiable_adam_is_refused() -> None:
     model = nn.Linear(3, 2)
-    graph = Train(model, torch.optim.Adam(model.parameters(), capturable=True))
-    with pytest.raises(errors.OptimizerError, match=r"Adam\(capturable=True\) is not supported in graph mode"):
+    graph = Train(model, torch.optim.Adam(model.parameters(), differentiable=True))
+    with pytest.raises(errors.OptimizerError, match=r"Adam\(differentiable=True\) is not supported in graph mode"):
         graph(torch.ones(4, 3))
 
 

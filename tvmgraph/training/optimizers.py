@@ -39,8 +39,9 @@ class UpdateRule:
     name: str
     optimizer_class: type[torch.optim.Optimizer]
     hyper_keys: tuple[str, ...] = ()
-    # Implementation switches of torch that have no meaning inside a compiled graph.
-    unsupported: tuple[str, ...] = ("fused", "capturable", "differentiable")
+    # `fused`, `foreach` and `capturable` choose torch's kernels, with the same arithmetic: the
+    # compiled update replaces them all. `differentiable` asks for a gradient through the step.
+    unsupported: tuple[str, ...] = ("differentiable",)
 
     def check_group(self, group: dict, where: str) -> None:
         for key in self.unsupported:
