@@ -351,6 +351,29 @@ def add_or_sub(kind: str) -> Converter:
     return convert
 
 
+def divide_rounded(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """div(a, b, rounding_mode=None/'trunc'/'floor') with a scalar in the tensor's dtype (the
+    stock converter made an int64 tensor and an int32 constant, and failed to compile)."""
+    bb = importer.block_builder
+    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    mode = node.kwargs.get("rounding_mode")
+    a, b = (importer.env[v] if isinstance(v, torch.fx.Node) else relax.const(v, dtype) for v in node.args[:2])
+    if mode is None:
+        return bb.emit(relax.op.divide(a, b))
+    if "float" in dtype:
+        quotient = relax.op.divide(a, b)
+        return bb.emit(relax.op.floor(quotient) if mode == "floor" else relax.op.trunc(quotient))
+    floored = bb.emit(relax.op.floor_divide(a, b))
+    if mode == "floor":
+        return floored
+    # trunc: one more than floor where the exact quotient is negative and not whole
+    zero = relax.const(0, dtype)
+    inexact = relax.op.not_equal(relax.op.subtract(a, relax.op.multiply(floored, b)), zero)
+    negative = relax.op.logical_xor(relax.op.less(a, zero), relax.op.less(b, zero))
+    return bb.emit(relax.op.where(relax.op.logical_and(inexact, negative),
+                                  relax.op.add(floored, relax.const(1, dtype)), floored))
+
+
 def clamp(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """clamp(x, min, max) with scalar or tensor bounds as two `where`s, so that the gradient is
     torch's: x's passes where min <= x <= max (the edges included), a tensor bound's where it
@@ -488,6 +511,8 @@ CONVERTERS: dict[str, Converter] = {
     "sub.Scalar": add_or_sub("sub"),
     "rsub.Tensor": add_or_sub("rsub"),
     "rsub.Scalar": add_or_sub("rsub"),
+    "div.Tensor_mode": divide_rounded,
+    "div.Scalar_mode": divide_rounded,
     "clamp.default": clamp,
     "clamp.Tensor": clamp,
     "clamp_min.default": clamp,

@@ -6,7 +6,8 @@ computed these in the integer dtype (3 / 2 gave 1, x * 0.5 gave 0, silently) and
 compile `bool + bool`. Here the tensor inputs of each op in `PROMOTING` are cast to torch's
 computation dtype first (the output's dtype; for comparisons `torch.result_type` of the inputs;
 int8 for arithmetic on bools), so the importer's constants take that dtype too, and the result
-is cast to the dtype torch gives where they still differ.
+is cast to the dtype torch gives where they still differ. `cumsum`, `cumprod` and `prod` of
+int32, int8 or bool count in int64, as torch's do (they overflowed in int32, or failed).
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ _FLOAT_MATH = {f"{name}.default" for name in (
     "sqrt", "rsqrt", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan",
     "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf",
     "erfc", "erfinv", "reciprocal", "lgamma", "digamma")}
-PROMOTING = _COMPARISONS | _ARITHMETIC | _FLOAT_MATH
+# Reductions and scans that accumulate small integers and bools in int64 (and honour `dtype=`):
+# only their input is cast.
+_ACCUMULATING = {"cumsum.default", "cumprod.default", "prod.default", "prod.dim_int"}
+PROMOTING = _COMPARISONS | _ARITHMETIC | _FLOAT_MATH | _ACCUMULATING
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -79,7 +83,7 @@ def promoting(key: str, inner: Converter | None) -> Converter:
             return run()
         target = _torch_dtype_name(compute)
         bb = importer.block_builder
-        args = node.args[1:] if key == "where.self" else node.args
+        args = node.args[1:] if key == "where.self" else node.args[:1] if key in _ACCUMULATING else node.args
         saved = {}
         for arg in args:
             if isinstance(arg, torch.fx.Node) and arg not in saved:
