@@ -36,6 +36,10 @@ _DATA_DEPENDENT_HINT = (
     "(`if x.sum() > 0:`) and .item()/.tolist() cannot be traced. Rewrite them with torch.where / "
     "torch.cond, or compute them outside the graph."
 )
+# What torch.export says when build() reads `tensor.data`.
+_DOT_DATA_MARKER = "fake tensor in the exported program constant"
+_DOT_DATA_HINT = ("\n`tensor.data` inside build() cannot be traced: use `tensor.detach()` (the same values, "
+                  "no gradient), which the graph keeps.")
 
 
 def tracing_graph() -> str | None:
@@ -210,6 +214,8 @@ def trace_build(
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
         hint = _DATA_DEPENDENT_HINT if any(m in str(e) for m in _DATA_DEPENDENT_MARKERS) else ""
+        if _DOT_DATA_MARKER in str(e):
+            hint = _DOT_DATA_HINT
         if dynamic_batch and _SPECIALIZED_MARKER in str(e):
             hint = DYNAMIC_BATCH_HINT
         raise TraceError(

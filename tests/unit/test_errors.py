@@ -8,7 +8,7 @@ from torch import nn
 
 import tvmgraph
 from tvmgraph import errors
-from tests.conftest import ModuleGraph, TrainGraph
+from tests.conftest import Fn, ModuleGraph, TrainGraph
 
 
 class TwoInputs(tvmgraph.nn.Graph):
@@ -112,6 +112,14 @@ def test_data_dependent_control_flow_is_a_trace_error() -> None:
 
     graph = Branchy()
     with pytest.raises(errors.TraceError, match=rf"{graph.name}: torch.export could not trace build\(\)"):
+        graph(torch.ones(3))
+
+
+def test_dot_data_in_build_names_detach() -> None:
+    """torch.export's own message ("a fake tensor in the exported program constant's list")
+    says nothing a user can act on."""
+    graph = ModuleGraph(Fn(lambda x: x * x.data))
+    with pytest.raises(errors.TraceError, match=r"`tensor.data` inside build\(\) cannot be traced: use `tensor.detach\(\)`"):
         graph(torch.ones(3))
 
 
