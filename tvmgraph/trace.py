@@ -216,6 +216,12 @@ def trace_build(
         hint = _DATA_DEPENDENT_HINT if any(m in str(e) for m in _DATA_DEPENDENT_MARKERS) else ""
         if _DOT_DATA_MARKER in str(e):
             hint = _DOT_DATA_HINT
+        cumulative = [path for path, m in root.named_modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                      and m.training and m.track_running_stats and m.momentum is None]
+        if hint == _DATA_DEPENDENT_HINT and cumulative:
+            hint = (f"\n'{cumulative[0]}' is a batch norm with momentum=None: its cumulative average divides by "
+                    f"the number of batches seen so far, a Python float of a buffer that tracing cannot read. "
+                    f"Give it a momentum (0.1 is torch's default), or train that module eagerly.")
         if dynamic_batch and _SPECIALIZED_MARKER in str(e):
             hint = DYNAMIC_BATCH_HINT
         raise TraceError(
