@@ -6,7 +6,9 @@ and inlines the block. The Relax program, differentiated as a whole, then sent g
 them: `x * x.detach()` trained with twice torch's gradient, and a teacher's output computed
 under no_grad was differentiated. `mark(exported)`, run right after export, rewrites them into
 `tvmgraph::stop_gradient`, an op that survives decomposition and lowers to `relax.grad.no_grad`
-(the identity, with no gradient).
+(the identity, with no gradient). Under AMP, export splits the program into autocast regions:
+`mark` looks into them for detach, and `StopWhereGradIsOff`, active while build() is traced,
+stops the results of ops run in a no_grad block (whose region export loses there).
 """
 
 from __future__ import annotations
@@ -36,8 +38,17 @@ _SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
 def mark(exported: torch.export.ExportedProgram) -> int:
     """Rewrite `exported` in place: each `detach` becomes a stop, and so does each tensor that
-    leaves a no_grad block. Returns how many stops it placed; running it again places none."""
-    graph = exported.graph_module.graph
+    leaves a no_grad block, in the program and in the regions of its higher-order ops (AMP's
+    autocast regions). Returns how many stops it placed; running it again places none."""
+    placed = 0
+    for module in exported.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            placed += _mark_graph(module)
+    return placed
+
+
+def _mark_graph(module: torch.fx.GraphModule) -> int:
+    graph = module.graph
     placed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -54,8 +65,21 @@ def mark(exported: torch.export.ExportedProgram) -> int:
                     out.replace_all_uses_with(stop, delete_user_cb=lambda user, stop=stop: user is not stop)
                     placed += 1
     if placed:
-        exported.graph_module.recompile()
+        module.recompile()
     return placed
+
+
+class StopWhereGradIsOff(torch.overrides.TorchFunctionMode):
+    """While build() runs under AMP: the result of every op run with gradients off (a no_grad
+    block) goes through stop_gradient. Export splits an autocast program into regions and loses
+    the no_grad block's own region, which `mark` reads otherwise."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            return out
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: _STOP(t) if t.is_floating_point() else t, out)
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

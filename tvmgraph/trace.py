@@ -98,7 +98,8 @@ class _BuildRoot(torch.nn.Module):
         record = self._record
         args = self._args_tree.unflatten(flat_inputs)
         amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
-        with _capture_backward(record), _causal_hints_from_arguments(), amp:  # export records autocast's casts
+        stops = stop_gradient.StopWhereGradIsOff() if record.autocast else contextlib.nullcontext()
+        with _capture_backward(record), _causal_hints_from_arguments(), amp, stops:  # export records autocast's casts
             out = self._build_fn(*args)
         try:
             leaves, record.out_tree = flatten(out, "output")

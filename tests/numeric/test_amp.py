@@ -330,3 +330,36 @@ def test_bfloat16_kernels_storing_constants_compile() -> None:
     graph = ModuleGraph(nn.MaxPool2d(3, stride=1, padding=1))
     x = torch.randn(2, 4, 8, 8).bfloat16()
     assert torch.equal(graph(x), nn.functional.max_pool2d(x, 3, 1, 1))
+
+
+class StopsGradients(nn.Module):
+    """x * x.detach() and a no_grad block: under autocast, export splits the program into
+    regions and loses the no_grad block's own (tvmgraph/stop_gradient.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        with torch.no_grad():
+            z = y * 2
+        return y * y.detach() + y * z
+
+
+def test_detach_and_no_grad_stop_gradients_under_amp() -> None:
+    """Gradients through the detached tensors would double and triple the update."""
+    torch.manual_seed(0)
+    model = StopsGradients()
+    reference = copy.deepcopy(model)
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    graph.config.enable_amp(True)
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, target = torch.randn(8, 4), torch.randn(8, 4)
+    graph(x, target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.MSELoss()(reference(x), target)
+    loss.backward()
+    eager_optimizer.step()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), **BF16_OUT_TOL)
