@@ -63,7 +63,8 @@ def computation_dtype(node: torch.fx.Node, key: str) -> torch.dtype | None:
         values = [_value(a) for a in node.args[:2]]
         if any(v is None for v in values) or not any(isinstance(v, torch.Tensor) for v in values):
             return None
-        return torch.result_type(*values)
+        common = torch.result_type(*values)
+        return torch.int8 if common == torch.bool else common  # TVM cannot compare bools
     if out.dtype == torch.bool:  # add/mul/max of bools: integer arithmetic, then back to bool
         return torch.int8
     return out.dtype
