@@ -48,7 +48,7 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import converters_nn, converters_reduce, converters_sort, converters_special, stop_gradient
-from .converters_nn import _arg, _static_shape, stock_converter
+from .converters_nn import _arg, _dtype, _static_shape, operand, result_dtype, stock_converter
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -124,10 +124,6 @@ def batch_norm_with_update(node: torch.fx.Node, importer: ExportedProgramImporte
         bb.emit(relax.TupleGetItem(batch_norm_train(legit, importer), i)) for i in range(5))
     reserve = relax.const(np.zeros(0, dtype="uint8"), "uint8")
     return bb.emit(relax.Tuple([out, mean, invstd, reserve, new_mean, new_var]))
-
-
-def _dtype(expr: relax.Expr) -> str:
-    return expr.ty.dtype.dtype
 
 
 def matmul(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -337,12 +333,8 @@ def add_or_sub(kind: str) -> Converter:
         if alpha == 1:
             return stock_converter(importer, node.target.__name__)(node)
         bb = importer.block_builder
-        dtype = str(node.meta["val"].dtype).removeprefix("torch.")
-
-        def operand(value: object) -> relax.Expr:
-            return importer.env[value] if isinstance(value, torch.fx.Node) else relax.const(value, dtype)
-
-        first, second = operand(node.args[0]), operand(node.args[1])
+        dtype = result_dtype(node)
+        first, second = (operand(importer, v, dtype) for v in node.args[:2])
         if kind == "rsub":
             first, second = second, first
         second = bb.emit(relax.op.multiply(second, relax.const(alpha, dtype)))
@@ -355,9 +347,9 @@ def divide_rounded(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
     """div(a, b, rounding_mode=None/'trunc'/'floor') with a scalar in the tensor's dtype (the
     stock converter made an int64 tensor and an int32 constant, and failed to compile)."""
     bb = importer.block_builder
-    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    dtype = result_dtype(node)
     mode = node.kwargs.get("rounding_mode")
-    a, b = (importer.env[v] if isinstance(v, torch.fx.Node) else relax.const(v, dtype) for v in node.args[:2])
+    a, b = (operand(importer, v, dtype) for v in node.args[:2])
     if mode is None:
         return bb.emit(relax.op.divide(a, b))
     if "float" in dtype:
@@ -381,7 +373,7 @@ def clamp(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     hardtanh's does), `maximum`/`minimum` (which split it in two at the edges) and an infinite
     bound that integer tensors cannot hold. Everything is computed in torch's result dtype."""
     bb = importer.block_builder
-    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    dtype = result_dtype(node)
     x = importer.env[node.args[0]]
     bounds = [_arg(node, 1, "min", None), _arg(node, 2, "max", None)]
     if node.target.__name__.startswith("clamp_max"):

@@ -53,6 +53,25 @@ def _arg(node: torch.fx.Node, index: int, name: str, default: object) -> object:
     return node.kwargs.get(name, default)
 
 
+def _dtype(expr: relax.Expr) -> str:
+    return expr.ty.dtype.dtype
+
+
+def result_dtype(node: torch.fx.Node) -> str:
+    """The dtype torch gives `node`'s result (`float32`), read from the traced value."""
+    return str(node.meta["val"].dtype).removeprefix("torch.")
+
+
+def operand(importer: ExportedProgramImporter, value: object, dtype: str) -> relax.Expr:
+    """An op's argument: a traced tensor's Relax value, or a Python number as a `dtype` constant."""
+    return importer.env[value] if isinstance(value, torch.fx.Node) else relax.const(value, dtype)
+
+
+def isnan(x: relax.Expr) -> relax.Expr:
+    """isnan for every float dtype: TVM's rejects bfloat16 (and its simplifier folds `x != x`)."""
+    return relax.op.isnan(relax.op.astype(x, "float32") if _dtype(x) in _HALF else x)
+
+
 def stock_converter(importer: ExportedProgramImporter, key: str):
     """The importer's own converter for `key` (`add.Tensor`), which a custom one replaces."""
     return importer.__dict__.setdefault("_tvmgraph_stock_converters", importer.create_convert_map())[key]

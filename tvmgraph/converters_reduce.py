@@ -36,16 +36,12 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import _arg, _static_shape, stock_converter
-from .converters_sort import isnan as _isnan
+from .converters_nn import _arg, _dtype, _static_shape, stock_converter
+from .converters_nn import isnan as _isnan
 from .converters_sort import pick as _pick
 from .converters_sort import sorted_index as _sorted_index
 
 op = relax.op
-
-
-def _dtype(expr: relax.Expr) -> str:
-    return expr.ty.dtype.dtype
 
 
 def _env(importer: ExportedProgramImporter, value: object) -> relax.Expr | None:

@@ -18,21 +18,12 @@ import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import _arg
+from .converters_nn import _arg, _dtype, isnan
 
 op = relax.op
 
 # Key dtypes TVM's sort kernel orders correctly; others are widened first (exactly).
 _KEY_DTYPE = {"bfloat16": "float32", "bool": "int32", "int8": "int32", "uint8": "int32", "int16": "int32"}
-
-
-def _dtype(expr: relax.Expr) -> str:
-    return expr.ty.dtype.dtype
-
-
-def isnan(x: relax.Expr) -> relax.Expr:
-    """isnan for every float dtype: TVM's rejects bfloat16."""
-    return op.isnan(op.astype(x, "float32") if _dtype(x) in ("float16", "bfloat16") else x)
 
 
 def order(bb: relax.BlockBuilder, x: relax.Expr, dim: int, descending: bool) -> relax.Expr:
@@ -65,8 +56,7 @@ def _dim(node: torch.fx.Node, x: relax.Expr, index: int, default: int = -1) -> i
 
 
 def _sort_args(node: torch.fx.Node, x: relax.Expr) -> tuple[int, bool]:
-    if node.target.__name__.endswith(".stable"):  # sort.stable(self, *, stable, dim, descending)
-        return int(node.kwargs.get("dim", -1)) % max(x.ty.ndim, 1), bool(node.kwargs.get("descending", False))
+    """(dim, descending); `sort.stable` has them as keywords, which `_arg` reads too."""
     return _dim(node, x, 1), bool(_arg(node, 2, "descending", False))
 
 

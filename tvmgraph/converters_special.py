@@ -24,6 +24,8 @@ from tvm import relax, te
 from tvm import tirx as tir
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+from .converters_nn import result_dtype
+
 F64 = "float64"
 Expr = tir.Expr
 
@@ -480,10 +482,6 @@ def _register_gradients() -> None:
 _register_gradients()
 
 
-def _dtype_of(node: torch.fx.Node) -> str:
-    return str(node.meta["val"].dtype).removeprefix("torch.")
-
-
 def _shape_of(node: torch.fx.Node) -> list[int]:
     shape = node.meta["val"].shape
     if not all(isinstance(d, int) for d in shape):
@@ -519,7 +517,7 @@ def elementwise(name: str, tensor_args: Sequence[int] = (0,), **params: object) 
 
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         args = [node.args[i] for i in tensor_args]
-        return apply(importer, name, args, _dtype_of(node), _shape_of(node), **params)
+        return apply(importer, name, args, result_dtype(node), _shape_of(node), **params)
 
     return convert
 
@@ -529,14 +527,14 @@ def polygamma_converter(node: torch.fx.Node, importer: ExportedProgramImporter) 
     n = int(node.args[0])
     if n < 0:
         raise NotImplementedError(f"polygamma of negative order {n}")
-    return apply(importer, "polygamma", [node.args[1]], _dtype_of(node), _shape_of(node), n=n)
+    return apply(importer, "polygamma", [node.args[1]], result_dtype(node), _shape_of(node), n=n)
 
 
 def heaviside(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """values where x == 0, else (x > 0), in the result's dtype (the stock converter mixes a
     float32 constant into other dtypes); NaN gives 0, as torch."""
     bb = importer.block_builder
-    dtype = _dtype_of(node)
+    dtype = result_dtype(node)
     x, values = (importer.env[a] for a in node.args[:2])
     x, values = (v if v.ty.dtype.dtype == dtype else bb.emit(relax.op.astype(v, dtype)) for v in (x, values))
     zero = relax.const(0, dtype)

@@ -30,6 +30,12 @@ _stop = torch.ops.tvmgraph.stop_gradient.default
 _REDUCTION_NONE, _REDUCTION_MEAN = 0, 1
 
 
+def _reduce(loss: torch.Tensor, reduction: int) -> torch.Tensor:
+    if reduction == _REDUCTION_MEAN:
+        return loss.mean()
+    return loss if reduction == _REDUCTION_NONE else loss.sum()
+
+
 def multilabel_margin_loss_forward(input: torch.Tensor, target: torch.Tensor,
                                    reduction: int) -> tuple[torch.Tensor, torch.Tensor]:
     target_shape = target.shape
@@ -44,19 +50,9 @@ def multilabel_margin_loss_forward(input: torch.Tensor, target: torch.Tensor,
     z = torch.where(z > 0, z, 0.0) / dim
     z = torch.where(is_target.unsqueeze(1) | ~in_use.unsqueeze(-1), 0.0, z)
     loss = z.sum(dim=(1, 2))
-    if reduction == _REDUCTION_MEAN:
-        loss = loss.mean()
-    elif reduction != _REDUCTION_NONE:
-        loss = loss.sum()
-    elif input.dim() <= 1:
+    if input.dim() <= 1:
         loss = loss.reshape(())
-    return loss, is_target.to(input.dtype).reshape(target_shape)
-
-
-def _reduce(loss: torch.Tensor, reduction: int) -> torch.Tensor:
-    if reduction == _REDUCTION_MEAN:
-        return loss.mean()
-    return loss if reduction == _REDUCTION_NONE else loss.sum()
+    return _reduce(loss, reduction), is_target.to(input.dtype).reshape(target_shape)
 
 
 def binary_cross_entropy(p: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,

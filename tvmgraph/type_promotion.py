@@ -18,7 +18,7 @@ import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import stock_converter
+from .converters_nn import result_dtype, stock_converter
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -47,11 +47,12 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
 
 def _value(arg: object) -> object:
     """What `torch.result_type` reads for an argument: a tensor's dtype, or the number."""
-    if isinstance(arg, torch.fx.Node):
-        val = arg.meta.get("val")
-        return torch.empty((), dtype=val.dtype) if isinstance(val, torch.Tensor) and val.dim() == 0 else \
-            torch.empty((1,), dtype=val.dtype) if isinstance(val, torch.Tensor) else None
-    return arg
+    if not isinstance(arg, torch.fx.Node):
+        return arg
+    val = arg.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return torch.empty((1,) if val.dim() else (), dtype=val.dtype)  # a 0-d tensor promotes less
 
 
 def computation_dtype(node: torch.fx.Node, key: str) -> torch.dtype | None:
@@ -97,7 +98,7 @@ def promoting(key: str, inner: Converter | None) -> Converter:
             out = run()
         finally:
             importer.env.update(saved)
-        want = _torch_dtype_name(node.meta["val"].dtype)
+        want = result_dtype(node)
         if isinstance(out, relax.Expr) and isinstance(out.ty, relax.TensorType) and out.ty.dtype.dtype != want:
             out = bb.emit(relax.op.astype(out, want))
         return out
