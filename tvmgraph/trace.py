@@ -214,20 +214,8 @@ def trace_build(
     except TvmGraphError:
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
-        hint = _DATA_DEPENDENT_HINT if any(m in str(e) for m in _DATA_DEPENDENT_MARKERS) else ""
-        if _DOT_DATA_MARKER in str(e):
-            hint = _DOT_DATA_HINT
-        cumulative = [path for path, m in root.named_modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                      and m.training and m.track_running_stats and m.momentum is None]
-        if hint == _DATA_DEPENDENT_HINT and cumulative:
-            hint = (f"\n'{cumulative[0]}' is a batch norm with momentum=None: its cumulative average divides by "
-                    f"the number of batches seen so far, a Python float of a buffer that tracing cannot read. "
-                    f"Give it a momentum (0.1 is torch's default), or train that module eagerly.")
-        if dynamic_batch and _SPECIALIZED_MARKER in str(e):
-            hint = DYNAMIC_BATCH_HINT
-        raise TraceError(
-            f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}{hint}"
-        ) from e
+        raise TraceError(f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}"
+                         f"{_trace_hint(str(e), root, dynamic_batch)}") from e
     finally:
         _state.graph_name = None
         for h in handles:
@@ -235,6 +223,23 @@ def trace_build(
     assert record.out_tree is not None
     stop_gradient.mark(exported)
     return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0])
+
+
+def _trace_hint(message: str, root: torch.nn.Module, dynamic_batch: bool) -> str:
+    """What to add to torch.export's `message`: the likely cause in build(), and its fix."""
+    if dynamic_batch and _SPECIALIZED_MARKER in message:
+        return DYNAMIC_BATCH_HINT
+    if _DOT_DATA_MARKER in message:
+        return _DOT_DATA_HINT
+    if not any(m in message for m in _DATA_DEPENDENT_MARKERS):
+        return ""
+    cumulative = [path for path, m in root.named_modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                  and m.training and m.track_running_stats and m.momentum is None]
+    if cumulative:
+        return (f"\n'{cumulative[0]}' is a batch norm with momentum=None: its cumulative average divides by "
+                f"the number of batches seen so far, a Python float of a buffer that tracing cannot read. "
+                f"Give it a momentum (0.1 is torch's default), or train that module eagerly.")
+    return _DATA_DEPENDENT_HINT
 
 
 def _record_frames_of(build: Callable) -> None:
