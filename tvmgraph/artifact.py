@@ -221,6 +221,8 @@ def layout_to_json(layout: TrainStepLayout) -> dict[str, Any]:
         "accumulation_steps": layout.accumulation_steps,
         "loss_scaling": layout.loss_scaling,
         "ranks": layout.ranks,
+        "pipelined": layout.pipelined,
+        "input_grads": list(layout.input_grads),
     }
 
 
@@ -232,7 +234,9 @@ def layout_from_json(doc: Mapping[str, Any]) -> TrainStepLayout:
         states.append((_str(target), _str(key), _shape(shape), dtype))
     return TrainStepLayout(tuple(_int(i) for i in _list(doc["grad_indices"])), tuple(states),
                            _int(doc["num_groups"]), accumulation_steps=_int(doc["accumulation_steps"]),
-                           loss_scaling=doc.get("loss_scaling", False) is True, ranks=_int(doc["ranks"]))
+                           loss_scaling=doc.get("loss_scaling", False) is True, ranks=_int(doc["ranks"]),
+                           pipelined=doc.get("pipelined", False) is True,
+                           input_grads=tuple(_int(i) for i in _list(doc.get("input_grads", []))))
 
 
 def encode_meta(meta: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:

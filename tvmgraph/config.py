@@ -76,6 +76,11 @@ class CompileOptions:
     tuning: bool = True
     tuning_name: str | None = None  # the tuning log's graph name; None: the Graph subclass's name
     dynamic_batch: bool = False
+    # Pipeline parallelism (training/pipeline_parallel.py): (module path, stage, rank) of each
+    # module given a stage; in the program of one stage, (its index, how many of its first
+    # inputs are activations received from other stages).
+    pipeline_stages: tuple[tuple[str, int, int], ...] = ()
+    pipeline_stage: tuple[int, int] | None = None
 
     def changes_from(self, old: CompileOptions) -> list[str]:
         """`name old -> new` for each option that differs from `old`."""
@@ -99,7 +104,7 @@ class GraphConfig:
     _OPTIONS = ("amp", "amp_dtype", "zero", "data_parallel", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
                 "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name",
-                "activation_checkpointing", "dynamic_batch")
+                "activation_checkpointing", "dynamic_batch", "pipeline_stages")
 
     def __init__(self) -> None:
         self.training = False
@@ -120,6 +125,7 @@ class GraphConfig:
         self.tuning_name = None
         self.activation_checkpointing: tuple[str, ...] = ()  # set through graph.<module>.to(GraphModule)
         self.dynamic_batch = False
+        self.pipeline_stages: tuple[tuple[str, int, int], ...] = ()  # set through GraphModule.set_stage
         self._defaults = self.options()
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -280,6 +286,13 @@ class GraphConfig:
             paths.discard(path)
         self.activation_checkpointing = tuple(sorted(paths))
 
+    def _set_stage(self, path: str, stage: int, rank: int) -> None:
+        """`graph.<path>.to(tvmgraph.nn.GraphModule).set_stage(stage, placement)`
+        (tvmgraph/graph_module.py): per-module, it shapes the program like any option."""
+        stages = {p: (s, r) for p, s, r in self.pipeline_stages}
+        stages[path] = (stage, rank)
+        self.pipeline_stages = tuple(sorted((p, s, r) for p, (s, r) in stages.items()))
+
     def enable_dynamic_batch(self, mode: bool = True) -> None:
         """Compile one program for every batch size (default: off; tvmgraph's own option).
 
@@ -313,7 +326,7 @@ class GraphConfig:
                 cpu_schedules=settings.cpu_schedules, fast_math=settings.fast_math,
                 llvm_opt_level=settings.llvm_opt_level, tuning=self.tuning and settings.tuning,
                 tuning_name=self.tuning_name, activation_checkpointing=self.activation_checkpointing,
-                dynamic_batch=self.dynamic_batch,
+                dynamic_batch=self.dynamic_batch, pipeline_stages=self.pipeline_stages,
             )
             object.__setattr__(self, "_snapshot", snap)
             object.__setattr__(self, "_snapshot_ranks", ranks)

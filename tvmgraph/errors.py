@@ -91,6 +91,11 @@ class DistributedError(TvmGraphError, RuntimeError):
     the ranks ran different programs, or a distributed option has no process group to run in."""
 
 
+class PipelineError(TvmGraphError, ValueError):
+    """build() cannot be cut into the pipeline stages given with `GraphModule.set_stage`: the
+    stages do not follow the computation, a weight is shared by two stages, a stage runs no op."""
+
+
 class RecompileLimitError(TvmGraphError, RuntimeError):
     """A graph was asked to compile more entries than `GraphConfig.set_recompile_limit` allows."""
 

@@ -55,6 +55,7 @@ from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
 from .training.accumulation import first_micro_batch
 from .training.data_parallel import DataParallel, Ranks
+from .training.pipeline_parallel import PipelineEntry, compile_pipeline
 from .training.optimizers import rule_for
 from .training.plan import CLIP_MAX_NORM, CLIP_NORM_TYPE
 
@@ -78,7 +79,7 @@ class _GraphState:
     attributes and ours never collide."""
 
     __slots__ = ("name", "config", "log", "modules", "guard", "entries",
-                 "last", "build_params", "optimizers", "step", "grad_scaler", "data_parallel")
+                 "last", "build_params", "optimizers", "step", "grad_scaler", "data_parallel", "pipeline")
 
     def __init__(self, name: str, cls: str):
         self.name = name
@@ -94,6 +95,7 @@ class _GraphState:
         self.step = 0  # training steps run, part of the graph's state_dict
         self.grad_scaler: torch.amp.GradScaler | None = None  # set_grad_scaler (tvmgraph/amp.py)
         self.data_parallel: DataParallel | None = None  # in a process group (training/data_parallel.py)
+        self.pipeline: PipelineEntry | None = None  # the last pipelined entry (training/pipeline_parallel.py)
 
 
 class Graph:
@@ -237,6 +239,8 @@ class Graph:
         optimizers = [o for o, _ in st.optimizers]
         if parallel is not None and st.config.zero:  # each rank holds its share: gather the whole state
             optimizer_states = parallel.gather_optimizer_states(optimizers)
+        elif st.pipeline is not None:  # each rank trains one stage: gather the whole model and state
+            optimizer_states = st.pipeline.gather_state(optimizers)
         else:
             optimizer_states = [o.state_dict() for o in optimizers]
         return {
@@ -376,6 +380,12 @@ class Graph:
     def _parallel(self, st: _GraphState) -> DataParallel | None:
         """The graph's data-parallel state when it trains in a process group of 2 or more ranks."""
         if not st.optimizers:
+            return None
+        if st.config.pipeline_stages:  # each rank runs one stage (training/pipeline_parallel.py)
+            if st.config.zero:
+                raise UnsupportedOptionError(f"{st.name}: enable_zero with pipeline stages (set_stage) is not "
+                                             f"implemented: each rank already keeps only its stage's optimizer "
+                                             f"state. Turn enable_zero off.")
             return None
         ranks = Ranks.current() if st.config.data_parallel else None
         if ranks is None:
@@ -558,8 +568,12 @@ class Graph:
         plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters, options,
                                    _enabled(st.grad_scaler))
         device = flat[0].device if flat else entry.module_device(st.modules)
-        compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, options, st.modules,
-                                         st.log, self.build)
+        if options.pipeline_stages:
+            compiled = st.pipeline = compile_pipeline(type(self).__name__, traced, flat, st.optimizers, st.modules,
+                                                      options, device, st.log)
+        else:
+            compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, options, st.modules,
+                                             st.log, self.build)
         st.entries.setdefault(signature, []).append(compiled)
         st.guard.current(bool(st.optimizers))  # tracing registers modules: absorb that epoch change now
         return compiled

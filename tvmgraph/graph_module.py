@@ -7,7 +7,8 @@ forwards everything else to the module (attributes, calls, indexing, `isinstance
 uses `graph.model` as the torch module keeps working; `.to(torch.nn.Module)` is the module itself
 (for an identity check: `graph.model.to(torch.nn.Module) is model`).
 
-The options live in the graph's `GraphConfig` (`activation_checkpointing`: the paths switched on),
+The options live in the graph's `GraphConfig` (`activation_checkpointing`: the paths switched on;
+`pipeline_stages`: (path, stage, rank) of each module given a stage),
 so a change compiles the program again at the next call, like any other option.
 """
 
@@ -18,18 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import ConfigError, UnsupportedOptionError
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import GraphConfig
 
-# OneFlow's per-module options that tvmgraph does not implement, and why.
-_ONEFLOW_ONLY = {
-    "set_stage": "pipeline parallelism over devices is not implemented",
-    "stage_id": "pipeline parallelism over devices is not implemented",
-    "stage_placement": "pipeline parallelism over devices is not implemented",
-}
-_OPTIONS = ("activation_checkpointing",)
+_SETTABLE = ("activation_checkpointing",)
+_OPTIONS = ("activation_checkpointing", "set_stage", "stage_id", "stage_placement")
 
 
 class GraphModule:
@@ -64,28 +60,55 @@ class GraphModule:
                               f"or False, got {mode!r}")
         self._config._checkpoint_module(self._path, mode)
 
-    def set_stage(self, *args: Any, **kwargs: Any) -> None:
-        raise self._unsupported("set_stage")
+    def set_stage(self, stage_id: int, placement: Any = None) -> None:
+        """Run this module on pipeline stage `stage_id`, on the torch.distributed rank
+        `placement` (an int, a list of one rank, or an object with `.ranks` such as OneFlow's
+        placement; default: the rank numbered `stage_id`). docs/distributed.md, "Pipeline stages"."""
+        if type(stage_id) is not int or stage_id < 0:
+            raise ConfigError(f"{self._graph}: {self._path}.to(GraphModule).set_stage(stage_id, placement) takes a "
+                              f"stage number >= 0, got {stage_id!r}")
+        self._config._set_stage(self._path, stage_id, _rank_of(placement, stage_id, self._graph, self._path))
+
+    @property
+    def stage_id(self) -> int | None:
+        """The pipeline stage set with `set_stage`, or None."""
+        return next((s for p, s, _ in self._config.pipeline_stages if p == self._path), None)
+
+    @property
+    def stage_placement(self) -> int | None:
+        """The rank that runs this module's stage, or None."""
+        return next((r for p, _, r in self._config.pipeline_stages if p == self._path), None)
 
     def __getattr__(self, name: str) -> Any:
-        if name in _ONEFLOW_ONLY:
-            raise self._unsupported(name)
         raise AttributeError(f"{self._graph}: GraphModule of '{self._path}' has no option {name!r}; "
                              f"tvmgraph's per-module options are: {', '.join(_OPTIONS)}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OPTIONS:
+        if name in _SETTABLE:
             object.__setattr__(self, name, value)
+        elif name in _OPTIONS:
+            raise ConfigError(f"{self._graph}: GraphModule.{name} of '{self._path}' is read-only; set the stage with "
+                              f"graph.{self._path}.to(tvmgraph.nn.GraphModule).set_stage(stage_id, placement)")
         else:
             self.__getattr__(name)  # raises: an unknown option is never silently kept
 
-    def _unsupported(self, name: str) -> UnsupportedOptionError:
-        return UnsupportedOptionError(
-            f"{self._graph}: GraphModule.{name} of '{self._path}' is not implemented in tvmgraph "
-            f"({_ONEFLOW_ONLY[name]}); tvmgraph's per-module options are: {', '.join(_OPTIONS)}")
-
     def __repr__(self) -> str:
-        return f"GraphModule({self._path}, activation_checkpointing={self.activation_checkpointing})"
+        stage = f", stage_id={self.stage_id}, stage_placement={self.stage_placement}" if self.stage_id is not None else ""
+        return f"GraphModule({self._path}, activation_checkpointing={self.activation_checkpointing}{stage})"
+
+
+def _rank_of(placement: Any, stage_id: int, graph: str, path: str) -> int:
+    """The one rank a stage's `placement` names."""
+    if placement is None:
+        return stage_id
+    ranks = getattr(placement, "ranks", placement)
+    if isinstance(ranks, (list, tuple)) and len(ranks) == 1:
+        ranks = ranks[0]
+    if type(ranks) is not int or ranks < 0:
+        raise ConfigError(f"{graph}: {path}.to(GraphModule).set_stage({stage_id}, placement) takes the rank that runs "
+                          f"the stage (an int, or a list of one rank), got {placement!r}. tvmgraph runs each "
+                          f"stage on one rank of the torch.distributed process group.")
+    return ranks
 
 
 def unwrap(value: Any) -> Any:

@@ -93,10 +93,13 @@ class TracedGraph:
                     f"{self.graph_name}: a grad scaler (set_grad_scaler) with gradient accumulation or data "
                     f"parallel training is not implemented yet: bfloat16 AMP on CPU needs no loss scaling "
                     f"(set_grad_scaler(None)), or set_gradient_accumulation_steps(1) in one process.")
-            if steps > 1 or ranks > 1:
+            pipelined = options.pipeline_stage is not None
+            if steps > 1 or ranks > 1 or pipelined:
                 mod, layout = append_accumulation(mod, plan, grad_indices, loss_index, steps, report,
                                                   self.graph_name, origins, regions, ranks,
-                                                  update_plan(plan, options, self.graph_name))
+                                                  update_plan(plan, options, self.graph_name),
+                                                  _received(sig, options.pipeline_stage[1]) if pipelined else (),
+                                                  pipelined)
             else:
                 mod, layout = append_train_step(mod, plan, grad_indices, loss_index, report, self.graph_name,
                                                 origins, regions)
@@ -111,6 +114,14 @@ class TracedGraph:
         if idle and report is not None:
             report(f"activation_checkpointing: {', '.join(sorted(idle))} ran no op in build(); nothing to recompute")
         return regions
+
+
+def _received(sig: lowering.LoweredSignature, count: int) -> list[int]:
+    """The main parameters of a pipeline stage's first `count` user inputs, the activations it
+    received (training/pipeline_parallel.py), that are floating point: their gradients go back
+    to the stage that sent them."""
+    users = [i for i, s in enumerate(sig.inputs) if s.kind == "user"][:count]
+    return [i for i in users if sig.input_types[i][1] in ("float16", "float32", "float64")]
 
 
 class LoweredGraph:

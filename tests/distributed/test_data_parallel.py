@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed.worker import GLOBAL_BATCH, STEPS, adam, data_for, model_for, sgd
+from tests.distributed.worker import GLOBAL_BATCH, MICRO_BATCHES, STEPS, adam, data_for, model_for, sgd
 
 pytestmark = pytest.mark.slow
 
@@ -126,3 +127,69 @@ def test_a_dead_rank_ends_the_others_with_an_error_within_the_timeout(tmp_path: 
     assert result["error"] is not None and result["step"] == 2, result
     assert "rank 0 of 2" in result["error"] and "Another rank most likely stopped" in result["error"]
     assert result["seconds"] < 60
+
+
+# ---- pipeline stages (GraphModule.set_stage): each rank runs one stage of the model ----
+
+def one_process_accumulating(case: str, steps: int = STEPS) -> tuple[nn.Module, list[float]]:
+    """Eager training on the whole global batch as MICRO_BATCHES accumulated micro-batches."""
+    model = model_for(case)
+    optimizer = adam(model) if "adam" in case else sgd(model)
+    losses = []
+    for x, y in data_for(case)[:steps]:
+        optimizer.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES)):
+            loss = nn.functional.cross_entropy(model(xs), ys)
+            (loss / MICRO_BATCHES).backward()
+            total += loss.item() / MICRO_BATCHES
+        optimizer.step()
+        losses.append(total)
+    return model, losses
+
+
+@pytest.mark.parametrize("case", ["pipeline_mlp", "pipeline_mlp_adam", "pipeline_cnn"])
+def test_two_pipeline_stages_train_like_one_process(case: str, tmp_path: Path) -> None:
+    """GPipe over 2 gloo ranks = eager gradient accumulation in one process: parameters, batch-norm
+    statistics and losses; the gathered state resumes the run exactly."""
+    ranks = run_ranks(case, tmp_path)
+    expected, losses = one_process_accumulating(case.removeprefix("pipeline_"))
+    for rank, result in enumerate(ranks):
+        assert result["num_compiled"] == 1
+        for name, value in expected.state_dict().items():
+            got = result["final"][name]
+            if value.is_floating_point():
+                torch.testing.assert_close(got, value, **TOL, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+            else:
+                assert torch.equal(got, value), name
+            assert torch.equal(result["resumed"][name], got), name
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), **TOL)
+        assert result["resumed_losses"] == result["losses"][7:]
+    # each rank compiled and trained its own stage only
+    assert not set(ranks[0]["stage_params"]) & set(ranks[1]["stage_params"])
+    assert ranks[0]["stage_params"] and ranks[1]["stage_params"]
+    # the gathered optimizer state is torch's, for every parameter, on both ranks
+    for result in ranks:
+        assert sorted(result["saved"]["optimizers"][0]["state"]) == list(range(len(list(expected.parameters()))))
+
+
+@pytest.mark.parametrize("case, error", [
+    ("pipeline_dropout", "PipelineError: .*pipeline stage 0 calls aten.dropout.* Put the random ops"),
+    ("pipeline_ranks", r"PipelineError: .*pipeline stage\(s\) \[1\] run no op of build\(\).*Number the stages 0..n-1"),
+])
+def test_pipeline_stages_that_cannot_run_fail_on_every_rank(case: str, error: str, tmp_path: Path) -> None:
+    for result in run_ranks(case, tmp_path):
+        assert result["error"] is not None and re.search(error, result["error"], re.S), result["error"]
+
+
+def test_the_torchrun_example_trains_with_pipeline_stages() -> None:
+    """docs/distributed.md's example, as a user runs it: two stages learn the digits."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(port), "examples/train_ddp.py", "--pipeline", "--epochs", "3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    accuracy = float(re.search(r"accuracy on the training images: ([\d.]+)", run.stdout).group(1))
+    assert accuracy > 0.8, run.stdout

@@ -153,8 +153,75 @@ def dead_rank(case: str, rank: int, world: int) -> dict:
     return {"error": None}
 
 
+MICRO_BATCHES = 4
+
+
+def stage_paths(case: str) -> list[str]:
+    """The two stages of the case's model (the rest of it runs on the stage of its inputs)."""
+    return ["model.features", "model.classifier"] if case.startswith("pipeline_cnn") else ["model.0", "model.2"]
+
+
+def pipeline_graph(case: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainGraph:
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), optimizer)
+    for stage, path in enumerate(stage_paths(case)):
+        module = graph
+        for name in path.split("."):
+            module = module[int(name)] if name.isdigit() else getattr(module, name)
+        module.to(tvmgraph.nn.GraphModule).set_stage(stage, [stage])
+    graph.config.set_gradient_accumulation_steps(MICRO_BATCHES)
+    return graph
+
+
+def pipeline(case: str, rank: int, world: int) -> dict:
+    """Two pipeline stages, 4 micro-batches, the whole global batch on every rank: 7 steps, the
+    state gathered on every rank, a new graph resumed from it for 3 more beside the first."""
+    model = model_for(case.removeprefix("pipeline_"))
+    if rank == 1:  # rank 1 starts from other weights: the graph must broadcast rank 0's
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    optimizer = adam(model) if "adam" in case else sgd(model)
+    graph = pipeline_graph(case, model, optimizer)
+    data = data_for(case.removeprefix("pipeline_"))
+    losses = [float(graph(*batch)) for batch in data[:7]]
+    saved = copy.deepcopy(graph.state_dict())
+    resumed_model = model_for(case.removeprefix("pipeline_"))
+    resumed_optimizer = adam(resumed_model) if "adam" in case else sgd(resumed_model)
+    resumed = pipeline_graph(case, resumed_model, resumed_optimizer)
+    resumed.load_state_dict(copy.deepcopy(saved))
+    resumed_losses = []
+    for batch in data[7:]:
+        losses.append(float(graph(*batch)))
+        resumed_losses.append(float(resumed(*batch)))
+    final = graph.state_dict()
+    resumed_final = resumed.state_dict()
+    return {"saved": saved, "final": final["modules"]["model"], "resumed": resumed_final["modules"]["model"],
+            "losses": losses, "resumed_losses": resumed_losses, "num_compiled": graph.num_compiled,
+            "stage_params": sorted(n for n, _ in graph.compiled.module.named_parameters())}
+
+
+def pipeline_error(case: str, rank: int, world: int) -> dict:
+    """Stages that cannot run: a clear error on every rank."""
+    if case == "pipeline_dropout":  # random numbers on a stage that recomputes its forward pass
+        model = nn.Sequential(nn.Linear(12, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 5))
+        stages = [("0", 0, 0), ("1", 0, 0), ("3", 1, 1)]
+    else:  # stages 0 and 2 on two ranks: stage 1 is missing
+        model = mlp((12, 32, 32, 5))
+        stages = [("0", 0, 0), ("4", 2, 1)]
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), sgd(model))
+    for index, stage, placement in stages:
+        graph.model[int(index)].to(tvmgraph.nn.GraphModule).set_stage(stage, placement)
+    try:
+        graph(*data_for("mlp")[0])
+    except tvmgraph.errors.TvmGraphError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
 CASES = {"mlp": train_graph, "mlp_adam": train_graph, "mlp_accum": train_graph, "cnn": train_graph,
-         "zero": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "dead": dead_rank}
+         "zero": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "dead": dead_rank,
+         "pipeline_mlp": pipeline, "pipeline_mlp_adam": pipeline, "pipeline_cnn": pipeline,
+         "pipeline_dropout": pipeline_error, "pipeline_ranks": pipeline_error}
 
 
 def main() -> None:

@@ -84,15 +84,18 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
                         steps: int, report: Callable[[str], None] | None = None, graph: str = "graph",
                         origins: Mapping[str, str] | None = None,
                         checkpoint_regions: Sequence[Collection[str]] = (), ranks: int = 1,
-                        update_plan: TrainingPlan | None = None) -> tuple[tvm.IRModule, TrainStepLayout]:
+                        update_plan: TrainingPlan | None = None, input_grads: Sequence[int] = (),
+                        pipelined: bool = False) -> tuple[tvm.IRModule, TrainStepLayout]:
     """Replace `main` with `accumulate_grads` and `apply_update` (the module docstring).
 
     Data parallel (data_parallel.py): the loss is also divided by the number of `ranks` (their
     gradients are summed between the two functions), and under ZeRO `apply_update` updates the
-    parameters of `update_plan` only, this rank's share of `plan`'s."""
+    parameters of `update_plan` only, this rank's share of `plan`'s. A pipeline stage
+    (`pipelined`, pipeline_parallel.py): `accumulate_grads` also returns, last, the gradients of
+    the main parameters at `input_grads` (the activations the stage received)."""
     main = mod["main"]
     num_outputs = len(main.ret_ty.fields)
-    mod = differentiate_main(mod, plan, grad_indices, loss_index, report, graph, origins,
+    mod = differentiate_main(mod, plan, [*grad_indices, *input_grads], loss_index, report, graph, origins,
                              loss_divisor=steps * ranks, checkpoint_regions=checkpoint_regions)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
@@ -111,7 +114,9 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
             outs = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 0), i)) for i in range(num_outputs)]
             sums = [bb.emit(relax.op.add(acc, relax.TupleGetItem(relax.TupleGetItem(ret, 1), j)))
                     for j, acc in enumerate(accs)]
-            result = bb.emit_output(relax.Tuple(outs + sums))
+            received = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 1), len(accs) + j))
+                        for j in range(len(input_grads))]
+            result = bb.emit_output(relax.Tuple(outs + sums + received))
         bb.emit_func_output(result)
 
     params = [relax.Var(name, ty) for name, ty in zip(names, types)]
@@ -123,7 +128,8 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
         bb.emit_func_output(result)
     mod = finish_module(bb.get(), updates, [MICRO_STEP, APPLY_UPDATE])
     return mod, TrainStepLayout(tuple(grad_indices), tuple(updates.state_shapes), len((update_plan or plan).groups),
-                                accumulation_steps=steps, ranks=ranks)
+                                accumulation_steps=steps, ranks=ranks, pipelined=pipelined,
+                                input_grads=tuple(input_grads))
 
 
 def update_positions(plan: TrainingPlan, update_plan: TrainingPlan) -> list[int]:
@@ -144,7 +150,6 @@ class Accumulation:
         self.positions = positions  # ZeRO: this rank's parameters among all trained ones
 
     def run(self, compiled: CompiledGraph, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        training = compiled.training
         trained = [p for g in compiled.plan.groups for p in g.params]
         grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in trained]
         outputs, losses = [], []
@@ -155,20 +160,25 @@ class Accumulation:
         parallel = compiled.data_parallel
         if parallel is not None:
             parallel.reduce_gradients(grads)
-        params = [p for g in training.plan.groups for p in g.params]
         if self.positions is not None:
             grads = [grads[i] for i in self.positions]
+        self.update(compiled, grads)
+        if parallel is not None:
+            parallel.after_update(trained, zero=self.positions is not None)
+        return [combine(parts) for parts in zip(*outputs)], torch.stack(losses).mean()
+
+    def update(self, compiled: CompiledGraph, grads: Sequence[torch.Tensor]) -> None:
+        """Run `apply_update` on the summed `grads` of the parameters the entry updates."""
+        training = compiled.training
+        params = [p for g in training.plan.groups for p in g.params]
         extra = training.inputs()
         passed, copied = runnable_all(params, thorough=False)
         passed_extra, _ = runnable_all(extra, thorough=False)
         results = self.apply_update(*passed, *grads, *passed_extra)
         training.write_back(results, {id(params[i]) for i in copied})
-        if parallel is not None:
-            parallel.after_update(trained, zero=self.positions is not None)
-        return [_combine(parts) for parts in zip(*outputs)], torch.stack(losses).mean()
 
 
-def _combine(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def combine(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """One output of the call from its micro-batch values (the module docstring)."""
     if parts[0].dim():
         return torch.cat(parts)

@@ -101,7 +101,10 @@ class TrainingPlan:
     def build(graph_name: str, optimizers: list[tuple[torch.optim.Optimizer, object]],
               named_parameters: list[tuple[str, torch.nn.Parameter]],
               recompute_attention: bool = True, activation_checkpointing: tuple[str, ...] = (),
-              grad_scaler: torch.amp.GradScaler | None = None) -> TrainingPlan:
+              grad_scaler: torch.amp.GradScaler | None = None, only_present: bool = False) -> TrainingPlan:
+        """The plan of `optimizers` over the parameters in `named_parameters`. `only_present` (a
+        pipeline stage, which holds part of the model): the parameters of the others are left
+        out, and so is a group left with none; else each of them is an error."""
         path_of: dict[int, str] = {}
         for path, p in named_parameters:  # a shared parameter goes by its first path, as in lowering
             path_of.setdefault(id(p), path)
@@ -117,6 +120,8 @@ class TrainingPlan:
                 targets, params = [], []
                 for param_index, p in enumerate(group["params"]):
                     if id(p) not in path_of:
+                        if only_present:
+                            continue
                         raise OptimizerError(
                             f"{where}: parameter #{param_index} {tuple(p.shape)} belongs to no module "
                             f"of the graph; assign the module that owns it in __init__ "
@@ -132,7 +137,8 @@ class TrainingPlan:
                     seen[path] = where
                     targets.append(path)
                     params.append(p)
-                plan.groups.append(GroupPlan(optimizer, group_index, rule, targets, params, _clip(group, where)))
+                if params or not only_present:
+                    plan.groups.append(GroupPlan(optimizer, group_index, rule, targets, params, _clip(group, where)))
         return plan
 
 

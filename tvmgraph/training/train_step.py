@@ -70,11 +70,15 @@ class TrainStepLayout:
     loss_scaling: bool = False  # a GradScaler's scale and tracker go in and out last (loss_scale.py)
     # > 1: data parallel over that many ranks, also split in two (data_parallel.py)
     ranks: int = 1
+    # One stage of a pipeline (pipeline_parallel.py), also split in two; accumulate_grads
+    # returns the gradients of these main parameters (user inputs) last, not accumulated.
+    pipelined: bool = False
+    input_grads: tuple[int, ...] = ()
 
     @property
     def split(self) -> bool:
         """The program is accumulate_grads + apply_update, not one train_step."""
-        return self.accumulation_steps > 1 or self.ranks > 1
+        return self.accumulation_steps > 1 or self.ranks > 1 or self.pipelined
 
 
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
