@@ -93,13 +93,18 @@ def test_split_of_a_cnn_keeps_batch_norm_updates_on_their_stage() -> None:
     assert "adaptive_avg_pool2d.default" in ops(first)  # model.pool has no stage: that of its input
 
 
-def test_stages_out_of_the_computations_order_are_a_pipeline_error() -> None:
+def staged_mlp(*stages: int) -> TrainGraph:
+    """An MLP 12-16-5 whose two Linear layers get `stages`."""
     graph = graph_of(mlp((12, 16, 5)))
-    graph.model[0].to(tvmgraph.nn.GraphModule).set_stage(1)
-    graph.model[2].to(tvmgraph.nn.GraphModule).set_stage(0)
+    for index, stage in zip((0, 2), stages):
+        graph.model[index].to(tvmgraph.nn.GraphModule).set_stage(stage)
+    return graph
+
+
+def test_stages_out_of_the_computations_order_are_a_pipeline_error() -> None:
     with pytest.raises(PipelineError, match=r"'model.2' runs on pipeline stage 0 but reads a value that stage 1 "
                                             r"computes.*must follow the order of the computation"):
-        graph(torch.randn(4, 12), torch.randint(0, 5, (4,)))
+        staged_mlp(1, 0)(torch.randn(4, 12), torch.randint(0, 5, (4,)))
 
 
 def test_a_weight_tied_across_stages_is_a_pipeline_error() -> None:
@@ -121,12 +126,9 @@ def test_a_weight_tied_across_stages_is_a_pipeline_error() -> None:
 
 
 def test_stages_without_a_process_group_of_that_size_are_a_distributed_error() -> None:
-    graph = graph_of(mlp((12, 16, 5)))
-    graph.model[0].to(tvmgraph.nn.GraphModule).set_stage(0)
-    graph.model[2].to(tvmgraph.nn.GraphModule).set_stage(1)
     with pytest.raises(DistributedError, match=r"2 pipeline stage\(s\) on ranks \{0: 0, 1: 1\}.*process group has "
                                                r"1 rank.*torchrun --nproc_per_node 2"):
-        graph(torch.randn(4, 12), torch.randint(0, 5, (4,)))
+        staged_mlp(0, 1)(torch.randn(4, 12), torch.randint(0, 5, (4,)))
 
 
 def test_stages_of_an_inference_graph_or_with_zero_are_refused() -> None:

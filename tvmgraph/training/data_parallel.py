@@ -150,6 +150,25 @@ class Collectives:
         except Exception as e:  # noqa: BLE001
             raise self._failed("all-reducing the gradients", e) from e
 
+    def gather_optimizer_states(self, optimizers: Sequence[torch.optim.Optimizer],
+                                owned: Callable[[torch.Tensor], bool] = lambda p: True) -> list[dict]:
+        """Each optimizer's torch state_dict with the state of every parameter, each taken from
+        the rank that holds it: the state this rank keeps of the parameters `owned` selects goes
+        to every rank (a collective)."""
+        index = {id(p): (i, j) for i, o in enumerate(optimizers)
+                 for j, p in enumerate(p for g in o.param_groups for p in g["params"])}
+        mine = {index[id(p)]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in o.state[p].items()}
+                for o in optimizers for p in list(o.state) if owned(p)}
+        merged: dict[tuple[int, int], dict] = {}
+        for part in self.gather_objects(mine, "gathering the optimizer state"):
+            merged.update(part)
+        docs = []
+        for i, optimizer in enumerate(optimizers):
+            doc = optimizer.state_dict()
+            doc["state"] = {j: state for (o, j), state in sorted(merged.items()) if o == i}
+            docs.append(doc)
+        return docs
+
     def gather_objects(self, value: object, what: str) -> list[object]:
         out: list[object] = [None] * self.ranks.world
         try:
@@ -238,19 +257,7 @@ class DataParallel:
 
     def gather_optimizer_states(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict]:
         """ZeRO: each optimizer's torch state_dict with the state of every parameter (a collective)."""
-        index = {id(p): (i, j) for i, o in enumerate(optimizers)
-                 for j, p in enumerate(p for g in o.param_groups for p in g["params"])}
-        mine = {index[id(p)]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in o.state[p].items()}
-                for o in optimizers for p in list(o.state)}
-        merged: dict[tuple[int, int], dict] = {}
-        for part in self.collectives.gather_objects(mine, "gathering the optimizer state"):
-            merged.update(part)
-        docs = []
-        for i, optimizer in enumerate(optimizers):
-            doc = optimizer.state_dict()
-            doc["state"] = {j: state for (o, j), state in sorted(merged.items()) if o == i}
-            docs.append(doc)
-        return docs
+        return self.collectives.gather_optimizer_states(optimizers)
 
     def keep_owned_state(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """ZeRO, after loading a whole optimizer state: drop the state of parameters other ranks own."""

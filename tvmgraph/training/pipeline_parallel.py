@@ -246,22 +246,10 @@ class PipelineEntry:
         """Each stage's parameters and buffers from the rank that trains them to every rank, and
         each optimizer's torch state_dict with the state of every parameter (a collective)."""
         for stage, program in enumerate(self.split.stages):
-            tensors = [t for t in [*program.module.parameters(), *program.module.buffers()]]
+            tensors = [*program.module.parameters(), *program.module.buffers()]
             self.collectives.broadcast(tensors, self.rank_of[stage], f"gathering stage {stage}'s parameters")
-        index = {id(p): (i, j) for i, o in enumerate(optimizers)
-                 for j, p in enumerate(p for g in o.param_groups for p in g["params"])}
-        mine = {index[id(p)]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in o.state[p].items()}
-                for o in optimizers for p in list(o.state)
-                if any(p is q for q in self.module.parameters())}
-        merged: dict[tuple[int, int], dict] = {}
-        for part in self.collectives.gather_objects(mine, "gathering the optimizer state"):
-            merged.update(part)
-        docs = []
-        for i, optimizer in enumerate(optimizers):
-            doc = optimizer.state_dict()
-            doc["state"] = {j: state for (o, j), state in sorted(merged.items()) if o == i}
-            docs.append(doc)
-        return docs
+        own = {id(p) for p in self.module.parameters()}
+        return self.collectives.gather_optimizer_states(optimizers, lambda p: id(p) in own)
 
 
 def compile_pipeline(graph_class: str, traced: TracedGraph, flat: Sequence[torch.Tensor],
