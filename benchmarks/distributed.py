@@ -7,7 +7,7 @@ steps) by
 - `1 proc`: one process with `--threads` threads, the whole batch per step (no communication);
 - `2 ranks`: two processes with `--threads / 2` threads each, half the batch each, gradients
   all-reduced through torch.distributed (gloo on 127.0.0.1);
-- `2 ranks ZeRO`: the same with `enable_zero(True)`;
+- `2 ranks ZeRO 1` and `ZeRO 2`: the same with `enable_zero(True, stage=1 or 2)`;
 - `2 stages`: two pipeline stages (`set_stage`), one per rank with `--threads / 2` threads, the
   whole batch as 4 micro-batches (GPipe).
 It prints samples per second, the share of a step spent in the gradient all-reduce (and ZeRO's
@@ -49,7 +49,7 @@ def _set_stages(graph: object, case: str) -> None:
     graph.config.set_gradient_accumulation_steps(MICRO_BATCHES)
 
 
-def _rank_main(case_name: str, rank: int, world: int, port: int, steps: int, zero: bool, pipeline: bool) -> None:
+def _rank_main(case_name: str, rank: int, world: int, port: int, steps: int, zero: int, pipeline: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -64,7 +64,7 @@ def _rank_main(case_name: str, rank: int, world: int, port: int, steps: int, zer
     model = case.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     graph = _TrainGraph(model, case.loss_fn(), optimizer)
-    graph.config.enable_zero(zero)
+    graph.config.enable_zero(zero > 0, stage=max(zero, 1))
     x, y = case.inputs()
     if pipeline:  # every rank takes the whole batch
         _set_stages(graph, case_name)
@@ -93,14 +93,14 @@ def _rank_main(case_name: str, rank: int, world: int, port: int, steps: int, zer
         os._exit(0)
 
 
-def _run(case: str, world: int, threads: int, steps: int, zero: bool, pipeline: bool = False) -> dict:
+def _run(case: str, world: int, threads: int, steps: int, zero: int, pipeline: bool = False) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     per_rank = str(max(1, threads // world))
     env = {**os.environ, "OMP_NUM_THREADS": per_rank, "TVM_NUM_THREADS": per_rank}
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.distributed", "--rank", str(r), "--world", str(world),
-                               "--port", str(port), "--cases", case, "--steps", str(steps)] + (["--zero"] if zero else [])
+                               "--port", str(port), "--cases", case, "--steps", str(steps), "--zero", str(zero)]
                               + (["--pipeline"] if pipeline else []),
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) for r in range(world)]
     outputs = [p.communicate()[0] for p in procs]
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--pipeline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
@@ -125,8 +125,9 @@ def main() -> None:
         return
     print(f"{'case':<12} {'setup':<14} {'samples/s':>10} {'step ms':>8} {'comm':>6} {'opt. state/rank':>16}")
     for case in args.cases.split(","):
-        for label, world, zero, pipeline in (("1 proc", 1, False, False), ("2 ranks", 2, False, False),
-                                             ("2 ranks ZeRO", 2, True, False), ("2 stages", 2, False, True)):
+        for label, world, zero, pipeline in (("1 proc", 1, 0, False), ("2 ranks", 2, 0, False),
+                                             ("2 ranks ZeRO 1", 2, 1, False), ("2 ranks ZeRO 2", 2, 2, False),
+                                             ("2 stages", 2, 0, True)):
             r = _run(case, world, args.threads, args.steps, zero, pipeline)
             print(f"{case:<12} {label:<14} {r['batch'] / r['step_s']:10.0f} {r['step_s'] * 1e3:8.2f} "
                   f"{r['comm_s'] / r['step_s'] * 100:5.1f}% {r['state_bytes'] / 2**20:13.2f} MiB", flush=True)

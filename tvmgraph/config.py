@@ -63,6 +63,7 @@ class CompileOptions:
     # and under ZeRO this rank (it compiles the update of its own parameters only).
     data_parallel: int = 1
     zero_rank: int | None = None
+    zero_stage: int = 0  # 1 or 2 under ZeRO: 2 reduces each gradient to its owner only
     fuse_model_update_ops: bool = True
     fuse_add_to_output: bool = True
     fuse_cast_scale: bool = True
@@ -101,7 +102,7 @@ class GraphConfig:
     GraphConfig(training=False, straighten_algorithm='Disable', )
     """
 
-    _OPTIONS = ("amp", "amp_dtype", "zero", "data_parallel", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
+    _OPTIONS = ("amp", "amp_dtype", "zero", "zero_stage", "data_parallel", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
                 "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name",
                 "activation_checkpointing", "dynamic_batch", "pipeline_stages")
@@ -111,6 +112,7 @@ class GraphConfig:
         self.amp = False
         self.amp_dtype = None
         self.zero = False
+        self.zero_stage = 1  # 2: gradients reduced to their owner only (training/data_parallel.py)
         self.data_parallel = True
         self.fuse_model_update_ops = True
         self.fuse_add_to_output = True
@@ -151,13 +153,16 @@ class GraphConfig:
         self.amp_dtype = name if mode else None
 
     def enable_zero(self, mode: bool = True, stage: int = 1) -> None:
-        """ZeRO stage 1: shard optimizer state over the ranks of `torch.distributed` (each rank
-        updates and keeps the state of its share of the parameters; docs/distributed.md)."""
-        if _flag("enable_zero", mode) and stage != 1:
-            if stage in (2, 3):
-                raise _not_yet(f"enable_zero(stage={stage})", "stage 1 is: sharded optimizer state")
+        """ZeRO: shard optimizer state over the ranks of `torch.distributed` (each rank updates
+        and keeps the state of its share of the parameters); stage 2 also shards the gradients
+        (each is summed on the rank that owns it only). docs/distributed.md."""
+        if _flag("enable_zero", mode) and stage not in (1, 2):
+            if stage == 3:
+                raise _not_yet(f"enable_zero(stage={stage})", "stages 1 and 2 are: sharded optimizer state and "
+                                                              "gradients, not parameters")
             raise ConfigError(f"GraphConfig.enable_zero(mode, stage) takes stage 1, 2 or 3, got {stage!r}")
         self.zero = mode
+        self.zero_stage = stage if mode else 1
 
     def enable_data_parallel(self, mode: bool = True) -> None:
         """Average gradients over the ranks of `torch.distributed` (default: on; tvmgraph's own
@@ -319,6 +324,7 @@ class GraphConfig:
                 amp=self.amp, amp_dtype=self.amp_dtype, gradient_accumulation_steps=self.gradient_accumulation_steps,
                 data_parallel=ranks[1] if parallel else 1,
                 zero_rank=ranks[0] if parallel and self.zero else None,
+                zero_stage=self.zero_stage if parallel and self.zero else 0,
                 fuse_model_update_ops=self.fuse_model_update_ops, fuse_add_to_output=self.fuse_add_to_output,
                 fuse_cast_scale=self.fuse_cast_scale,
                 straighten_algorithm=self.straighten_algorithm != "Disable",

@@ -92,8 +92,11 @@ def test_batch_norm_statistics_stay_per_rank_like_eager_ddp(tmp_path: Path) -> N
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), **TOL)
 
 
-def test_zero_shards_optimizer_state_and_resumes_identically(tmp_path: Path) -> None:
-    ranks = run_ranks("zero", tmp_path)
+@pytest.mark.parametrize("case", ["zero", "zero2"])
+def test_zero_shards_optimizer_state_and_resumes_identically(case: str, tmp_path: Path) -> None:
+    """Stage 1 (optimizer state) and stage 2 (also gradients, reduced to their owner) train
+    like one process on the global batch."""
+    ranks = run_ranks(case, tmp_path)
     expected = one_process("mlp_adam")  # 10 Adam steps on the global batch
     full_bytes = sum(2 * p.numel() * 4 + 4 for p in expected.parameters())  # exp_avg, exp_avg_sq, step
     for rank, result in enumerate(ranks):

@@ -88,11 +88,12 @@ def train_graph(case: str, rank: int, world: int) -> dict:
 
 
 def zero(case: str, rank: int, world: int) -> dict:
-    """ZeRO stage 1 for 5 steps, a state_dict gathered on every rank, a new graph resumed from it for 5 more."""
+    """ZeRO stage 1 (`zero2`: stage 2) for 5 steps, a state_dict gathered on every rank, a new graph resumed from it for 5 more."""
     model = model_for(case)
     optimizer = adam(model)
     graph = TrainGraph(model, nn.CrossEntropyLoss(), optimizer)
-    graph.config.enable_zero(True)
+    stage = 2 if case == "zero2" else 1
+    graph.config.enable_zero(True, stage=stage)
     data = data_for(case)
     for batch in data[:5]:
         graph(*shard(batch, rank, world))
@@ -102,7 +103,7 @@ def zero(case: str, rank: int, world: int) -> dict:
     resumed_model = model_for(case)
     resumed_optimizer = adam(resumed_model)
     resumed = TrainGraph(resumed_model, nn.CrossEntropyLoss(), resumed_optimizer)
-    resumed.config.enable_zero(True)
+    resumed.config.enable_zero(True, stage=stage)
     resumed.load_state_dict(copy.deepcopy(saved))  # (as in eager, training updates loaded state in place)
     for batch in data[5:]:
         graph(*shard(batch, rank, world))
@@ -219,7 +220,7 @@ def pipeline_error(case: str, rank: int, world: int) -> dict:
 
 
 CASES = {"mlp": train_graph, "mlp_adam": train_graph, "mlp_accum": train_graph, "cnn": train_graph,
-         "zero": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "dead": dead_rank,
+         "zero": zero, "zero2": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "dead": dead_rank,
          "pipeline_mlp": pipeline, "pipeline_mlp_adam": pipeline, "pipeline_cnn": pipeline,
          "pipeline_dropout": pipeline_error, "pipeline_ranks": pipeline_error}
 

@@ -53,8 +53,13 @@ def test_zero_stages_and_data_parallel_option() -> None:
     config = GraphConfig()
     config.enable_zero(True)
     assert config.zero is True
-    with pytest.raises(errors.UnsupportedOptionError, match=r"enable_zero\(stage=2\) is not implemented"):
-        config.enable_zero(True, stage=2)
+    with pytest.raises(errors.UnsupportedOptionError, match=r"enable_zero\(stage=3\) is not implemented"):
+        config.enable_zero(True, stage=3)
+    config.enable_zero(True, stage=2)
+    assert config.snapshot((1, 2)).zero_stage == 2 and config.snapshot().zero_stage == 0
+    config.enable_zero(False, stage=2)
+    assert config.zero_stage == 1 and config.snapshot((1, 2)).zero_stage == 0
+    config.enable_zero(True)
     with pytest.raises(errors.ConfigError, match="takes stage 1, 2 or 3, got 0"):
         config.enable_zero(True, stage=0)
     config.enable_data_parallel(False)

@@ -159,7 +159,7 @@ class Accumulation:
             losses.append(loss)
         parallel = compiled.data_parallel
         if parallel is not None:
-            parallel.reduce_gradients(grads)
+            parallel.reduce_gradients(grads, compiled.traced.signature.options.zero_stage)
         if self.positions is not None:
             grads = [grads[i] for i in self.positions]
         self.update(compiled, grads)

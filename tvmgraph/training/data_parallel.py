@@ -150,6 +150,22 @@ class Collectives:
         except Exception as e:  # noqa: BLE001
             raise self._failed("all-reducing the gradients", e) from e
 
+    def reduce_sum(self, tensors: Sequence[torch.Tensor], owner: Sequence[int]) -> None:
+        """Sum each tensor of `tensors` over the ranks into the rank `owner` names for it (ZeRO
+        stage 2: half the traffic of an all-reduce), bucket by bucket, all in flight at once."""
+        try:
+            pending = []
+            for rank in range(self.ranks.world):
+                for bucket in _buckets([t for t, o in zip(tensors, owner) if o == rank]):
+                    flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0]
+                    pending.append((dist.reduce(flat, rank, async_op=True), flat, bucket, rank))
+            for work, flat, bucket, rank in pending:
+                work.wait()
+                if len(bucket) > 1 and rank == self.ranks.rank:
+                    _unflatten_into(flat, bucket)
+        except Exception as e:  # noqa: BLE001
+            raise self._failed("reducing the gradients to their owners", e) from e
+
     def gather_optimizer_states(self, optimizers: Sequence[torch.optim.Optimizer],
                                 owned: Callable[[torch.Tensor], bool] = lambda p: True) -> list[dict]:
         """Each optimizer's torch state_dict with the state of every parameter, each taken from
@@ -238,10 +254,15 @@ class DataParallel:
         self.collectives.broadcast(_unique(tensors), 0, "broadcasting rank 0's parameters and buffers")
         self.synced = True
 
-    def reduce_gradients(self, grads: Sequence[torch.Tensor]) -> None:
-        """Sum the gradients over the ranks (each already divided by the number of ranks)."""
+    def reduce_gradients(self, grads: Sequence[torch.Tensor], zero_stage: int = 0) -> None:
+        """Sum the gradients over the ranks (each already divided by the number of ranks); under
+        ZeRO stage 2 each gradient is summed on the rank that owns its parameter only (the others
+        hold a partial sum, which they drop)."""
         start = time.perf_counter()
-        self.collectives.all_reduce_sum(grads)
+        if zero_stage == 2:
+            self.collectives.reduce_sum(grads, owners([g.numel() for g in grads], self.ranks.world))
+        else:
+            self.collectives.all_reduce_sum(grads)
         self.comm_seconds += time.perf_counter() - start
 
     def after_update(self, params: Sequence[torch.Tensor], zero: bool) -> None:
