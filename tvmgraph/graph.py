@@ -570,7 +570,7 @@ class Graph:
         device = flat[0].device if flat else entry.module_device(st.modules)
         if options.pipeline_stages:
             compiled = st.pipeline = compile_pipeline(type(self).__name__, traced, flat, st.optimizers, st.modules,
-                                                      options, device, st.log)
+                                                      options, device, st.log, plan)
         else:
             compiled = entry.compile_or_load(type(self).__name__, traced, plan, device, options, st.modules,
                                              st.log, self.build)

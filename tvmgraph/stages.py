@@ -88,11 +88,12 @@ class TracedGraph:
             regions = self._checkpoint_regions(exported, mod, plan, report)
             options = self.signature.options
             steps, ranks = options.gradient_accumulation_steps, options.data_parallel
-            if (steps > 1 or ranks > 1) and plan.loss_scaling:
+            if options.zero_rank is not None and plan.loss_scaling:
                 raise UnsupportedOptionError(
-                    f"{self.graph_name}: a grad scaler (set_grad_scaler) with gradient accumulation or data "
-                    f"parallel training is not implemented yet: bfloat16 AMP on CPU needs no loss scaling "
-                    f"(set_grad_scaler(None)), or set_gradient_accumulation_steps(1) in one process.")
+                    f"{self.graph_name}: a grad scaler (set_grad_scaler) with ZeRO is not implemented: each rank "
+                    f"checks only its share of the gradients for inf/NaN, so the ranks could disagree about "
+                    f"skipping a step. Use data parallel without ZeRO (enable_zero(False)), or no grad scaler "
+                    f"(bfloat16 AMP on CPU needs none).")
             pipelined = options.pipeline_stage is not None
             if steps > 1 or ranks > 1 or pipelined:
                 mod, layout = append_accumulation(mod, plan, grad_indices, loss_index, steps, report,

@@ -82,6 +82,18 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(case: str, tmp_pat
         torch.testing.assert_close(torch.tensor(ranks[1]["losses"]), torch.tensor(ranks[1]["ref_losses"]), **TOL)
 
 
+def test_grad_scaler_skips_the_same_steps_on_every_rank_like_eager_ddp(tmp_path: Path) -> None:
+    """A GradScaler with accumulation; rank 1's shard of step 3 holds an inf: both ranks skip
+    that step and back the scale off (the check runs on the all-reduced gradients), as DDP +
+    GradScaler in the same processes does."""
+    for rank, result in enumerate(run_ranks("mlp_accum_scaler", tmp_path)):
+        scales = [s for s, _ in result["scales"]]
+        assert scales == [s for _, s in result["scales"]]
+        assert scales[:5] == [2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16], scales  # grows, backs off at 3
+        for name, value in result["ref_state"].items():
+            torch.testing.assert_close(result["state"][name], value, **TOL, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+
+
 def test_batch_norm_statistics_stay_per_rank_like_eager_ddp(tmp_path: Path) -> None:
     for rank, result in enumerate(run_ranks("cnn", tmp_path)):
         for name, value in result["ref_state"].items():
@@ -123,6 +135,11 @@ def test_ranks_with_different_shapes_fail_on_every_rank(tmp_path: Path) -> None:
 def test_sync_batch_norm_is_refused_on_every_rank(tmp_path: Path) -> None:
     for result in run_ranks("syncbn", tmp_path):
         assert result["error"] is not None and "'model.1' is a SyncBatchNorm" in result["error"]
+
+
+def test_a_grad_scaler_with_zero_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for result in run_ranks("zero_scaler", tmp_path):
+        assert result["error"] is not None and "grad scaler (set_grad_scaler) with ZeRO" in result["error"]
 
 
 def test_a_dead_rank_ends_the_others_with_an_error_within_the_timeout(tmp_path: Path) -> None:

@@ -66,25 +66,36 @@ def train_graph(case: str, rank: int, world: int) -> dict:
     graph = TrainGraph(model, nn.CrossEntropyLoss(), optimizer)
     if "accum" in case:
         graph.config.set_gradient_accumulation_steps(2)
+    # `scaler`: a GradScaler growing every 2 clean steps; at step 3 rank 1's shard holds an inf
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2) for _ in range(2))
+    if "scaler" in case:
+        graph.set_grad_scaler(scaler)
+    else:
+        ref_scaler = torch.amp.GradScaler("cpu", enabled=False)  # passes everything through
     ddp = torch.nn.parallel.DistributedDataParallel(reference)
     ref_optimizer = adam(reference) if "adam" in case else sgd(reference)
-    losses, ref_losses = [], []
-    for batch in data_for(case):
+    losses, ref_losses, scales = [], [], []
+    for step, batch in enumerate(data_for(case)):
         x, y = shard(batch, rank, world)
+        if "scaler" in case and step == 3 and rank == 1:
+            x[0, 0] = float("inf")
         losses.append(float(graph(x, y)))
         ref_optimizer.zero_grad()
         if "accum" in case:  # DDP accumulation: backward per micro-batch, all-reduce on the last
             with ddp.no_sync():
-                (nn.functional.cross_entropy(ddp(x[:len(x) // 2]), y[:len(y) // 2]) / 2).backward()
-            (nn.functional.cross_entropy(ddp(x[len(x) // 2:]), y[len(y) // 2:]) / 2).backward()
+                ref_scaler.scale(nn.functional.cross_entropy(ddp(x[:len(x) // 2]), y[:len(y) // 2]) / 2).backward()
+            ref_scaler.scale(nn.functional.cross_entropy(ddp(x[len(x) // 2:]), y[len(y) // 2:]) / 2).backward()
         else:
             loss = nn.functional.cross_entropy(ddp(x), y)
-            loss.backward()
+            ref_scaler.scale(loss).backward()
             ref_losses.append(float(loss))
-        ref_optimizer.step()
+        ref_scaler.step(ref_optimizer)
+        ref_scaler.update()
+        if "scaler" in case:
+            scales.append((scaler.get_scale(), ref_scaler.get_scale()))
     return {"state": {k: v.clone() for k, v in model.state_dict().items()},
             "ref_state": {k: v.clone() for k, v in reference.state_dict().items()},
-            "losses": losses, "ref_losses": ref_losses, "num_compiled": graph.num_compiled}
+            "losses": losses, "ref_losses": ref_losses, "num_compiled": graph.num_compiled, "scales": scales}
 
 
 def zero(case: str, rank: int, world: int) -> dict:
@@ -131,6 +142,19 @@ def sync_batch_norm(case: str, rank: int, world: int) -> dict:
     """A model with SyncBatchNorm: a clear error on every rank, not a silent per-rank statistic."""
     model = nn.Sequential(nn.Linear(12, 8), nn.SyncBatchNorm(8), nn.Linear(8, 5))
     graph = TrainGraph(model, nn.CrossEntropyLoss(), sgd(model))
+    try:
+        graph(*shard(data_for("mlp")[0], rank, world))
+    except tvmgraph.errors.UnsupportedOptionError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def zero_scaler(case: str, rank: int, world: int) -> dict:
+    """ZeRO with a GradScaler: a clear error on every rank (each would check only its share)."""
+    model = model_for("mlp")
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), sgd(model))
+    graph.config.enable_zero(True)
+    graph.set_grad_scaler(torch.amp.GradScaler("cpu"))
     try:
         graph(*shard(data_for("mlp")[0], rank, world))
     except tvmgraph.errors.UnsupportedOptionError as e:
@@ -220,7 +244,8 @@ def pipeline_error(case: str, rank: int, world: int) -> dict:
 
 
 CASES = {"mlp": train_graph, "mlp_adam": train_graph, "mlp_accum": train_graph, "cnn": train_graph,
-         "zero": zero, "zero2": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "dead": dead_rank,
+         "mlp_accum_scaler": train_graph,
+         "zero": zero, "zero2": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "zero_scaler": zero_scaler, "dead": dead_rank,
          "pipeline_mlp": pipeline, "pipeline_mlp_adam": pipeline, "pipeline_cnn": pipeline,
          "pipeline_dropout": pipeline_error, "pipeline_ranks": pipeline_error}
 

@@ -252,6 +252,47 @@ def test_grad_scaler_without_amp_matches_eager_float32() -> None:
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("amp", [True, False])
+def test_grad_scaler_with_gradient_accumulation_matches_eager(amp: bool) -> None:
+    """Eager's recipe `scaler.scale(loss / n).backward()` per micro-batch, then one unscale,
+    step and update: the scale and tracker equal every step, an inf in one micro-batch skips
+    the whole step on both sides (Adam's step count included), losses and parameters close
+    (float32: to rounding; bfloat16: within the AMP tolerances)."""
+    steps = 2
+    model = mlp()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), optimizer)
+    graph.config.enable_amp(amp)
+    graph.config.set_gradient_accumulation_steps(steps)
+    scaler, ref_scaler = _scaler(init_scale=2.0**20, growth_interval=3), _scaler(init_scale=2.0**20, growth_interval=3)
+    graph.set_grad_scaler(scaler)
+    batches = _batches(8, (32,), batch=16)
+    batches[5][0][12, 3] = float("inf")  # in the second micro-batch of step 5
+    tol = LOSS_TOL if amp else dict(atol=2e-5, rtol=1e-4)
+    for step, (x, y) in enumerate(batches):
+        loss = graph(x, y)
+        ref_optimizer.zero_grad()
+        ref_loss = 0.0
+        for xs, ys in zip(x.chunk(steps), y.chunk(steps)):
+            with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                micro = nn.functional.cross_entropy(reference(xs), ys)
+            ref_scaler.scale(micro / steps).backward()
+            ref_loss = ref_loss + micro.detach().float() / steps
+        ref_scaler.step(ref_optimizer)
+        ref_scaler.update()
+        torch.testing.assert_close(loss.float(), ref_loss, equal_nan=True, **tol, msg=lambda m, s=step: f"step {s}: {m}")
+        assert (scaler.get_scale(), int(scaler._growth_tracker)) == \
+            (ref_scaler.get_scale(), int(ref_scaler._growth_tracker)), step
+    assert scaler.get_scale() == 2.0**20  # grew once after 3 clean steps, halved at the inf
+    param = next(model.parameters())
+    assert float(optimizer.state[param]["step"]) == 7 == float(ref_optimizer.state[next(reference.parameters())]["step"])
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, **(dict(atol=1e-2, rtol=0) if amp else tol))
+    assert graph.num_compiled == 1
+
+
 def test_oneflow_style_scaler_and_state_dict_round_trip() -> None:
     """tvmgraph.amp.GradScaler (OneFlow's keywords); graph.state_dict() holds the scaler's
     state, and a new graph loaded from it goes on exactly as the original does."""

@@ -45,7 +45,9 @@ from tvm import relax
 from ..errors import ConfigError, MicroBatchError
 from ..inputs import runnable_all
 from .plan import TrainingPlan
-from .train_step import TrainStepLayout, declare_updates, differentiate_main, finish_module
+from . import loss_scale
+from .train_step import TrainStepLayout, declare_updates, differentiate_main, finish_module, \
+    unscale_per_optimizer
 
 if TYPE_CHECKING:
     from ..stages import CompiledGraph
@@ -95,8 +97,9 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
     the main parameters at `input_grads` (the activations the stage received)."""
     main = mod["main"]
     num_outputs = len(main.ret_ty.fields)
+    scaling = plan.loss_scaling
     mod = differentiate_main(mod, plan, [*grad_indices, *input_grads], loss_index, report, graph, origins,
-                             loss_divisor=steps * ranks, checkpoint_regions=checkpoint_regions)
+                             loss_divisor=steps * ranks, checkpoint_regions=checkpoint_regions, scaling=scaling)
     adjoint_gv = mod.get_global_var("main_adjoint")
 
     bb = relax.BlockBuilder(mod)
@@ -108,9 +111,10 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
         types, names = [types[i] for i in owned], [names[i] for i in owned]
     updates = declare_updates(bb, update_plan or plan, types)
     inputs = [relax.Var(v.name, v.ty) for v in main.params]
-    with bb.function(MICRO_STEP, inputs + accs):
+    scaler = loss_scale.scaler_vars() if scaling else ()
+    with bb.function(MICRO_STEP, inputs + accs + list(scaler[:1])):
         with bb.dataflow():
-            ret = bb.emit(relax.Call(adjoint_gv, inputs))
+            ret = bb.emit(relax.Call(adjoint_gv, inputs + list(scaler[:1])))
             outs = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 0), i)) for i in range(num_outputs)]
             sums = [bb.emit(relax.op.add(acc, relax.TupleGetItem(relax.TupleGetItem(ret, 1), j)))
                     for j, acc in enumerate(accs)]
@@ -121,15 +125,22 @@ def append_accumulation(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: lis
 
     params = [relax.Var(name, ty) for name, ty in zip(names, types)]
     grads = [relax.Var(f"{name}__grad", ty) for name, ty in zip(names, types)]
-    with bb.function(APPLY_UPDATE, params + grads + updates.state_vars + updates.hyper_vars):
+    scaler = loss_scale.scaler_vars() if scaling else ()
+    with bb.function(APPLY_UPDATE, params + grads + updates.state_vars + updates.hyper_vars + list(scaler)):
         with bb.dataflow():
-            new_params, new_states = updates.emit(bb, params, grads)
-            result = bb.emit_output(relax.Tuple(new_params + new_states))
+            found = None
+            if scaling:  # the accumulated (and summed over ranks) gradients of the scaled loss
+                grads = list(grads)
+                found = unscale_per_optimizer(bb, update_plan or plan, grads, scaler[0])
+            new_params, new_states = updates.emit(bb, params, grads, found)
+            scaler_out = list(loss_scale.update_scale(bb, scaler[0], scaler[1], found["any"], scaler[2])) \
+                if found is not None else []
+            result = bb.emit_output(relax.Tuple(new_params + new_states + scaler_out))
         bb.emit_func_output(result)
     mod = finish_module(bb.get(), updates, [MICRO_STEP, APPLY_UPDATE])
     return mod, TrainStepLayout(tuple(grad_indices), tuple(updates.state_shapes), len((update_plan or plan).groups),
                                 accumulation_steps=steps, ranks=ranks, pipelined=pipelined,
-                                input_grads=tuple(input_grads))
+                                input_grads=tuple(input_grads), loss_scaling=scaling)
 
 
 def update_positions(plan: TrainingPlan, update_plan: TrainingPlan) -> list[int]:
@@ -153,8 +164,9 @@ class Accumulation:
         trained = [p for g in compiled.plan.groups for p in g.params]
         grads = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in trained]
         outputs, losses = [], []
+        scale = compiled.training.scale_input()
         for micro in micro_batches(flat_inputs, self.steps):
-            user, loss, grads, _ = compiled.run_entry(micro, grads)
+            user, loss, grads, _ = compiled.run_entry(micro, [*grads, *scale])
             outputs.append(user)
             losses.append(loss)
         parallel = compiled.data_parallel

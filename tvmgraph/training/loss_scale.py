@@ -33,14 +33,18 @@ def scaler_vars() -> tuple[relax.Var, relax.Var, relax.Var]:
             relax.Var("scaler_hyper", relax.TensorType((NUM_HYPERS,), SCALAR_DTYPE)))
 
 
-def with_scaled_loss(main: relax.Function, loss_index: int) -> tuple[relax.Function, int]:
-    """`main` with a `loss_scale` parameter (last) and `astype(loss, float32) * loss_scale` as
-    an extra last output; returns the new function and that output's index."""
+def with_scaled_loss(main: relax.Function, loss_index: int, divisor: int = 1) -> tuple[relax.Function, int]:
+    """`main` with a `loss_scale` parameter (last) and `astype(loss, float32) / divisor *
+    loss_scale` as an extra last output (eager's `scaler.scale(loss / n).backward()` under
+    gradient accumulation); returns the new function and that output's index."""
     scale = relax.Var("loss_scale", relax.TensorType((), SCALE_DTYPE))
     loss = main.body.body.fields[loss_index]
     scaled = relax.Var("scaled_loss", relax.TensorType((), SCALE_DTYPE))  # returned: not a DataflowVar
     blocks = list(main.body.blocks)
-    value = relax.op.multiply(relax.op.astype(loss, SCALE_DTYPE), scale)
+    value = relax.op.astype(loss, SCALE_DTYPE)
+    if divisor != 1:
+        value = relax.op.divide(value, relax.const(divisor, SCALE_DTYPE))
+    value = relax.op.multiply(value, scale)
     blocks[-1] = type(blocks[-1])([*blocks[-1].bindings, relax.VarBinding(scaled, value)])
     fields = [*main.body.body.fields, scaled]
     body = relax.SeqExpr(blocks, relax.Tuple(fields))

@@ -254,20 +254,21 @@ class PipelineEntry:
 
 def compile_pipeline(graph_class: str, traced: TracedGraph, flat: Sequence[torch.Tensor],
                      optimizers: list, modules: Mapping[str, nn.Module], options: CompileOptions,
-                     device: torch.device, log: GraphLog) -> PipelineEntry:
+                     device: torch.device, log: GraphLog, whole: TrainingPlan | None = None) -> PipelineEntry:
     """Cut `traced` (build() on one micro-batch) into stages and compile this rank's (the module
-    docstring); `flat`: the micro-batch's arguments."""
+    docstring); `flat`: the micro-batch's arguments, `whole`: the graph's plan, checked."""
     graph = traced.graph_name
     if not traced.result.has_backward or not optimizers:
         raise UnsupportedOptionError(f"{graph}: set_stage splits a training graph into pipeline stages; this graph "
                                      f"does not train (build() must call loss.backward() and the graph must have an "
                                      f"optimizer). Run an inference graph whole on each rank (no set_stage).")
-    for what, on in (("enable_amp", options.amp), ("activation checkpointing", options.activation_checkpointing),
+    for what, on in (("enable_amp", options.amp), ("a grad scaler", whole is not None and whole.loss_scaling),
+                     ("activation checkpointing", options.activation_checkpointing),
                      ("enable_dynamic_batch", options.dynamic_batch), ("enable_zero", options.zero_rank is not None)):
         if on:
-            raise UnsupportedOptionError(f"{graph}: pipeline stages (set_stage) with {what} are not implemented; "
-                                         f"each stage already recomputes its forward pass in the backward pass. "
-                                         f"Turn {what} off for this graph.")
+            raise UnsupportedOptionError(f"{graph}: pipeline stages (set_stage) with {what} are not implemented "
+                                         f"yet; turn {what} off for this graph, or train it without set_stage. "
+                                         f"(Each stage already recomputes its forward pass in the backward pass.)")
     split = split_stages(traced.result.exported, stage_modules(options.pipeline_stages), graph)
     rank_of = stage_ranks(graph, options.pipeline_stages)
     ranks = Ranks.current()

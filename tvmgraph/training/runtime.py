@@ -64,6 +64,11 @@ class TrainingBinding:
             hypers += [*scaler_tensors(scaler, self.device), scaler_hypers(scaler, self.device)]
         return states + hypers
 
+    def scale_input(self) -> list[torch.Tensor]:
+        """With loss scaling, the GradScaler's current scale (what `accumulate_grads` multiplies
+        the loss by); else nothing."""
+        return [scaler_tensors(self.plan.grad_scaler, self.device)[0]] if self.layout.loss_scaling else []
+
     def write_back(self, results: Sequence[torch.Tensor], copied: Collection[int] = ()) -> None:
         """Store `new_params..., new_states...[, scale, growth_tracker]` (the tail of
         train_step's results); the scale and tracker go back into the GradScaler.

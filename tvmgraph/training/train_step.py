@@ -156,7 +156,7 @@ def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[
             ret = bb.emit(relax.Call(adjoint_gv, inputs + list(scaler[:1])))
             outs = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 0), i)) for i in range(num_outputs)]
             grads = [bb.emit(relax.TupleGetItem(relax.TupleGetItem(ret, 1), j)) for j in range(len(grad_indices))]
-            found = _unscale(bb, plan, grads, scaler[0]) if scaling else None
+            found = unscale_per_optimizer(bb, plan, grads, scaler[0]) if scaling else None
             new_params, new_states = updates.emit(bb, [inputs[i] for i in grad_indices], grads, found)
             scaler_out = list(loss_scale.update_scale(bb, scaler[0], scaler[1], found["any"], scaler[2])) \
                 if found is not None else []
@@ -270,7 +270,7 @@ def finish_module(mod: tvm.IRModule, updates: GroupUpdates, entries: list[str]) 
     return mod
 
 
-def _unscale(bb: relax.BlockBuilder, plan: TrainingPlan, grads: list[relax.Expr],
+def unscale_per_optimizer(bb: relax.BlockBuilder, plan: TrainingPlan, grads: list[relax.Expr],
              scale: relax.Var) -> dict[int | str, relax.Expr]:
     """Unscale `grads` in place (in the list) and return each optimizer's overflow flag (by
     `id`), and under "any" the flag of the whole step, which updates the scale."""
@@ -297,7 +297,7 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
                    loss_divisor: int = 1, scaling: bool = False) -> tvm.IRModule:
     """`main_adjoint` added to `mod`: `Gradient` of the loss (over `loss_divisor`) w.r.t. the
     parameters at `grad_indices`; with `scaling`, of the loss times a new last parameter
-    `loss_scale` (loss_scale.py; not combined with a `loss_divisor`).
+    `loss_scale` (loss_scale.py), divided by `loss_divisor` first.
 
     `Gradient` takes float16/32/64 targets only: a bfloat16 loss is differentiated through an
     extra float32 output (a cast, exact), which the train step does not return; so is the loss
@@ -318,7 +318,7 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
     target_index = loss_index
     dtype = loss.ty.dtype.dtype
     if scaling:
-        main, target_index = loss_scale.with_scaled_loss(main, loss_index)
+        main, target_index = loss_scale.with_scaled_loss(main, loss_index, loss_divisor)
         mod = mod.clone()
         mod["main"] = main
     elif dtype not in ("float16", "float32", "float64") or loss_divisor != 1:
