@@ -159,6 +159,27 @@ def test_matmul_rule_matches_torch(case: tuple) -> None:
     assert "T.unroll(" in scheduled.script(), "no register tile"
 
 
+@pytest.mark.parametrize("n, panel_major", [(768, True), (80, False)])
+def test_matmul_packs_b_panel_by_panel_when_there_are_enough_panels(monkeypatch: pytest.MonkeyPatch, n: int,
+                                                                     panel_major: bool) -> None:
+    """x @ W.T packs W. Before (few panels, n=80): all of W is packed in a loop of its own, then
+    the tiles run. After (n=768: 16 panels for 2 threads): the packing block sits inside the
+    parallel loop over panels, so each panel is packed right before its tiles read it and the
+    packing workspace is one panel, not all of W."""
+    from tvmgraph.schedules import matmul
+
+    monkeypatch.setattr(matmul.os, "cpu_count", lambda: 2)
+    m, k = 64, 96
+    func = te_matmul(m, n, k, False, True)
+    a, b, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    out, scheduled = run_prim_func(func, a, b, bias, out_shape=(m, n))
+    torch.testing.assert_close(out, torch.relu(a @ b.T + bias), **TOL)
+    text = scheduled.script()
+    pack, tiles = text.index('T.sblock("B_'), text.index('T.sblock("matmul_update')
+    first_parallel = text.index("T.parallel(")
+    assert (first_parallel < pack < tiles) is panel_major, text[:3000]
+
+
 @I.ir_module
 class LinearLayer:
     @R.function
