@@ -193,6 +193,15 @@ def test_two_pipeline_stages_train_like_one_process(case: str, tmp_path: Path) -
         assert sorted(result["saved"]["optimizers"][0]["state"]) == list(range(len(list(expected.parameters()))))
 
 
+def test_a_transformer_in_two_stages_trains_like_one_process(tmp_path: Path) -> None:
+    """Attention (scaled_dot_product_attention, no dropout) recomputed on stage 0: the same
+    parameters and losses as the unsplit graph with accumulation, to float32 rounding."""
+    for rank, result in enumerate(run_ranks("pipeline_encoder", tmp_path)):
+        for name, value in result["ref_state"].items():
+            torch.testing.assert_close(result["state"][name], value, **TOL, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), **TOL)
+
+
 @pytest.mark.parametrize("case, error", [
     ("pipeline_dropout", "PipelineError: .*pipeline stage 0 calls aten.dropout.* Put the random ops"),
     ("pipeline_ranks", r"PipelineError: .*pipeline stage\(s\) \[1\] run no op of build\(\).*Number the stages 0..n-1"),

@@ -225,6 +225,48 @@ def pipeline(case: str, rank: int, world: int) -> dict:
             "stage_params": sorted(n for n, _ in graph.compiled.module.named_parameters())}
 
 
+class Encoder(nn.Module):
+    """Two transformer encoder layers (attention without dropout) between a projection and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(12, 32)
+        self.layers = nn.ModuleList([nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+                                     for _ in range(2)])
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean(1))
+
+
+def pipeline_encoder(case: str, rank: int, world: int) -> dict:
+    """A transformer cut between its two layers, against the same graph trained in this process
+    alone with gradient accumulation (data parallel off): AdamW, 5 steps."""
+    torch.manual_seed(0)
+    model = Encoder()
+    alone = copy.deepcopy(model)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.AdamW(model.parameters(), lr=1e-2))
+    graph.model.embed.to(tvmgraph.nn.GraphModule).set_stage(0)
+    graph.model.layers[0].to(tvmgraph.nn.GraphModule).set_stage(0)
+    graph.model.layers[1].to(tvmgraph.nn.GraphModule).set_stage(1)
+    graph.model.head.to(tvmgraph.nn.GraphModule).set_stage(1)
+    reference = TrainGraph(alone, nn.CrossEntropyLoss(), torch.optim.AdamW(alone.parameters(), lr=1e-2))
+    reference.config.enable_data_parallel(False)
+    for g in (graph, reference):
+        g.config.set_gradient_accumulation_steps(MICRO_BATCHES)
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses = [], []
+    for _ in range(5):
+        x, y = torch.randn(GLOBAL_BATCH, 6, 12, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
+        losses.append(float(graph(x, y)))
+        ref_losses.append(float(reference(x, y)))
+    return {"state": graph.state_dict()["modules"]["model"], "ref_state": alone.state_dict(),
+            "losses": losses, "ref_losses": ref_losses}
+
+
 def pipeline_error(case: str, rank: int, world: int) -> dict:
     """Stages that cannot run: a clear error on every rank."""
     if case == "pipeline_dropout":  # random numbers on a stage that recomputes its forward pass
@@ -246,7 +288,7 @@ def pipeline_error(case: str, rank: int, world: int) -> dict:
 CASES = {"mlp": train_graph, "mlp_adam": train_graph, "mlp_accum": train_graph, "cnn": train_graph,
          "mlp_accum_scaler": train_graph,
          "zero": zero, "zero2": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "zero_scaler": zero_scaler, "dead": dead_rank,
-         "pipeline_mlp": pipeline, "pipeline_mlp_adam": pipeline, "pipeline_cnn": pipeline,
+         "pipeline_mlp": pipeline, "pipeline_encoder": pipeline_encoder, "pipeline_mlp_adam": pipeline, "pipeline_cnn": pipeline,
          "pipeline_dropout": pipeline_error, "pipeline_ranks": pipeline_error}
 
 

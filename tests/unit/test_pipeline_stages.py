@@ -151,3 +151,28 @@ def test_stages_of_an_inference_graph_or_with_zero_are_refused() -> None:
     training.config.enable_zero(True)
     with pytest.raises(UnsupportedOptionError, match=r"enable_zero with pipeline stages"):
         training(torch.randn(4, 12), torch.randint(0, 5, (4,)))
+
+
+@pytest.mark.parametrize("dropout, random", [(0.0, False), (0.1, True)])
+def test_attention_without_dropout_may_run_on_an_early_stage(dropout: float, random: bool) -> None:
+    """scaled_dot_product_attention is a seeded op in torch's tags; with dropout_p=0 it draws
+    nothing, so stage 0 may recompute it. With dropout it is a PipelineError."""
+    from tvmgraph.training.pipeline_split import check_stage_ops
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=dropout, batch_first=True)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(self.layer(x).mean(1))
+
+    model = Encoder()
+    exported = trace(model, torch.randn(2, 5, 16), torch.randint(0, 4, (2,)))
+    first, _ = split_stages(exported, {"model.layer": 0, "model.head": 1}, "G").stages
+    if random:
+        with pytest.raises(PipelineError, match=r"pipeline stage 0 calls aten\.(scaled_dot_product_attention|\w*dropout)\S* \(random\)"):
+            check_stage_ops(first, "G")
+    else:
+        check_stage_ops(first, "G")
