@@ -76,6 +76,11 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
                         f"{type(obj).__name__}; for a module, save module.state_dict() or wrap it in a Graph")
     if program not in PROGRAMS:
         raise SaveError(f"{obj.name}: program={program!r}; use one of {', '.join(map(repr, PROGRAMS))}")
+    pipeline = obj._state("saving the graph").pipeline
+    if pipeline is not None and not pipeline.gathered:
+        raise SaveError(f"{obj.name}: the graph trains in pipeline stages, and this rank holds only its own "
+                        f"stage's trained parameters; call graph.state_dict() on every rank first (a collective "
+                        f"that brings every stage's parameters here), then save")
     if program == "train_step":
         traced, lowered, optimizer_state, training = train_step_program(obj, example_args)
         modules = dict(obj.named_modules())

@@ -36,6 +36,10 @@ def train_step_program(graph: Graph, example_args: tuple | None
     if _enabled(st.grad_scaler) is not None:
         raise UnsupportedOptionError(f"{graph.name}: a saved train step cannot carry a grad scaler yet; save it "
                                      f"without one (graph.set_grad_scaler(None); bfloat16 AMP needs none)")
+    if st.config.pipeline_stages:
+        raise UnsupportedOptionError(f"{graph.name}: a saved train step runs in one process; it cannot carry "
+                                     f"pipeline stages (set_stage). Save the model's weights "
+                                     f"(tvmgraph.save(graph.state_dict(), path)) or a graph built without stages")
     if example_args is None:
         compiled = graph.compiled
         if compiled is None or compiled.train_layout is None:

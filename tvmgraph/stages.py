@@ -229,6 +229,11 @@ class CompiledGraph:
         return self.program.entry
 
     @property
+    def accumulation(self) -> Accumulation | None:
+        """The runner of `accumulate_grads` and `apply_update` of a split training program."""
+        return self._accumulation
+
+    @property
     def lowered(self) -> LoweredGraph:
         """The Relax stage; lowered again on first access when the program came from the cache."""
         if self._lowered is None:

@@ -49,7 +49,7 @@ def run_ranks(case: str, tmp_path: Path, world: int = 2, timeout: float = 300, p
     results = []
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         path = tmp_path / f"rank{rank}.pt"
-        if case == "dead" and rank == 1:
+        if case.endswith("dead") and rank == 1:
             assert p.returncode == 3, out[-3000:]
             continue
         assert p.returncode == 0 and path.exists(), f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
@@ -185,12 +185,20 @@ def test_two_pipeline_stages_train_like_one_process(case: str, tmp_path: Path) -
             assert torch.equal(result["resumed"][name], got), name
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), **TOL)
         assert result["resumed_losses"] == result["losses"][7:]
+        assert "call graph.state_dict() on every rank first" in result["save_error"]
     # each rank compiled and trained its own stage only
     assert not set(ranks[0]["stage_params"]) & set(ranks[1]["stage_params"])
     assert ranks[0]["stage_params"] and ranks[1]["stage_params"]
     # the gathered optimizer state is torch's, for every parameter, on both ranks
     for result in ranks:
         assert sorted(result["saved"]["optimizers"][0]["state"]) == list(range(len(list(expected.parameters()))))
+
+
+def test_a_dead_stage_ends_the_other_with_an_error_within_the_timeout(tmp_path: Path) -> None:
+    (result,) = run_ranks("pipeline_dead", tmp_path, pg_timeout=20, timeout=200)
+    assert result["error"] is not None and result["step"] == 2, result
+    assert "rank 0 of 2" in result["error"] and "Another rank most likely stopped" in result["error"]
+    assert result["seconds"] < 60
 
 
 def test_a_transformer_in_two_stages_trains_like_one_process(tmp_path: Path) -> None:

@@ -218,10 +218,16 @@ def pipeline(case: str, rank: int, world: int) -> dict:
     for batch in data[7:]:
         losses.append(float(graph(*batch)))
         resumed_losses.append(float(resumed(*batch)))
+    try:  # this rank holds one stage's trained weights: saving first needs the gather
+        tvmgraph.save(graph, Path(os.environ["TEST_OUT"]) / f"graph{rank}")
+        save_error = None
+    except tvmgraph.errors.SaveError as e:
+        save_error = str(e)
     final = graph.state_dict()
     resumed_final = resumed.state_dict()
     return {"saved": saved, "final": final["modules"]["model"], "resumed": resumed_final["modules"]["model"],
             "losses": losses, "resumed_losses": resumed_losses, "num_compiled": graph.num_compiled,
+            "save_error": save_error,
             "stage_params": sorted(n for n, _ in graph.compiled.module.named_parameters())}
 
 
@@ -267,6 +273,22 @@ def pipeline_encoder(case: str, rank: int, world: int) -> dict:
             "losses": losses, "ref_losses": ref_losses}
 
 
+def pipeline_dead(case: str, rank: int, world: int) -> dict:
+    """Rank 1 (the last stage) dies after two steps: rank 0's next call must fail with a
+    DistributedError within the timeout."""
+    model = model_for("mlp")
+    graph = pipeline_graph("pipeline_mlp", model, sgd(model))
+    for step, batch in enumerate(data_for("mlp")):
+        if rank == 1 and step == 2:
+            os._exit(3)
+        start = time.monotonic()
+        try:
+            graph(*batch)
+        except tvmgraph.errors.DistributedError as e:
+            return {"error": str(e), "step": step, "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
 def pipeline_error(case: str, rank: int, world: int) -> dict:
     """Stages that cannot run: a clear error on every rank."""
     if case == "pipeline_dropout":  # random numbers on a stage that recomputes its forward pass
@@ -288,7 +310,8 @@ def pipeline_error(case: str, rank: int, world: int) -> dict:
 CASES = {"mlp": train_graph, "mlp_adam": train_graph, "mlp_accum": train_graph, "cnn": train_graph,
          "mlp_accum_scaler": train_graph,
          "zero": zero, "zero2": zero, "mismatch": mismatch, "syncbn": sync_batch_norm, "zero_scaler": zero_scaler, "dead": dead_rank,
-         "pipeline_mlp": pipeline, "pipeline_encoder": pipeline_encoder, "pipeline_mlp_adam": pipeline, "pipeline_cnn": pipeline,
+         "pipeline_mlp": pipeline, "pipeline_encoder": pipeline_encoder,
+         "pipeline_dead": pipeline_dead, "pipeline_mlp_adam": pipeline, "pipeline_cnn": pipeline,
          "pipeline_dropout": pipeline_error, "pipeline_ranks": pipeline_error}
 
 
@@ -297,9 +320,10 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=int(os.environ.get("TEST_PG_TIMEOUT", "60"))))
+    os.environ["TEST_OUT"] = str(out)
     result = CASES[case](case, rank, world)
     torch.save(result, out / f"rank{rank}.pt")
-    if case != "dead":
+    if not case.endswith("dead"):
         dist.barrier()
     # torch's teardown of a gloo group sometimes aborts the process ("terminate called without an
     # active exception"), always with a dead peer: the results are saved, leave without it.

@@ -176,3 +176,10 @@ def test_attention_without_dropout_may_run_on_an_early_stage(dropout: float, ran
             check_stage_ops(first, "G")
     else:
         check_stage_ops(first, "G")
+
+
+def test_a_train_step_with_stages_cannot_be_saved(tmp_path) -> None:
+    """A saved train step runs in one process: the stages would be dropped silently."""
+    with pytest.raises(UnsupportedOptionError, match=r"cannot carry pipeline stages \(set_stage\)"):
+        tvmgraph.save(staged_mlp(0, 1), tmp_path / "g", example_args=(torch.randn(4, 12), torch.randint(0, 5, (4,))),
+                      program="train_step")

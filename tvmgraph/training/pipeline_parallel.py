@@ -94,10 +94,14 @@ class PipelineEntry:
         self.steps = steps
         self.forward = forward
         self.backward = backward
+        self.device = backward.device  # where received tensors go (NCCL sends from the GPU)
         self.module = module  # the stage's FX module: its parameters and buffers are the model's
         self.modules = modules  # the graph's, whole
         self.collectives = Collectives(traced.graph_name, ranks)
         self.synced = False
+        # Whether this rank holds every stage's current parameters (after gather_state, until
+        # the next step): what tvmgraph.save needs.
+        self.gathered = True
         self.comm_seconds = 0.0
         out = [n for n in split.stages[split.last].module.graph.nodes if n.op == "output"][0]
         *outputs, loss = (v.meta["val"] for v in out.args[0])
@@ -133,7 +137,8 @@ class PipelineEntry:
         for args in saved:  # the backward phase (every stage but the last)
             _, _, grads = self._backward(args, self._receive_gradients(), grads, sends)
         self._wait(sends)
-        self.backward._accumulation.update(self.backward, grads)
+        self.backward.accumulation.update(self.backward, grads)
+        self.gathered = False
         return self._results(outputs, losses)
 
     # ---- one micro-batch ----
@@ -162,7 +167,7 @@ class PipelineEntry:
     def _receive_activations(self) -> list[torch.Tensor]:
         out = []
         for b in self._boundaries(self.program.received):
-            t = torch.empty(b.shape, dtype=b.dtype)
+            t = torch.empty(b.shape, dtype=b.dtype, device=self.device)
             self._p2p(dist.recv, t, self.rank_of[b.producer], self._tag(b.name, False), "receiving activations")
             out.append(t)
         return out
@@ -180,9 +185,9 @@ class PipelineEntry:
         for b in self._boundaries(self.program.sent):
             if not b.dtype.is_floating_point:
                 continue
-            total = torch.zeros(b.shape, dtype=b.dtype)
+            total = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
             for consumer in b.consumers:
-                t = torch.empty(b.shape, dtype=b.dtype)
+                t = torch.empty(b.shape, dtype=b.dtype, device=self.device)
                 self._p2p(dist.recv, t, self.rank_of[consumer], self._tag(b.name, True), "receiving gradients")
                 total += t
             out.append(total)
@@ -236,8 +241,8 @@ class PipelineEntry:
             values = [combine(parts) for parts in zip(*outputs)] + [torch.stack(losses).mean()]
         else:
             shapes = [(s.shape[0] * self.steps, *s.shape[1:]) if s.shape else () for s in self._outputs]
-            values = [torch.empty(shape, dtype=s.dtype) for shape, s in zip(shapes, self._outputs)]
-            values.append(torch.empty((), dtype=self._loss_dtype))
+            values = [torch.empty(shape, dtype=s.dtype, device=self.device) for shape, s in zip(shapes, self._outputs)]
+            values.append(torch.empty((), dtype=self._loss_dtype, device=self.device))
         values = [v.contiguous() for v in values]
         self.collectives.broadcast(values, source, "broadcasting the loss and outputs from the last stage")
         return values[:-1], values[-1]
@@ -248,6 +253,7 @@ class PipelineEntry:
         for stage, program in enumerate(self.split.stages):
             tensors = [*program.module.parameters(), *program.module.buffers()]
             self.collectives.broadcast(tensors, self.rank_of[stage], f"gathering stage {stage}'s parameters")
+        self.gathered = True
         own = {id(p) for p in self.module.parameters()}
         return self.collectives.gather_optimizer_states(optimizers, lambda p: id(p) in own)
 
@@ -279,7 +285,8 @@ def compile_pipeline(graph_class: str, traced: TracedGraph, flat: Sequence[torch
     for earlier in split.stages[:-1]:  # every rank, so that every rank raises the same error
         check_stage_ops(earlier, graph)
     steps = options.gradient_accumulation_steps
-    received = [torch.zeros(b.shape, dtype=b.dtype) for b in (split.boundaries[n] for n in program.received)]
+    received = [torch.zeros(b.shape, dtype=b.dtype, device=device)
+                for b in (split.boundaries[n] for n in program.received)]
     arguments = [flat[i] for i in program.arguments]
     named = [(f"{STAGE_MODULE}.{n}", p) for n, p in program.module.named_parameters()]
     plan = TrainingPlan.build(graph, optimizers, named, options.recompute_attention, only_present=True)
@@ -292,7 +299,7 @@ def compile_pipeline(graph_class: str, traced: TracedGraph, flat: Sequence[torch
                                  received + arguments, stage_modules_, None,
                                  dataclasses.replace(base, gradient_accumulation_steps=1), device, log)
         sent = [split.boundaries[n] for n in program.sent]
-        cotangents = [torch.zeros(b.shape, dtype=b.dtype) for b in sent if b.dtype.is_floating_point]
+        cotangents = [torch.zeros(b.shape, dtype=b.dtype, device=device) for b in sent if b.dtype.is_floating_point]
         if not cotangents:
             raise PipelineError(f"{graph}: pipeline stage {stage} sends no floating-point tensor to later stages, so "
                                 f"no gradient can reach its parameters. Move the stage boundary.")
