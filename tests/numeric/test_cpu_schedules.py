@@ -289,6 +289,10 @@ def test_conv2d_rules_match_torch(case: tuple) -> None:
 CONV_GRADS = {
     # id: (cin, cout, stride, groups, hw) of the forward 3x3 (or 1x1) convolution
     "pointwise-1x1": (16, 24, 1, 1, 8, 1),
+    "pointwise-1x1-s2": (16, 24, 2, 1, 8, 1),
+    # dW as an implicit GEMM (conv_gemm.py): channels that fill 4 x 2-vector tiles
+    "3x3-s1-gemm": (64, 64, 1, 1, 4, 3),
+    "3x3-s2-gemm": (32, 64, 2, 1, 8, 3),
     "3x3-s1": (8, 16, 1, 1, 8, 3),
     "3x3-s2": (8, 16, 2, 1, 16, 3),
     "depthwise-s1": (16, 16, 1, 16, 8, 3),
@@ -335,6 +339,38 @@ def test_conv2d_gradients_match_torch(case: tuple) -> None:
     torch.testing.assert_close(torch.from_numpy(got_dw.numpy()), w.grad, atol=1e-3, rtol=1e-4)
     for func in prim_funcs(scheduled).values():
         assert bool(func.attrs["tirx.is_scheduled"])
+
+
+def _weight_grad_func(batch: int, cin: int, cout: int, hw: int) -> tirx.PrimFunc:
+    """The one PrimFunc of dW for a 3x3, stride 1, padding 1 conv, as autodiff writes it."""
+    from tvmgraph.gradients.conv import conv_weight_grad
+
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", R.Tensor((batch, cin, hw, hw), "float32"))
+    dyv = relax.Var("dy", R.Tensor((batch, cout, hw, hw), "float32"))
+    with bb.function("main", [xv, dyv]):
+        with bb.dataflow():
+            dw = bb.emit(conv_weight_grad(xv, dyv, (cout, cin, 3, 3), (1, 1), (1,) * 4, (1, 1), 1, None))
+            out = bb.emit_output(dw)
+        bb.emit_func_output(out)
+    (func,) = prim_funcs(fuse(bb.get())).values()
+    return func.with_attr("global_symbol", "main")
+
+
+@pytest.mark.parametrize("cin,cout,gemm", [(64, 32, True), (8, 32, True), (6, 32, False), (64, 24, False)])
+def test_weight_gradient_runs_as_implicit_gemm_when_channels_fill_tiles(cin: int, cout: int, gemm: bool) -> None:
+    """C a multiple of 4 and F of 2 vectors: dW reads channel-last copies (x_pad[n, y, x, c],
+    dy[n, y, x, f]) and keeps 4 x 2 vectors of accumulators; otherwise the row-vectorized form.
+    Both match torch."""
+    x, dy = torch.randn(4, cin, 4, 4), torch.randn(4, cout, 4, 4)
+    func = _weight_grad_func(4, cin, cout, 4)
+    sch = ConvWeightGradient().apply(func, TARGET, False)
+    assert sch is not None
+    text = sch.mod["main"].script()
+    assert (f"T.sblock_alloc_buffer((T.int64(4), T.int64(4), T.int64(4), T.int64({cout}))" in text) == gemm
+    got, _ = run_prim_func(func, x, dy, out_shape=(cout, cin, 3, 3))
+    want = torch.nn.grad.conv2d_weight(x, (cout, cin, 3, 3), dy, padding=1)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
 # ---- reduction.py ----------------------------------------------------------------------------

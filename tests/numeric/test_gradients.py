@@ -380,6 +380,9 @@ TVM_GRADIENTS = [
 # fmt: off
 FIXED_GRADIENTS = [
     conv_case("dilation2", (1, 2, 7, 7), (3, 2, 3, 3), padding=2, dilation=2),
+    # dw's conv keeps only the kernel's window: end padding dropped, then data cropped
+    conv_case("1x1-stride2-crops-data", (1, 3, 8, 8), (4, 3, 1, 1), stride=2),
+    conv_case("stride3-dilation2", (1, 2, 11, 10), (3, 2, 3, 3), stride=3, padding=2, dilation=2),
     conv_case("dilation2-stride2-depthwise", (1, 2, 8, 8), (2, 1, 3, 3), stride=2, padding=1,
               dilation=2, groups=2),
     OpCase("take-embedding-2d-indices", lambda x, i: op.take(x, i, axis=0),

@@ -101,6 +101,8 @@ def conv_weight_grad(
     rank = len(strides)
     _, _, transposed_kernel, channels_first = _LAYOUTS[rank]
     batch, channels, *size = dims_of(data)
+    data, size, padding = _window_only(data, size, dims_of(output_grad)[2:], weight_shape[2:],
+                                       strides, padding, dilation)
     if groups != 1:
         data = op.reshape(data, (batch, groups, channels // groups, *size))
         data = op.permute_dims(data, [1, 0, *range(2, rank + 3)])
@@ -115,6 +117,29 @@ def conv_weight_grad(
                                       dims_of(output_grad)[2:], strides, dilation)
     ]
     return _crop(grad, full, weight_shape)
+
+
+def _window_only(
+    data: relax.Expr, size: Sequence[int], grad_size: Sequence[int], kernel: Sequence[int],
+    strides: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+) -> tuple[relax.Expr, list[int], list[int]]:
+    """The data and padding of dw's conv trimmed at the end of each spatial axis to what the
+    kernel's offsets read: that conv's window is then the kernel, with no crop after it. Untrimmed,
+    a 3x3 kernel with stride 2 computed 16 offsets to keep 9, and a 1x1 one 4 to keep 1.
+    The end padding goes first, then data past the last tap (a stride that does not divide)."""
+    rank = len(size)
+    if not all(isinstance(v, int) for v in (*size, *grad_size)):
+        return data, list(size), list(padding)
+    padding, crop = list(padding), list(size)
+    for i, (n, k, g, s, d) in enumerate(zip(size, kernel, grad_size, strides, dilation)):
+        read = (k - 1) * d + (g - 1) * s + 1  # the last tap of the last kernel offset, plus one
+        excess = n + padding[i] + padding[rank + i] - read
+        removed = max(0, min(excess, padding[rank + i]))
+        padding[rank + i] -= removed
+        crop[i] = n - max(0, excess - removed)
+    if crop != list(size):
+        data = op.strided_slice(data, list(range(2, 2 + rank)), [0] * rank, crop)
+    return data, crop, padding
 
 
 def _check_layouts(name: str, attrs: object, expected: tuple[str, str, str]) -> None:

@@ -13,8 +13,14 @@ parallel over output tiles; the partial sums are added up (and the fused SGD/Ada
 applied) at the end. A 1x1 convolution's gradient, whose x and y are both contiguous, sums
 over y*x as one axis so that the vector is full even on 4x4 images.
 
-Limits: stride 2 reads x_pad with a stride of 2 along the vector (gathers); on images narrower
-than 4 columns the sums run scalar.
+When the channel counts allow it (F a multiple of 2 vectors, C of 4), the rule instead runs
+the gradient as a GEMM with M = C, N = F and K = the batch's pixels, one per kernel offset
+(conv_gemm.py: both operands copied channel-last, x_pad[n, y, x, c] and dy[n, y, x, f]). This
+keeps every vector lane busy whatever the image size: ResNet-18's 512-channel layer on 4x4
+images went from 41 to 224 GFLOP/s, the 256-channel one on 8x8 from 90 to 178 (Zen 5, 2 cores).
+
+Limits: stride 2 reads x_pad with a stride of 2 (along the vector in the row-vectorized
+form: gathers); on images narrower than 4 columns the row-vectorized sums run scalar.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.target import Target
 
 from .conv import ConvShape, data_producer, find_conv, pad_at
+from .conv_gemm import reads_vars, schedule_implicit_gemm, tile_fits
 from .cpu_target import CPUTarget
 from .fallback import schedule_remaining
 from .loops import (
@@ -54,7 +61,10 @@ class ConvWeightGradient(ScheduleRule):
         inline_copies_into(sch, main)
         cpu = CPUTarget.from_target(target)
         lanes = cpu.lanes(str(sch.get(main).writes[0].source.dtype))
-        if not _schedule(sch, main, shape, lanes):
+        gemm = _gemm_axes(sch, main, shape, lanes)
+        if gemm is not None:
+            schedule_implicit_gemm(sch, main, *gemm, shape.reduce, lanes)
+        elif not _schedule(sch, main, shape, lanes):
             return None
         schedule_remaining(sch, cpu)
         return sch
@@ -76,6 +86,25 @@ def _group_axis(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape) -> str | 
     outputs = [r.min for r in stmt.writes[0].region]
     data = stmt.reads[shape.data_read].region[:-2]
     return next((v.name for v in outputs if any(v in vars_in(r.min) for r in data)), None)
+
+
+def _gemm_axes(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int) -> tuple[int, int] | None:
+    """The loop positions of the output's (vector, row) channel axes when the GEMM form applies:
+    each operand indexed by one of them only (not grouped), F a multiple of the tile's vectors
+    and C of its rows; else None."""
+    stmt = sch.get(main)
+    data_vars, grad_vars = reads_vars(stmt, shape.data_read), reads_vars(stmt, 1 - shape.data_read)
+    ivars = [iv.var for iv in stmt.iter_vars]
+    channels = (shape.n, shape.f)  # the output's two channel axes
+    vector = next((i for i in channels if ivars[i] in grad_vars), None)
+    if vector is None:
+        return None
+    row = channels[1] if vector == channels[0] else channels[0]
+    if ivars[vector] in data_vars or ivars[row] in grad_vars:
+        return None  # grouped: one operand's planes depend on both channels
+    if not tile_fits(shape.extents[vector], shape.extents[row], lanes):
+        return None
+    return vector, row
 
 
 def _schedule(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int) -> bool:

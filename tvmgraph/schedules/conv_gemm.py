@@ -1,0 +1,95 @@
+"""A convolution's weight gradient as an implicit GEMM with channels in the vectors.
+
+conv_grad.py's direct schedule puts image columns in the vector registers: on the small images
+of a network's last stages (4x4, 8x8) most lanes idle. Here one output axis that is a channel
+axis goes in the vectors (`vector`: a multiple of 2 vectors), and 4 consecutive indices of
+another output axis (`row`) form the rows of the register tile:
+
+    out[.., row, .., vector] += A[.., row-indexed ..] * B[.., vector-indexed ..]    (over K)
+
+For a weight gradient dW[f, c, ky, kx], `vector` = output channels f and `row` = input
+channels c; K runs over the batch's pixels, one GEMM per kernel offset. Each step of K (the
+reduction loops, kept as they are) broadcasts 4 values of A and loads 2 vectors of B into 8
+accumulators (4 x 2 x 16 floats: 512 bytes, in registers).
+
+Steps:
+  1. Each operand whose row/vector axis is not its last one is copied channel-last first
+     (a padding block changes layout; a parameter is copied): the vector loads are contiguous,
+     and so are the 4 broadcasts.
+  2. Loops: parallel(vector / 32, row / 4, the other output axes) > K loops > unroll(4) >
+     unroll(2) > vector(16). The tile is a small "global" buffer (matmul.py's NOTE), laid out
+     with the vector axis last, then stored to the output after K.
+
+Tried and left out: the same form for forward convolutions on 4x4 images (output columns as
+rows) ran no faster than conv.py's schedule (94 vs 110 GFLOP/s, 512 channels; 8x8: 237 vs
+209). Limits: static extents only; larger tiles (8 x 2, 4 x 4: 1 KiB of accumulators) go
+through TVM's heap workspace and run 10x slower, so the tile stays at 8 vectors, about 40% of
+the FMA peak where a 24-accumulator tile would do better.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.schedule import SBlockRV
+
+from .loops import vars_in
+
+# The register tile: TILE_ROWS broadcast values x TILE_VECTORS vectors.
+TILE_ROWS, TILE_VECTORS = 4, 2
+
+
+def tile_fits(vector_extent: int, row_extent: int, lanes: int) -> bool:
+    """Whether the vector and row axes split into whole tiles."""
+    return vector_extent % (TILE_VECTORS * lanes) == 0 and row_extent % TILE_ROWS == 0
+
+
+def reads_vars(stmt: s_tir.SBlock, read: int) -> set[tirx.Var]:
+    """The block iterators that index operand `read` of `stmt`."""
+    return set().union(*(vars_in(r.min) for r in stmt.reads[read].region))
+
+
+def _last_axis_first(sch: s_tir.Schedule, main: SBlockRV, read: int, var: tirx.Var) -> None:
+    """Give `main`'s operand `read` a layout whose last axis is the one `var` indexes."""
+    region = sch.get(main).reads[read].region
+    axis = next(i for i, r in enumerate(region) if var in vars_in(r.min))
+    if axis == len(region) - 1:
+        return
+    buffer = sch.get(main).reads[read].source
+    if not any(w.source.same_as(buffer) for b in sch.get_producers(main) for w in sch.get(b).writes):
+        sch.cache_read(main, read, "global")
+    order = [i for i in range(len(region)) if i != axis] + [axis]
+    sch.transform_layout(main, ("read", read), lambda *idx: tuple(idx[i] for i in order))
+
+
+def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row: int,
+                           reduce: list[int], lanes: int) -> None:
+    """Schedule `main` (loop positions: `vector`, `row` among its outputs, `reduce` its
+    reduction loops) as described in the module docstring."""
+    stmt = sch.get(main)
+    ivars = [iv.var for iv in stmt.iter_vars]
+    for read in range(len(stmt.reads)):
+        used = reads_vars(stmt, read)
+        for axis in (vector, row):
+            if ivars[axis] in used:
+                _last_axis_first(sch, main, read, ivars[axis])
+    loops = sch.get_loops(main)
+    others = [loops[i] for i in range(len(loops)) if i not in (vector, row, *reduce)]
+    reduce_loops = [loops[i] for i in reduce]
+    vec_outer, vec_inner = sch.split(loops[vector], [None, TILE_VECTORS * lanes])
+    vec_unrolled, lane = sch.split(vec_inner, [TILE_VECTORS, lanes])
+    row_outer, row_inner = sch.split(loops[row], [None, TILE_ROWS])
+    sch.reorder(vec_outer, row_outer, *others, *reduce_loops, row_inner, vec_unrolled, lane)
+    outer = sch.fuse(vec_outer, row_outer, *others)
+    store = sch.cache_write(main, 0, "global")
+    # NOTE: the vector axis last in the tile too: LLVM at -O1 keeps the tile in registers only
+    # when its vectors are contiguous (8x slower otherwise).
+    written = [r.min for r in sch.get(main).writes[0].region]
+    axis = next(i for i, v in enumerate(written) if v.same_as(ivars[vector]))
+    order = [i for i in range(len(written)) if i != axis] + [axis]
+    sch.transform_layout(main, ("write", 0), lambda *idx: tuple(idx[i] for i in order))
+    sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
+    sch.parallel(outer)
+    sch.unroll(row_inner)
+    sch.unroll(vec_unrolled)
+    sch.vectorize(lane)
+    sch.decompose_reduction(main, reduce_loops[0])
