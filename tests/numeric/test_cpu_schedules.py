@@ -341,7 +341,7 @@ def test_conv2d_gradients_match_torch(case: tuple) -> None:
         assert bool(func.attrs["tirx.is_scheduled"])
 
 
-def _weight_grad_func(batch: int, cin: int, cout: int, hw: int) -> tirx.PrimFunc:
+def _weight_grad_func(batch: int | tirx.Var, cin: int, cout: int, hw: int) -> tirx.PrimFunc:
     """The one PrimFunc of dW for a 3x3, stride 1, padding 1 conv, as autodiff writes it."""
     from tvmgraph.gradients.conv import conv_weight_grad
 
@@ -373,7 +373,30 @@ def test_weight_gradient_runs_as_implicit_gemm_when_channels_fill_tiles(cin: int
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
+def test_weight_gradient_over_a_symbolic_batch_is_scheduled() -> None:
+    """A dynamic batch makes dW's reduction over images symbolic: still the implicit GEMM."""
+    func = _weight_grad_func(tirx.Var("n", "int64"), 32, 32, 4)
+    sch = ConvWeightGradient().apply(func, TARGET, False)
+    assert sch is not None
+    assert "T.sblock_alloc_buffer((n, T.int64(4), T.int64(4), T.int64(32)))" in sch.mod["main"].script()
+
+
 # ---- reduction.py ----------------------------------------------------------------------------
+
+
+def test_batch_statistics_over_a_symbolic_batch_are_vectorized() -> None:
+    """sum over (N, H, W) of an NCHW tensor with a symbolic N (a dynamic batch's batch-norm
+    statistics): N stays a serial loop outside, H * W is the vector; matches torch."""
+    n = tirx.Var("n", "int64")
+    x = te.placeholder((n, 8, 4, 4), name="x")
+    rn, rh, rw = (te.reduce_axis((0, e), name=name) for e, name in ((n, "rn"), (4, "rh"), (4, "rw")))
+    total = te.compute((8,), lambda c: te.sum(x[rn, c, rh, rw], axis=[rn, rh, rw]), name="total")
+    func = te.create_prim_func([x, total]).with_attr("global_symbol", "main")
+    sch = Reduction().apply(func, TARGET, False)
+    assert sch is not None and "T.vectorized" in sch.mod["main"].script()
+    data = torch.randn(3, 8, 4, 4)
+    got, _ = run_prim_func(func, data, out_shape=(8,))
+    torch.testing.assert_close(got, data.sum((0, 2, 3)), **TOL)
 
 
 def unary_module(shape: tuple[int, ...], op) -> tvm.IRModule:

@@ -91,6 +91,20 @@ def test_training_cnn_batch_norm_varying_batch_matches_eager() -> None:
     assert model.features[1].num_batches_tracked.item() == 3
 
 
+def test_training_wide_convs_varying_batch_matches_eager() -> None:
+    """Channels that fill the implicit-GEMM tiles (schedules/conv_gemm.py), a strided conv whose
+    weight gradient crops its data, batch-norm statistics: over a symbolic batch, dW and the
+    statistics sum over it (the scheduled kernels' reduction, not just their output, is open)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(4, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 32, 1, stride=2), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    ).train()
+    graph = run_dynamic_side_by_side(model, batches_of((8, 5, 16), (4, 8, 8)))
+    assert graph.num_compiled == 1
+
+
 def test_training_the_transformer_is_a_clear_error() -> None:
     """TVM's autodiff fails on the attention's reshapes of the symbolic batch (a limit of TVM
     0.27's Gradient under symbolic shapes); the error says to train with a static batch."""

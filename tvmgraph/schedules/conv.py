@@ -110,9 +110,6 @@ def conv_shape(sch: s_tir.Schedule, main: SBlockRV) -> ConvShape | None:
     if any(v not in pos or kinds[pos[v]] != "S" for v in out):
         return None
     extent = [static_extent(sch, l) for l in sch.get_loops(main)]
-    # Only the batch may be symbolic (a dynamic batch); the schedule tiles the other axes.
-    if any(e is None and i != pos[out[0]] for i, e in enumerate(extent)):
-        return None
     reduce = [i for i, k in enumerate(kinds) if k == "R"]
     if len(kinds) - len(reduce) != 4:
         return None
@@ -130,6 +127,10 @@ def conv_shape(sch: s_tir.Schedule, main: SBlockRV) -> ConvShape | None:
     if len(window) != 2 or all(extent[i] == 1 for i in window):
         return None  # a 1x1 kernel is a matmul
     channel = [i for i in reduce if i not in window]
+    # Only the batch may be symbolic (a dynamic batch): the output's first axis, or the
+    # reduction over images of a weight gradient. The schedules tile the other axes.
+    if any(e is None and i != pos[out[0]] and i not in channel for i, e in enumerate(extent)):
+        return None
     depthwise = all(extent[i] == 1 for i in channel)
     return ConvShape(pos[out[0]], pos[out[1]], pos[out[2]], pos[out[3]], reduce, window,
                      depthwise, data_read, extent)  # type: ignore[arg-type]

@@ -17,7 +17,8 @@ whose input is contiguous along a kept axis ("column" reduction, `dy.sum(0)`) lo
 reduced axes outside and vectorizes the kept axis inside, parallel over chunks of it.
 
 Limits: rfactor needs the contiguous reduced extent to be a multiple of 4; reductions to a
-scalar run on one thread; static shapes only for vectorization.
+scalar run on one thread; a symbolic reduced axis (a dynamic batch) must come before the
+static ones that the vector runs along.
 """
 
 from __future__ import annotations
@@ -159,6 +160,12 @@ def _rfactor_row(
         return None
     loops = sch.get_loops(block)
     reduce_loops = loops[n_rows:]
+    # A symbolic reduced extent (a dynamic batch: batch-norm statistics over N, H, W) stays
+    # a serial loop outside; the static trailing loops form the vector.
+    while reduce_loops and static_extent(sch, reduce_loops[0]) is None:
+        reduce_loops = reduce_loops[1:]
+    if not reduce_loops:
+        return None
     fused = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
     extent = static_extent(sch, fused)
     width = lanes
