@@ -40,6 +40,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
+    "Im2colConv": None,
     "FuseEpilogue": "graph.config.allow_fuse_add_to_output(False)",
     "FuseCastScale": "graph.config.allow_fuse_cast_scale(False)",
     "tvmgraph.ApplyTuningLog": "graph.config.enable_tuning(False) or TVMGRAPH_TUNING=off",
@@ -175,6 +176,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.fuse_cast_scale import FuseCastScale
     from relay_passes.fuse_epilogue import FuseEpilogue
     from relay_passes.fuse_model_update import FuseModelUpdate
+    from relay_passes.im2col_conv import Im2colConv
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
     from relay_passes.simplify_power import SimplifyPower
@@ -198,6 +200,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),
         SimplifyPower(report),
+        #    On the CPU, convolutions on images narrower than a vector are im2col + matmul.
+        *([Im2colConv(report)] if target.kind.name == "llvm" else []),
         #    Each matmul/conv2d is grouped with its epilogue and operand transposes
         #    (allow_fuse_add_to_output); FuseOps (step 5) fuses the rest.
         FuseEpilogue(config.fuse_add_to_output, report),

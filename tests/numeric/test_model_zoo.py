@@ -5,8 +5,12 @@ Inference runs in eval mode. Training runs in train mode with each model's usual
 after every step the loss and every parameter and buffer must match eager's.
 
 Training is compared with eager run in float64 on the same weights: over ten steps eager's own
-float32 drifts from it by up to 2e-3 on the U-Net (its conv kernels round differently), while
-tvmgraph's float32 stays within 3e-7 of it, so float32 eager would be the noisier reference.
+float32 drifts from it by up to 2e-3 on the U-Net, so float32 eager would be the noisier
+reference. That drift is one discrete event (a value on the edge of a ReLU or a max-pool tie,
+decided by float32 rounding), and a float32 program may hit it too: tvmgraph's convolutions on
+small images (relay_passes/im2col_conv.py) round like eager's there and follow eager float32
+to the digit. So a tensor may also pass by being no further from float64 than twice eager
+float32's own distance, which a wrong gradient (moving parameters by more than 1e-3) is not.
 """
 
 from __future__ import annotations
@@ -57,20 +61,37 @@ def test_zoo_training_matches_eager(name: str) -> None:
     reference = copy.deepcopy(model).double()
     if isinstance(model, GPT):  # deepcopy keeps the tie; check it so the test means what it says
         assert reference.head.weight is reference.tok.weight
-    optimizer, ref_optimizer = _optimizers(entry, name, model), _optimizers(entry, name, reference)
-    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10) for o in (optimizer, ref_optimizer)]
-    graph = TrainGraph(model, entry.loss, optimizer, lr_sch=schedules[0])
+    eager32 = copy.deepcopy(model)
+    optimizers = [_optimizers(entry, name, m) for m in (model, reference, eager32)]
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10) for o in optimizers]
+    graph = TrainGraph(model, entry.loss, optimizers[0], lr_sch=schedules[0])
     g = torch.Generator().manual_seed(2)
     batches = [entry.batch(g) for _ in range(3)]
     for step in range(10):
         x, y = batches[step % len(batches)]
         loss = graph(x, y)
-        ref_loss = eager_step(reference, entry.loss, [ref_optimizer], _double(x), y)
-        schedules[1].step()
-        torch.testing.assert_close(loss, ref_loss.float(), **ZOO_STEP_TOL, msg=lambda m: f"step {step} loss: {m}")
-        for (key, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
-            want = want.float() if want.is_floating_point() else want
-            torch.testing.assert_close(got, want, **ZOO_STEP_TOL, msg=lambda m: f"step {step} {key}: {m}")
+        ref_loss = eager_step(reference, entry.loss, [optimizers[1]], _double(x), y)
+        loss32 = eager_step(eager32, entry.loss, [optimizers[2]], x, y)
+        for schedule in schedules[1:]:
+            schedule.step()
+        _assert_step_close(loss, ref_loss, loss32, f"step {step} loss")
+        for (key, got), want, got32 in zip(model.state_dict().items(), reference.state_dict().values(),
+                                          eager32.state_dict().values()):
+            _assert_step_close(got, want, got32, f"step {step} {key}")
+
+
+def _assert_step_close(got: torch.Tensor, want: torch.Tensor, eager32: torch.Tensor, what: str) -> None:
+    """`got` within ZOO_STEP_TOL of the float64 `want`, or no further from it than twice eager
+    float32 (`eager32`) is (see the module docstring)."""
+    if not want.is_floating_point():
+        torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+        return
+    try:
+        torch.testing.assert_close(got, want.float(), **ZOO_STEP_TOL)
+    except AssertionError as error:
+        ours = (got.double() - want).abs().max().item()
+        eagers = (eager32.double() - want).abs().max().item()
+        assert ours <= 2 * eagers, f"{what}: {ours:.3g} from float64 (eager float32: {eagers:.3g})\n{error}"
 
 
 def _double(t: torch.Tensor) -> torch.Tensor:

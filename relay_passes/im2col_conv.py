@@ -1,0 +1,209 @@
+"""Im2colConv: a convolution on small images becomes an im2col copy and one matmul.
+
+tvmgraph's direct convolution schedule (tvmgraph/schedules/conv.py) puts output columns in the
+vector registers. On the 4x4 and 8x8 images of a network's last stages (ResNet-18's layer3 and
+layer4 at CIFAR size) a 16-lane vector holds 4 or 8 columns, and those kernels ran at 90-110
+GFLOP/s where the matmul schedule reaches 350-400 on the same machine. Here
+
+    y = R.nn.conv2d(x, w, strides=s, padding=p, dilation=d)          # x: [N, C, H, W], small H, W
+
+becomes
+
+    cols = im2col(x)                         # [N, C, kh, kw, Ho, Wo]: shifted planes, 0 where padded
+    rows = R.reshape(cols, [N, C * kh * kw, Ho * Wo])                   # a view
+    y = R.reshape(R.matmul(R.reshape(w, [F, C * kh * kw]), rows), [N, F, Ho, Wo])
+
+the weight broadcast over the batch and read in place, the output already NCHW. A stride-1
+transposed convolution (a stride-1 conv's input gradient) is the same convolution of its input
+with its kernel transposed (one copy of the weight) and flipped (im2col reads the offsets in
+reverse). The im2col copy is kh * kw times the input: ResNet-18's largest is 9.4 MiB, live only
+until the matmul has read it.
+
+Exact up to the order of the sums (the matmul adds the C * kh * kw products in its own order).
+
+Position: after autodiff (it rewrites the backward pass's convolutions too), before FuseEpilogue;
+CPU targets only. Limits: NCHW/OIHW (IOHW transposed), groups 1, static image sizes (the batch
+may be symbolic), output width below MAX_WIDTH (wider images keep the direct schedule, at
+70-75% of the FMA peak there), float types; transposed convolutions with stride 1, symmetric
+padding and no output padding only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax, te, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from relay_passes import graph_functions, report_counts
+from relay_passes.rebind import rebind
+
+# Output widths below this (one AVX-512 vector of float32) go through im2col.
+MAX_WIDTH = 16
+# Below this many multiply-adds per output element the direct schedule is as good.
+MIN_REDUCTION = 64
+OPAQUE = 8  # TVM's OpPatternKind kOpaque: FuseOps fuses nothing into it
+
+
+def _ints(values: object) -> list[int]:
+    return [int(v) for v in values]  # type: ignore[attr-defined]
+
+
+def _im2col(x: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: list[int],
+            dilation: list[int], out_hw: tuple[int, int]) -> te.Tensor:
+    """cols[n, c, ky, kx, y, x] = x_pad[n, c, y * s + ky * d, x * s + kx * d]: each (c, ky, kx)
+    a shifted copy of the plane."""
+    _, _, h, w = x.shape
+    kh, kw = kernel
+    ho, wo = out_hw
+
+    def value(image, channel, ky, kx, y, col):  # noqa: ANN001, ANN202  (te index variables)
+        iy = y * strides[0] + ky * dilation[0] - padding[0]
+        ix = col * strides[1] + kx * dilation[1] - padding[1]
+        inside = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+        return tirx.if_then_else(inside, x[image, channel, iy, ix], tirx.const(0, x.dtype))
+
+    return te.compute((x.shape[0], x.shape[1], kh, kw, ho, wo), value, name="im2col")
+
+
+@dataclass(frozen=True)
+class _Conv:
+    """A stride-`strides` correlation of data [N, C, H, W] with a [F, C, kh, kw] kernel."""
+
+    data: relax.Expr
+    weight: relax.Expr  # [F, C * kh * kw]: the kernel, each row in (c, ky, kx) order
+    channels: int  # C
+    kernel: tuple[int, int]
+    strides: list[int]
+    padding: list[int]  # top, left
+    dilation: list[int]
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.counts: Counter[str] = Counter()
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        rebind(self, binding, self.visit_expr(binding.value))
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not (isinstance(call.op, tvm.ir.Op) and _worth_it(call)):
+            return call
+        if call.op.name == "relax.nn.conv2d":
+            conv = _as_conv(call)
+            if conv is None:
+                return call
+            self.counts["conv2d as im2col + matmul"] += 1
+            return self._im2col_matmul(conv, call)
+        if call.op.name == "relax.nn.conv2d_transpose" and str(call.attrs.kernel_layout) == "IOHW":
+            self.counts["conv2d_transpose as matmul + col2im"] += 1
+            return self._matmul_col2im(call)
+        return call
+
+    def _im2col_matmul(self, conv: _Conv, call: relax.Call) -> relax.Expr:
+        bb = self.builder_
+        batch, f, ho, wo = call.ty.shape.values
+        cols = bb.emit_te(_im2col, conv.data, conv.kernel, conv.strides, conv.padding,
+                          conv.dilation, (int(ho), int(wo)), primfunc_name_hint="im2col")
+        # NOTE: opaque, so that FuseOps leaves the reshape below out of it (a reshape inside
+        # the copy divides every index; alone it is a free view).
+        gv = bb.lookup_binding(cols).args[0]
+        bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OPAQUE))
+        k = conv.channels * conv.kernel[0] * conv.kernel[1]
+        rows = bb.emit(relax.op.reshape(cols, [batch, k, ho * wo]))
+        weight = bb.emit(relax.op.reshape(conv.weight, [f, k]))
+        # [F, K] @ [N, K, Ho * Wo]: the weight is broadcast over the batch, read in place.
+        product = bb.emit(relax.op.matmul(weight, rows, out_dtype=str(call.ty.dtype)))
+        return relax.op.reshape(product, [batch, f, ho, wo])
+
+    def _matmul_col2im(self, call: relax.Call) -> relax.Expr:
+        """conv2d_transpose(dy, w): every pixel of dy times the kernel (one matmul, w read in
+        place), then each output pixel sums the products that land on it (col2im)."""
+        bb = self.builder_
+        attrs = call.attrs
+        dy, weight = call.args
+        batch, f, hi, wi = dy.ty.shape.values
+        _, c, kh, kw = _ints(weight.ty.shape.values)  # IOHW: I = dy's channels
+        k = c * kh * kw
+        wt = bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(weight, [f, k])), [1, 0]))
+        rows = bb.emit(relax.op.reshape(dy, [batch, f, hi * wi]))
+        cols = bb.emit(relax.op.matmul(wt, rows, out_dtype=str(call.ty.dtype)))  # [N, K, Hi * Wi]
+        return bb.emit_te(_col2im, cols, (kh, kw), _ints(attrs.strides), _ints(attrs.padding)[:2],
+                          _ints(attrs.dilation), (int(hi), int(wi)), tuple(call.ty.shape.values),
+                          primfunc_name_hint="col2im")
+
+
+def _worth_it(call: relax.Call) -> bool:
+    """NCHW, groups 1, float, static image and kernel sizes, output rows narrower than a
+    vector, more than MIN_REDUCTION products per output, not a 1x1 kernel (a matmul already)."""
+    attrs = call.attrs
+    if not hasattr(attrs, "data_layout") or len(call.args) != 2:
+        return False
+    if (str(attrs.data_layout), str(attrs.out_layout or attrs.data_layout)) != ("NCHW", "NCHW"):
+        return False
+    shapes = [getattr(e.ty, "shape", None) for e in (*call.args, call)]
+    if any(s is None for s in shapes) or int(attrs.groups) != 1:
+        return False
+    data, weight, out = (s.values for s in shapes)
+    if not all(isinstance(d, tirx.IntImm) for d in (*data[1:], *weight, *out[1:])):
+        return False
+    dtype = str(call.ty.dtype)
+    if not dtype.startswith(("float", "bfloat")) or any(str(a.ty.dtype) != dtype for a in call.args):
+        return False
+    kh, kw = int(weight[2]), int(weight[3])
+    return int(out[3]) < MAX_WIDTH and (kh, kw) != (1, 1) and int(data[1]) * kh * kw >= MIN_REDUCTION
+
+
+def _as_conv(call: relax.Call) -> _Conv | None:
+    attrs = call.attrs
+    if str(attrs.kernel_layout) != "OIHW":
+        return None
+    _, c, kh, kw = _ints(call.args[1].ty.shape.values)
+    return _Conv(call.args[0], call.args[1], c, (kh, kw), _ints(attrs.strides),
+                 _ints(attrs.padding)[:2], _ints(attrs.dilation))
+
+
+def _col2im(cols: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: list[int],
+            dilation: list[int], in_hw: tuple[int, int], out_shape: tuple) -> te.Tensor:
+    """dx[n, c, iy, ix] = sum over the kernel's offsets (ky, kx) that reach (iy, ix) from a
+    pixel (y, x) of dy (iy = y * s + ky * d - p) of cols[n, (c, ky, kx), (y, x)]."""
+    kh, kw = kernel
+    hi, wi = in_hw
+
+    def value(image, channel, iy, ix):  # noqa: ANN001, ANN202  (te index variables)
+        total = tirx.const(0, cols.dtype)
+        for ky in range(kh):
+            for kx in range(kw):
+                ty = iy + padding[0] - ky * dilation[0]
+                tx = ix + padding[1] - kx * dilation[1]
+                y, x = ty // strides[0], tx // strides[1]
+                reached = tirx.all(ty >= 0, tx >= 0, y < hi, x < wi,
+                                   ty % strides[0] == 0, tx % strides[1] == 0)
+                row = channel * (kh * kw) + ky * kw + kx
+                total = total + tirx.if_then_else(reached, cols[image, row, y * wi + x],
+                                                  tirx.const(0, cols.dtype))
+        return total
+
+    return te.compute(out_shape, value, name="col2im")
+
+
+@tvm.transform.module_pass(opt_level=0, name="Im2colConv")
+class Im2colConv:
+    """Run convolutions whose output rows are narrower than a vector as im2col + matmul."""
+
+    def __init__(self, report: Callable[[str], None] | None = None) -> None:
+        self.report = report or (lambda msg: None)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        rewriter = _Rewriter(mod)
+        for gv, func in graph_functions(mod):
+            new = rewriter.visit_expr(func)
+            rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
+        report_counts(self.report, "Im2colConv", rewriter.counts)
+        return rewriter.builder_.get()

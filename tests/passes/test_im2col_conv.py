@@ -1,0 +1,104 @@
+"""Im2colConv: convolutions on images narrower than a vector run as im2col + matmul (and
+transposed ones as matmul + col2im), with torch's numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from relay_passes.im2col_conv import Im2colConv
+
+TARGET = tvm.target.Target({"kind": "llvm"})
+
+# id: (op, data shape, weight shape, stride, padding, dilation, output_padding)
+CASES = {
+    "conv-3x3-s1": ("conv2d", (2, 8, 6, 6), (5, 8, 3, 3), 1, 1, 1, 0),
+    "conv-3x3-s2": ("conv2d", (2, 8, 7, 7), (5, 8, 3, 3), 2, 1, 1, 0),
+    "conv-3x3-dilated-asymmetric": ("conv2d", (1, 8, 6, 5), (4, 8, 3, 3), 1, 2, 2, 0),
+    "conv-5x3-s2-no-padding": ("conv2d", (1, 8, 9, 7), (3, 8, 5, 3), 2, 0, 1, 0),
+    "transpose-3x3-s1": ("conv2d_transpose", (2, 8, 6, 6), (8, 5, 3, 3), 1, 1, 1, 0),
+    "transpose-3x3-s2-output-padding": ("conv2d_transpose", (2, 8, 4, 4), (8, 5, 3, 3), 2, 1, 1, 1),
+    "transpose-2x2-s2": ("conv2d_transpose", (1, 16, 3, 3), (16, 4, 2, 2), 2, 0, 1, 0),
+    "transpose-3x3-dilated": ("conv2d_transpose", (1, 8, 4, 5), (8, 3, 3, 3), 1, 1, 2, 0),
+}
+
+
+def conv_module(op: str, data: tuple, weight: tuple, stride: int, padding: int, dilation: int,
+                output_padding: int) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", R.Tensor(data, "float64"))
+    w = relax.Var("w", R.Tensor(weight, "float64"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            if op == "conv2d":
+                y = relax.op.nn.conv2d(x, w, stride, padding, dilation)
+            else:
+                y = relax.op.nn.conv2d_transpose(x, w, stride, padding, output_padding, dilation)
+            out = bb.emit_output(bb.emit(y))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def torch_conv(op: str, x: torch.Tensor, w: torch.Tensor, stride: int, padding: int, dilation: int,
+               output_padding: int) -> torch.Tensor:
+    if op == "conv2d":
+        return torch.nn.functional.conv2d(x, w, None, stride, padding, dilation)
+    return torch.nn.functional.conv_transpose2d(x, w, None, stride, padding, output_padding, 1, dilation)
+
+
+def run(mod: tvm.IRModule, *args: np.ndarray) -> np.ndarray:
+    vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
+    return vm["main"](*(tvm.runtime.tensor(a) for a in args)).numpy()
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_rewritten_convolution_equals_torch_in_float64(case: tuple) -> None:
+    """Exact up to the order of the sums: float64 within 1e-12 of torch's float64 result."""
+    op, data, weight, *window = case
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal(data), rng.standard_normal(weight)
+    messages: list[str] = []
+    mod = Im2colConv(messages.append)(conv_module(op, data, weight, *window))
+    names = [gv.name_hint for gv in mod.get_global_vars()]
+    if op == "conv2d":
+        assert "im2col" in names and messages == ["Im2colConv: conv2d as im2col + matmul x1"]
+    else:
+        assert "col2im" in names and messages == ["Im2colConv: conv2d_transpose as matmul + col2im x1"]
+    want = torch_conv(op, torch.from_numpy(x), torch.from_numpy(w), *window).numpy()
+    np.testing.assert_allclose(run(mod, x, w), want, rtol=1e-12, atol=1e-12)
+
+
+def test_wide_images_grouped_and_1x1_convolutions_are_left_alone() -> None:
+    """Output rows of a vector or more keep the direct schedule; a grouped conv and a 1x1 one
+    (a matmul already) are not rewritten."""
+    for module in (conv_module("conv2d", (1, 8, 16, 16), (4, 8, 3, 3), 1, 1, 1, 0),
+                   conv_module("conv2d", (1, 8, 6, 6), (4, 8, 1, 1), 1, 0, 1, 0)):
+        tvm.ir.assert_structural_equal(Im2colConv()(module), module)
+
+    @I.ir_module
+    class Grouped:
+        @R.function
+        def main(x: R.Tensor((1, 8, 6, 6), "float32"), w: R.Tensor((8, 1, 3, 3), "float32")):
+            with R.dataflow():
+                y = R.nn.conv2d(x, w, padding=1, groups=8)
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(Im2colConv()(Grouped), Grouped)
+
+
+def test_the_rewrite_is_a_copy_a_view_and_one_matmul() -> None:
+    """Before/after: conv2d becomes im2col (opaque: FuseOps fuses nothing into it), a reshape
+    to [N, C * kh * kw, Ho * Wo], the weight viewed as [F, C * kh * kw], one matmul, a reshape."""
+    mod = Im2colConv()(conv_module("conv2d", (2, 8, 6, 6), (5, 8, 3, 3), 1, 1, 1, 0))
+    bindings = [b for b in mod["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    assert [b.value.op.name for b in bindings] == [
+        "relax.call_tir", "relax.reshape", "relax.reshape", "relax.matmul", "relax.reshape"]
+    assert int(mod["im2col"].attrs["op_pattern"]) == 8
+    shapes = [[int(d) for d in b.var.ty.shape.values] for b in bindings]
+    assert shapes == [[2, 8, 3, 3, 6, 6], [2, 72, 36], [5, 72], [2, 5, 36], [2, 5, 6, 6]]
