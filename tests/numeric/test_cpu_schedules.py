@@ -292,6 +292,7 @@ CONV_GRADS = {
     "pointwise-1x1-s2": (16, 24, 2, 1, 8, 1),
     # dW as an implicit GEMM (conv_gemm.py): channels that fill 4 x 2-vector tiles
     "3x3-s1-gemm": (64, 64, 1, 1, 4, 3),
+    "1x1-gemm-channel-rows": (32, 32, 1, 1, 8, 1),
     "3x3-s2-gemm": (32, 64, 2, 1, 8, 3),
     "3x3-s1": (8, 16, 1, 1, 8, 3),
     "3x3-s2": (8, 16, 2, 1, 16, 3),
@@ -357,11 +358,11 @@ def _weight_grad_func(batch: int | tirx.Var, cin: int, cout: int, hw: int) -> ti
     return func.with_attr("global_symbol", "main")
 
 
-@pytest.mark.parametrize("cin,cout,gemm", [(64, 32, True), (8, 32, True), (6, 32, False), (64, 24, False)])
+@pytest.mark.parametrize("cin,cout,gemm", [(64, 64, True), (8, 32, True), (6, 48, True), (64, 24, False)])
 def test_weight_gradient_runs_as_implicit_gemm_when_channels_fill_tiles(cin: int, cout: int, gemm: bool) -> None:
-    """C a multiple of 4 and F of 2 vectors: dW reads channel-last copies (x_pad[n, y, x, c],
-    dy[n, y, x, f]) and keeps 4 x 2 vectors of accumulators; otherwise the row-vectorized form.
-    Both match torch."""
+    """F a multiple of 2 vectors: dW reads dy channel-last (dy[n, y, x, f]) and keeps the
+    kernel's 3 columns x 2-4 vectors of accumulators; otherwise the row-vectorized form. Both
+    match torch."""
     x, dy = torch.randn(4, cin, 4, 4), torch.randn(4, cout, 4, 4)
     func = _weight_grad_func(4, cin, cout, 4)
     sch = ConvWeightGradient().apply(func, TARGET, False)

@@ -2,29 +2,31 @@
 
 conv_grad.py's direct schedule puts image columns in the vector registers: on the small images
 of a network's last stages (4x4, 8x8) most lanes idle. Here one output axis that is a channel
-axis goes in the vectors (`vector`: a multiple of 2 vectors), and 4 consecutive indices of
-another output axis (`row`) form the rows of the register tile:
+axis goes in the vectors (`vector`), and `rows` consecutive indices of another output axis
+(`row`) form the rows of the register tile:
 
     out[.., row, .., vector] += A[.., row-indexed ..] * B[.., vector-indexed ..]    (over K)
 
-For a weight gradient dW[f, c, ky, kx], `vector` = output channels f and `row` = input
-channels c; K runs over the batch's pixels, one GEMM per kernel offset. Each step of K (the
-reduction loops, kept as they are) broadcasts 4 values of A and loads 2 vectors of B into 8
-accumulators (4 x 2 x 16 floats: 512 bytes, in registers).
+For a weight gradient dW[f, c, ky, kx], `vector` = output channels f, and `row` = the kernel's
+columns kx (3 rows x 4 vectors: 12 accumulators, 768 bytes) or, for a 1x1 kernel, 4 input
+channels (x 2 vectors); K runs over the batch's pixels (conv_grad.py picks the tile). Each step
+of K (the reduction loops, kept as they are) broadcasts `rows` values of A and loads the
+vectors of B.
 
 Steps:
   1. Each operand whose row/vector axis is not its last one is copied channel-last first
      (a padding block changes layout; a parameter is copied): the vector loads are contiguous,
-     and so are the 4 broadcasts.
-  2. Loops: parallel(vector / 32, row / 4, the other output axes) > K loops > unroll(4) >
-     unroll(2) > vector(16). The tile is a small "global" buffer (matmul.py's NOTE), laid out
-     with the vector axis last, then stored to the output after K.
+     and so are the broadcasts.
+  2. Loops: parallel(vector tiles, row tiles, the other output axes) > K loops > unroll(rows) >
+     unroll(vectors) > vector(lanes). The tile is a small "global" buffer (matmul.py's NOTE),
+     laid out with the vector axis last, then stored to the output after K.
 
 Tried and left out: the same form for forward convolutions on 4x4 images (output columns as
-rows) ran no faster than conv.py's schedule (94 vs 110 GFLOP/s, 512 channels; 8x8: 237 vs
-209). Limits: static extents only; larger tiles (8 x 2, 4 x 4: 1 KiB of accumulators) go
-through TVM's heap workspace and run 10x slower, so the tile stays at 8 vectors, about 40% of
-the FMA peak where a 24-accumulator tile would do better.
+rows) ran no faster than conv.py's schedule (94 vs 110 GFLOP/s, 512 channels); those run as
+im2col + matmul instead (relay_passes/im2col_conv.py). Limits: static channel extents; tiles of
+1 KiB of accumulators or more (8 x 2, 4 x 4) go through TVM's heap workspace and run 10x
+slower, so a tile holds at most 15 vectors where oneDNN's hold 24-28: 45-57% of the FMA peak on
+ResNet-18's dW (Zen 5).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def _last_axis_first(sch: s_tir.Schedule, main: SBlockRV, read: int, var: tirx.V
 
 
 def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row: int,
-                           reduce: list[int], lanes: int) -> None:
+                           reduce: list[int], lanes: int, rows: int = TILE_ROWS,
+                           vectors: int = TILE_VECTORS) -> None:
     """Schedule `main` (loop positions: `vector`, `row` among its outputs, `reduce` its
     reduction loops) as described in the module docstring."""
     stmt = sch.get(main)
@@ -75,9 +78,9 @@ def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row
     loops = sch.get_loops(main)
     others = [loops[i] for i in range(len(loops)) if i not in (vector, row, *reduce)]
     reduce_loops = [loops[i] for i in reduce]
-    vec_outer, vec_inner = sch.split(loops[vector], [None, TILE_VECTORS * lanes])
-    vec_unrolled, lane = sch.split(vec_inner, [TILE_VECTORS, lanes])
-    row_outer, row_inner = sch.split(loops[row], [None, TILE_ROWS])
+    vec_outer, vec_inner = sch.split(loops[vector], [None, vectors * lanes])
+    vec_unrolled, lane = sch.split(vec_inner, [vectors, lanes])
+    row_outer, row_inner = sch.split(loops[row], [None, rows])
     sch.reorder(vec_outer, row_outer, *others, *reduce_loops, row_inner, vec_unrolled, lane)
     outer = sch.fuse(vec_outer, row_outer, *others)
     store = sch.cache_write(main, 0, "global")
