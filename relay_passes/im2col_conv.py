@@ -13,19 +13,24 @@ becomes
     rows = R.reshape(cols, [N, C * kh * kw, Ho * Wo])                   # a view
     y = R.reshape(R.matmul(R.reshape(w, [F, C * kh * kw]), rows), [N, F, Ho, Wo])
 
-the weight broadcast over the batch and read in place, the output already NCHW. A stride-1
-transposed convolution (a stride-1 conv's input gradient) is the same convolution of its input
-with its kernel transposed (one copy of the weight) and flipped (im2col reads the offsets in
-reverse). The im2col copy is kh * kw times the input: ResNet-18's largest is 9.4 MiB, live only
-until the matmul has read it.
+the weight broadcast over the batch and read in place, the output already NCHW. A transposed
+convolution (a conv's input gradient) goes the other way round:
+
+    cols = R.matmul(R.permute_dims(R.reshape(w, [F, C * kh * kw])), R.reshape(dy, [N, F, H * W]))
+    dx = col2im(cols)                        # each pixel sums the kernel offsets that reach it
+
+every pixel of dy times the whole kernel (the transpose is read in place by the matmul), then
+each output pixel adds up the at most kh * kw products that land on it: no multiply by the
+zeros a strided transposed convolution inserts. The copies are kh * kw times the smaller image:
+ResNet-18's largest is 9.4 MiB, live only until the next kernel has read it.
 
 Exact up to the order of the sums (the matmul adds the C * kh * kw products in its own order).
 
 Position: after autodiff (it rewrites the backward pass's convolutions too), before FuseEpilogue;
 CPU targets only. Limits: NCHW/OIHW (IOHW transposed), groups 1, static image sizes (the batch
 may be symbolic), output width below MAX_WIDTH (wider images keep the direct schedule, at
-70-75% of the FMA peak there), float types; transposed convolutions with stride 1, symmetric
-padding and no output padding only.
+65-75% of the FMA peak there; except a strided 1x1 transposed convolution, rewritten at any
+width), float types.
 """
 
 from __future__ import annotations
@@ -157,7 +162,14 @@ def _worth_it(call: relax.Call) -> bool:
     if not dtype.startswith(("float", "bfloat")) or any(str(a.ty.dtype) != dtype for a in call.args):
         return False
     kh, kw = int(weight[2]), int(weight[3])
-    return int(out[3]) < MAX_WIDTH and (kh, kw) != (1, 1) and int(data[1]) * kh * kw >= MIN_REDUCTION
+    if int(data[1]) * kh * kw < MIN_REDUCTION:
+        return False
+    if (kh, kw) == (1, 1):
+        # A 1x1 conv is a matmul already, but a strided 1x1 transposed one (the input gradient
+        # of ResNet's downsampling shortcut) leaves 3 of 4 outputs zero: its direct schedule
+        # ran at 60-130 GFLOP/s whatever the width, matmul + col2im does no wasted work.
+        return call.op.name == "relax.nn.conv2d_transpose" and _ints(attrs.strides) != [1, 1]
+    return int(out[3]) < MAX_WIDTH
 
 
 def _as_conv(call: relax.Call) -> _Conv | None:

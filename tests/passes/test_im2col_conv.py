@@ -25,6 +25,7 @@ CASES = {
     "transpose-3x3-s2-output-padding": ("conv2d_transpose", (2, 8, 4, 4), (8, 5, 3, 3), 2, 1, 1, 1),
     "transpose-2x2-s2": ("conv2d_transpose", (1, 16, 3, 3), (16, 4, 2, 2), 2, 0, 1, 0),
     "transpose-3x3-dilated": ("conv2d_transpose", (1, 8, 4, 5), (8, 3, 3, 3), 1, 1, 2, 0),
+    "transpose-1x1-s2-wide": ("conv2d_transpose", (1, 64, 10, 10), (64, 8, 1, 1), 2, 0, 1, 1),
 }
 
 
