@@ -79,7 +79,7 @@ class _Conv:
     """A stride-`strides` correlation of data [N, C, H, W] with a [F, C, kh, kw] kernel."""
 
     data: relax.Expr
-    weight: relax.Expr  # [F, C * kh * kw]: the kernel, each row in (c, ky, kx) order
+    weight: relax.Expr  # OIHW: [F, C, kh, kw]
     channels: int  # C
     kernel: tuple[int, int]
     strides: list[int]
