@@ -30,7 +30,7 @@ Position: after autodiff (it rewrites the backward pass's convolutions too), bef
 CPU targets only. Limits: NCHW/OIHW (IOHW transposed), groups 1, static image sizes (the batch
 may be symbolic), output width below MAX_WIDTH (wider images keep the direct schedule, at
 65-75% of the FMA peak there; except a strided 1x1 transposed convolution, rewritten at any
-width), float types.
+width), float32 and float64 (a 16-bit conv is left to accumulate in float32).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class _Rewriter(PyExprMutator):
 
 
 def _worth_it(call: relax.Call) -> bool:
-    """NCHW, groups 1, float, static image and kernel sizes, output rows narrower than a
+    """NCHW, groups 1, float32/64, static image and kernel sizes, output rows narrower than a
     vector, more than MIN_REDUCTION products per output, not a 1x1 kernel (a matmul already)."""
     attrs = call.attrs
     if not hasattr(attrs, "data_layout") or len(call.args) != 2:
@@ -159,8 +159,8 @@ def _worth_it(call: relax.Call) -> bool:
     if not all(isinstance(d, tirx.IntImm) for d in (*data[1:], *weight, *out[1:])):
         return False
     dtype = str(call.ty.dtype)
-    if not dtype.startswith(("float", "bfloat")) or any(str(a.ty.dtype) != dtype for a in call.args):
-        return False
+    if dtype not in ("float32", "float64") or any(str(a.ty.dtype) != dtype for a in call.args):
+        return False  # 16-bit convs accumulate in float32 (AccumulateFloat32): left as they are
     kh, kw = int(weight[2]), int(weight[3])
     if int(data[1]) * kh * kw < MIN_REDUCTION:
         return False

@@ -103,3 +103,19 @@ def test_the_rewrite_is_a_copy_a_view_and_one_matmul() -> None:
     assert int(mod["im2col"].attrs["op_pattern"]) == 8
     shapes = [[int(d) for d in b.var.ty.shape.values] for b in bindings]
     assert shapes == [[2, 8, 3, 3, 6, 6], [2, 72, 36], [5, 72], [2, 5, 36], [2, 5, 6, 6]]
+
+
+def test_half_precision_convolutions_are_left_to_accumulate_in_float32() -> None:
+    """A bfloat16 conv is AccumulateFloat32's (float32 sums, one rounding): a bfloat16 matmul
+    here would sum in bfloat16."""
+
+    @I.ir_module
+    class Half:
+        @R.function
+        def main(x: R.Tensor((1, 16, 4, 4), "bfloat16"), w: R.Tensor((8, 16, 3, 3), "bfloat16")):
+            with R.dataflow():
+                y = R.nn.conv2d(x, w, padding=1)
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(Im2colConv()(Half), Half)
