@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import tvm
 from tvm import relax, te, tirx
@@ -74,19 +73,6 @@ def _im2col(x: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: 
     return te.compute((x.shape[0], x.shape[1], kh, kw, ho, wo), value, name="im2col")
 
 
-@dataclass(frozen=True)
-class _Conv:
-    """A stride-`strides` correlation of data [N, C, H, W] with a [F, C, kh, kw] kernel."""
-
-    data: relax.Expr
-    weight: relax.Expr  # OIHW: [F, C, kh, kw]
-    channels: int  # C
-    kernel: tuple[int, int]
-    strides: list[int]
-    padding: list[int]  # top, left
-    dilation: list[int]
-
-
 @mutator
 class _Rewriter(PyExprMutator):
     def __init__(self, mod: tvm.IRModule) -> None:
@@ -98,31 +84,31 @@ class _Rewriter(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not (isinstance(call.op, tvm.ir.Op) and _worth_it(call)):
-            return call
-        if call.op.name == "relax.nn.conv2d":
-            conv = _as_conv(call)
-            if conv is None:
-                return call
+        name = call.op.name if isinstance(call.op, tvm.ir.Op) else None
+        if name == "relax.nn.conv2d" and _worth_it(call, "OIHW"):
             self.counts["conv2d as im2col + matmul"] += 1
-            return self._im2col_matmul(conv, call)
-        if call.op.name == "relax.nn.conv2d_transpose" and str(call.attrs.kernel_layout) == "IOHW":
+            return self._im2col_matmul(call)
+        if name == "relax.nn.conv2d_transpose" and _worth_it(call, "IOHW"):
             self.counts["conv2d_transpose as matmul + col2im"] += 1
             return self._matmul_col2im(call)
         return call
 
-    def _im2col_matmul(self, conv: _Conv, call: relax.Call) -> relax.Expr:
+    def _im2col_matmul(self, call: relax.Call) -> relax.Expr:
+        """conv2d(x, w): the shifted planes of x (im2col), then one matmul with w read in place."""
         bb = self.builder_
+        attrs = call.attrs
+        data, weight = call.args
         batch, f, ho, wo = call.ty.shape.values
-        cols = bb.emit_te(_im2col, conv.data, conv.kernel, conv.strides, conv.padding,
-                          conv.dilation, (int(ho), int(wo)), primfunc_name_hint="im2col")
+        _, c, kh, kw = _ints(weight.ty.shape.values)
+        cols = bb.emit_te(_im2col, data, (kh, kw), _ints(attrs.strides), _ints(attrs.padding)[:2],
+                          _ints(attrs.dilation), (int(ho), int(wo)), primfunc_name_hint="im2col")
         # NOTE: opaque, so that FuseOps leaves the reshape below out of it (a reshape inside
         # the copy divides every index; alone it is a free view).
         gv = bb.lookup_binding(cols).args[0]
         bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OPAQUE))
-        k = conv.channels * conv.kernel[0] * conv.kernel[1]
+        k = c * kh * kw
         rows = bb.emit(relax.op.reshape(cols, [batch, k, ho * wo]))
-        weight = bb.emit(relax.op.reshape(conv.weight, [f, k]))
+        weight = bb.emit(relax.op.reshape(weight, [f, k]))
         # [F, K] @ [N, K, Ho * Wo]: the weight is broadcast over the batch, read in place.
         product = bb.emit(relax.op.matmul(weight, rows, out_dtype=str(call.ty.dtype)))
         return relax.op.reshape(product, [batch, f, ho, wo])
@@ -144,13 +130,13 @@ class _Rewriter(PyExprMutator):
                           primfunc_name_hint="col2im")
 
 
-def _worth_it(call: relax.Call) -> bool:
-    """NCHW, groups 1, float32/64, static image and kernel sizes, output rows narrower than a
-    vector, more than MIN_REDUCTION products per output, not a 1x1 kernel (a matmul already)."""
+def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
+    """NCHW with `kernel_layout`, groups 1, float32/64, static image and kernel sizes, output
+    rows narrower than a vector, more than MIN_REDUCTION products per output, not a 1x1
+    kernel (a matmul already)."""
     attrs = call.attrs
-    if not hasattr(attrs, "data_layout") or len(call.args) != 2:
-        return False
-    if (str(attrs.data_layout), str(attrs.out_layout or attrs.data_layout)) != ("NCHW", "NCHW"):
+    layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout or attrs.data_layout)
+    if tuple(map(str, layouts)) != ("NCHW", kernel_layout, "NCHW"):
         return False
     shapes = [getattr(e.ty, "shape", None) for e in (*call.args, call)]
     if any(s is None for s in shapes) or int(attrs.groups) != 1:
@@ -170,15 +156,6 @@ def _worth_it(call: relax.Call) -> bool:
         # ran at 60-130 GFLOP/s whatever the width, matmul + col2im does no wasted work.
         return call.op.name == "relax.nn.conv2d_transpose" and _ints(attrs.strides) != [1, 1]
     return int(out[3]) < MAX_WIDTH
-
-
-def _as_conv(call: relax.Call) -> _Conv | None:
-    attrs = call.attrs
-    if str(attrs.kernel_layout) != "OIHW":
-        return None
-    _, c, kh, kw = _ints(call.args[1].ty.shape.values)
-    return _Conv(call.args[0], call.args[1], c, (kh, kw), _ints(attrs.strides),
-                 _ints(attrs.padding)[:2], _ints(attrs.dilation))
 
 
 def _col2im(cols: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: list[int],

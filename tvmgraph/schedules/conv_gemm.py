@@ -34,6 +34,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.s_tir.schedule import SBlockRV
 
+from .conv import data_producer
 from .loops import vars_in
 
 # The register tile: TILE_ROWS broadcast values x TILE_VECTORS vectors.
@@ -50,17 +51,24 @@ def reads_vars(stmt: s_tir.SBlock, read: int) -> set[tirx.Var]:
     return set().union(*(vars_in(r.min) for r in stmt.reads[read].region))
 
 
-def _last_axis_first(sch: s_tir.Schedule, main: SBlockRV, read: int, var: tirx.Var) -> None:
+def _move_axis_last(sch: s_tir.Schedule, main: SBlockRV, buffer: tuple[str, int], axis: int) -> None:
+    """Lay out one of `main`'s buffers (("read" | "write", index)) with `axis` last."""
+    kind, index = buffer
+    stmt = sch.get(main)
+    ndim = len((stmt.writes if kind == "write" else stmt.reads)[index].region)
+    order = [i for i in range(ndim) if i != axis] + [axis]
+    sch.transform_layout(main, buffer, lambda *idx: tuple(idx[i] for i in order))
+
+
+def _make_channel_last(sch: s_tir.Schedule, main: SBlockRV, read: int, var: tirx.Var) -> None:
     """Give `main`'s operand `read` a layout whose last axis is the one `var` indexes."""
     region = sch.get(main).reads[read].region
     axis = next(i for i, r in enumerate(region) if var in vars_in(r.min))
     if axis == len(region) - 1:
         return
-    buffer = sch.get(main).reads[read].source
-    if not any(w.source.same_as(buffer) for b in sch.get_producers(main) for w in sch.get(b).writes):
+    if data_producer(sch, main, read) is None:  # a parameter: copied first
         sch.cache_read(main, read, "global")
-    order = [i for i in range(len(region)) if i != axis] + [axis]
-    sch.transform_layout(main, ("read", read), lambda *idx: tuple(idx[i] for i in order))
+    _move_axis_last(sch, main, ("read", read), axis)
 
 
 def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row: int,
@@ -74,7 +82,7 @@ def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row
         used = reads_vars(stmt, read)
         for axis in (vector, row):
             if ivars[axis] in used:
-                _last_axis_first(sch, main, read, ivars[axis])
+                _make_channel_last(sch, main, read, ivars[axis])
     loops = sch.get_loops(main)
     others = [loops[i] for i in range(len(loops)) if i not in (vector, row, *reduce)]
     reduce_loops = [loops[i] for i in reduce]
@@ -87,9 +95,8 @@ def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row
     # NOTE: the vector axis last in the tile too: LLVM at -O1 keeps the tile in registers only
     # when its vectors are contiguous (8x slower otherwise).
     written = [r.min for r in sch.get(main).writes[0].region]
-    axis = next(i for i, v in enumerate(written) if v.same_as(ivars[vector]))
-    order = [i for i in range(len(written)) if i != axis] + [axis]
-    sch.transform_layout(main, ("write", 0), lambda *idx: tuple(idx[i] for i in order))
+    vector_axis = next(i for i, v in enumerate(written) if v.same_as(ivars[vector]))
+    _move_axis_last(sch, main, ("write", 0), vector_axis)
     sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
     sch.parallel(outer)
     sch.unroll(row_inner)

@@ -38,6 +38,7 @@ from .conv import ConvShape, data_producer, find_conv, pad_at
 from .conv_gemm import TILE_ROWS, TILE_VECTORS, reads_vars, schedule_implicit_gemm, tile_fits
 from .cpu_target import CPUTarget
 from .fallback import schedule_remaining
+from .matmul import STACK_BYTES
 from .loops import (
     inline_copies_into,
     inline_spatial_blocks,
@@ -73,11 +74,6 @@ class ConvWeightGradient(ScheduleRule):
             return None
         schedule_remaining(sch, cpu)
         return sch
-
-
-# TVM keeps an allocation under this many bytes on the stack, where LLVM promotes the tile to
-# registers (see matmul.ACCUMULATOR_SCOPE).
-STACK_BYTES = 1024
 
 
 class GemmTile(NamedTuple):

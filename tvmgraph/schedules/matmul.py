@@ -95,7 +95,7 @@ SYMBOLIC_EXTENT = 1024
 # tile. That call costs about as much as 64 steps of K, so short-K products (weight gradients,
 # 1x1 convolutions) prefer tiles under 1 KiB: 4 x 3 x 16 floats = 768 bytes.
 ACCUMULATOR_SCOPE = "global"
-_STACK_BYTES = 1024
+STACK_BYTES = 1024  # TVM keeps allocations under this on the stack (see the NOTE)
 _ALLOC_COST_IN_K_STEPS = 64
 # Copying one float of B into a packed panel (memory-bound) costs about as much as this many
 # vector FMA steps of one tile row.
@@ -121,7 +121,7 @@ def choose_tile(
         cost = i_pad * j_pad / speed
         if i_pad != i_extent:
             cost *= _PADDING_PENALTY  # the zero-padded copy of A
-        if mi * nvec * lanes * dtype_bytes >= _STACK_BYTES:
+        if mi * nvec * lanes * dtype_bytes >= STACK_BYTES:
             cost *= 1.0 + _ALLOC_COST_IN_K_STEPS / max(k_extent, 1)
         if b_contiguous and j_pad != j_extent:
             cost += _PACK_COST * j_pad
