@@ -10,7 +10,8 @@ upstream gradient they read stays live until the end: the benchmark CNN's traini
 469 MiB of live tensors in that order and at 268 MiB straightened.
 
 The order is a greedy topological sort over a model of the block where every binding allocates
-its result's bytes (`call_tir_inplace`, tuple and alias bindings allocate nothing) and a tensor
+its result's bytes (`call_tir_inplace`, tuple and alias bindings allocate nothing, nor does a
+reshape kernel: RewriteDataflowReshape makes it a view of its input after this pass) and a tensor
 dies at its last reader:
   1. a ready binding that frees at least as much as it allocates (it is the last reader of
      big tensors, e.g. a reduction) runs first, the one freeing most first;
@@ -41,13 +42,14 @@ from .bindings import vars_in
 from .tensor_sizes import format_bytes, static_bytes
 
 _INPLACE = tvm.ir.Op.get("relax.call_tir_inplace")
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 class BlockModel:
     """What the scheduler knows about a block: for each binding the bindings it depends on,
     the bytes it allocates and the roots (allocating bindings) it reads."""
 
-    def __init__(self, bindings: list[relax.Binding]):
+    def __init__(self, bindings: list[relax.Binding], mod: tvm.IRModule | None = None):
         n = len(bindings)
         self.n = n
         index = {b.var: i for i, b in enumerate(bindings)}
@@ -77,10 +79,10 @@ class BlockModel:
                 args = value.args[1].fields if isinstance(value.args[1], relax.Tuple) else [value.args[1]]
                 roots.append(set().union(*(roots_of(args[int(k)]) for k in value.attrs.inplace_indices
                                            if int(k) >= 0)))
-            elif isinstance(value, relax.Call):
+            elif isinstance(value, relax.Call) and not _is_view(value, mod):
                 self.size[i] = static_bytes(binding.var.ty) or 0
                 roots.append({i})
-            else:  # Var, Tuple, TupleGetItem, constant: an alias of what it reads
+            else:  # Var, Tuple, TupleGetItem, constant, a reshape: an alias of what it reads
                 roots.append(self.reads[i])
             if not isinstance(binding.var, relax.DataflowVar):
                 self.protected |= roots[i]
@@ -119,6 +121,15 @@ class BlockModel:
             peak = max(peak, live)
             live -= sum(self.size[r] for r in dying[step])
         return peak
+
+
+def _is_view(call: relax.Call, mod: tvm.IRModule | None) -> bool:
+    """A reshape kernel, which RewriteDataflowReshape (after this pass) turns into a view of its
+    input: its readers read that input, and an in-place update of the input must wait for them."""
+    if mod is None or not (call.op.same_as(_CALL_TIR) and isinstance(call.args[0], tvm.ir.GlobalVar)):
+        return False
+    func = mod[call.args[0]]
+    return isinstance(func, tvm.tirx.PrimFunc) and relax.analysis.has_reshape_pattern(func)
 
 
 def straighten(model: BlockModel) -> list[int]:
@@ -190,12 +201,13 @@ def straighten(model: BlockModel) -> list[int]:
 class _Straightener(PyExprMutator):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
+        self.mod = mod
         self.before = 0  # peak live bytes of the current function, max over its blocks
         self.after = 0
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         bindings = list(block.bindings)
-        model = BlockModel(bindings)
+        model = BlockModel(bindings, self.mod)
         order = straighten(model)
         before, after = model.peak(list(range(len(bindings)))), model.peak(order)
         if after < before:

@@ -246,3 +246,38 @@ def test_random_blocks_keep_in_place_order_and_never_grow_the_peak(seed: int) ->
         list(range(len(f.body.blocks[0].bindings))))
     assert peak(new) <= peak(old)
     assert _readers_of_p0_before_update(new) == _readers_of_p0_before_update(old)
+
+
+def test_an_in_place_update_waits_for_the_readers_of_a_reshape_of_what_it_overwrites() -> None:
+    """A reshape kernel becomes a view of its input after this pass (RewriteDataflowReshape), so
+    a reader of `reshape(p)` reads p: the update of p must run after it. Modelled as a copy,
+    the reader could move after the update and read the new p (a wrong gradient in a training
+    graph whose build() unsqueezes a parameter: OpInfo's unbatched conv_transpose1d)."""
+    from tvm import te, topi
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", R.Tensor((1024,), "float32"))
+    p = relax.Var("p", R.Tensor((1024,), "float32"))
+    with bb.function("main", [x, p]):
+        with bb.dataflow():
+            view = bb.emit_te(topi.reshape, p, (32, 32), primfunc_name_hint="reshape")
+            g = bb.emit_te(lambda a: te.compute((1024,), lambda i: a[i] * 2.0), x, primfunc_name_hint="step")
+            s = bb.emit_te(topi.sum, g, primfunc_name_hint="reduce")
+            r = bb.emit_te(topi.sum, view, primfunc_name_hint="reduce_view")
+            update = bb.add_func(te.create_prim_func([te.placeholder((1024,)), te.placeholder(())]), "update")
+            u = bb.emit(relax.call_tir_inplace(update, (p, s), [0], R.Tensor((1024,), "float32")))
+            out = bb.emit_output(relax.Tuple([r, u, view]))  # view outlives r: r frees nothing
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert relax.analysis.has_reshape_pattern(mod["reshape"])
+
+    def order(m: tvm.IRModule) -> list[str]:
+        return [b.var.name for b in m["main"].body.blocks[0].bindings]
+
+    straightened = order(StraightenBindings()(mod))
+    assert straightened.index(r.name) < straightened.index(u.name)
+    # Without the view, the update (which frees s) runs right after s, before r.
+    model = BlockModel(list(mod["main"].body.blocks[0].bindings))
+    names = order(mod)
+    as_copies = [names[i] for i in straighten(model)]
+    assert as_copies.index(u.name) < as_copies.index(r.name)
