@@ -129,7 +129,12 @@ def _is_view(call: relax.Call, mod: tvm.IRModule | None) -> bool:
     if mod is None or not (call.op.same_as(_CALL_TIR) and isinstance(call.args[0], tvm.ir.GlobalVar)):
         return False
     func = mod[call.args[0]]
-    return isinstance(func, tvm.tirx.PrimFunc) and relax.analysis.has_reshape_pattern(func)
+    if not isinstance(func, tvm.tirx.PrimFunc):
+        return False
+    try:
+        return bool(relax.analysis.has_reshape_pattern(func))
+    except tvm.error.InternalError:  # a body that is not one block (nothing RewriteDataflowReshape takes)
+        return False
 
 
 def straighten(model: BlockModel) -> list[int]:
