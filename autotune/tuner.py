@@ -266,28 +266,29 @@ def _time_graph(lowered: Any, target: tvm.target.Target, options: Any, log: Tuni
     applied = log.applied()
     # No kernel chose its tuned schedule: both programs are the same one, timed once.
     tunings = (None, applied) if applied is not None else (None,)
+    device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
     programs = []
     for tuning in tunings:
         _, executable = lowered.build(target, options, tuning=tuning, checks=False)
-        programs.append(relax.VirtualMachine(executable, tvm.cpu(0)))
-    args = _random_args(lowered.mod[lowered.entry])
+        programs.append(relax.VirtualMachine(executable, device))
+    args = _random_args(lowered.mod[lowered.entry], device)
     times: list[list[float]] = [[] for _ in programs]
     for _ in range(5):
         for i, vm in enumerate(programs):
-            timer = vm.time_evaluator(lowered.entry, tvm.cpu(0), number=1, repeat=3, min_repeat_ms=100)
+            timer = vm.time_evaluator(lowered.entry, device, number=1, repeat=3, min_repeat_ms=100)
             times[i].append(float(timer(*args).median) * 1e3)
     return statistics.median(times[0]), statistics.median(times[-1])
 
 
-def _random_args(func: relax.Function) -> list[tvm.runtime.Tensor]:
-    """Inputs for timing: small floats, zero integers (always valid indices)."""
+def _random_args(func: relax.Function, device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
+    """Inputs for timing on `device`: small floats, zero integers (always valid indices)."""
     rng = np.random.default_rng(0)
     args = []
     for param in func.params:
         shape = [int(d) for d in param.ty.shape]
         dtype = param.ty.dtype.dtype
         value = (rng.uniform(-0.1, 0.1, shape) if "float" in dtype else np.zeros(shape)).astype(dtype)
-        args.append(tvm.runtime.tensor(value, tvm.cpu(0)))
+        args.append(tvm.runtime.tensor(value, device))
     return args
 
 

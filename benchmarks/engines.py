@@ -28,6 +28,8 @@ MODES = ("infer", "train", "train_amp")
 # {"trials": N or None (the default budget), "minutes": M or None}; tuning reports are kept here.
 TUNE: dict | None = None
 TUNE_REPORTS: dict[str, object] = {}
+# Where the models and inputs live: "cpu", or "cuda" (autocast's float16 and a CUDA GradScaler).
+DEVICE = "cpu"
 
 
 class _InferGraph(tvmgraph.nn.Graph):
@@ -54,13 +56,13 @@ class _TrainGraph(tvmgraph.nn.Graph):
 
 def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], object]:
     """A function running one inference call or training step of `model` with `engine`."""
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model).to(DEVICE)
     loss_fn = case.loss_fn()
     if mode == "infer":
         model.eval()
         if engine in ("tvmgraph", "tuned"):
             graph = _InferGraph(model)
-            _tuning(graph, engine, case, mode, case.inputs()[:1])
+            _tuning(graph, engine, case, mode, (case.inputs()[0].to(DEVICE),))
             return lambda x, y: graph(x)
         fn = torch.compile(model) if engine == "compile" else model
 
@@ -77,14 +79,14 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
         graph = _TrainGraph(model, loss_fn, optimizer)
         if amp:
             graph.config.enable_amp(True)
-            graph.set_grad_scaler(torch.amp.GradScaler("cpu"))
-        _tuning(graph, engine, case, mode, case.inputs())
+            graph.set_grad_scaler(torch.amp.GradScaler(DEVICE))
+        _tuning(graph, engine, case, mode, tuple(t.to(DEVICE) for t in case.inputs()))
         return graph
     fn = torch.compile(model) if engine == "compile" else model
-    scaler = torch.amp.GradScaler("cpu", enabled=amp)  # disabled: scale() and step() are plain
+    scaler = torch.amp.GradScaler(DEVICE, enabled=amp)  # disabled: scale() and step() are plain
 
     def train(x, y):
-        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+        with torch.autocast(DEVICE, enabled=amp):  # the device's default: bfloat16 on CPU, float16 on CUDA
             loss = loss_fn(fn(x), y)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()

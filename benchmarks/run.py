@@ -3,7 +3,7 @@
     python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt] [--modes infer,train,train_amp]
                              [--engines eager,compile,tvmgraph,tuned] [--rounds 15] [--seconds 0.2]
                              [--tune-trials N] [--tune-minutes M]
-                             [--no-memory] [--warm-caches] [--json results.json]
+                             [--no-memory] [--warm-caches] [--json results.json] [--device cpu|cuda]
 
 `tvmgraph` is untuned (default schedules); `tuned` tunes each graph first (`tvmgraph.tune`,
 default budget: 32 trials per kernel worth tuning) and prints the trials and tuning minutes.
@@ -62,20 +62,24 @@ def time_case(case_name: str, mode: str, engines: list[str], rounds: int, second
     case = CASES[case_name]
     torch.manual_seed(0)
     model = case.make_model()
-    x, y = case.inputs()
+    x, y = (t.to(engine_setup.DEVICE) for t in case.inputs())
+    sync = torch.cuda.synchronize if engine_setup.DEVICE == "cuda" else (lambda: None)
     steps, compile_s = {}, {}
     for engine in engines:
         step = make_step(engine, mode, case, model)
         start = time.perf_counter()
         step(x, y)  # first call: compiles for compile/tvmgraph
+        sync()
         compile_s[engine] = time.perf_counter() - start
         step(x, y)
         steps[engine] = step
     # calls per timing block, so that one block lasts about `seconds` on the slowest engine
     per_call = {}
     for engine, step in steps.items():
+        sync()
         start = time.perf_counter()
         step(x, y)
+        sync()
         per_call[engine] = time.perf_counter() - start
     calls = max(1, int(seconds / max(per_call.values())))
     samples: dict[str, list[float]] = {e: [] for e in engines}
@@ -83,9 +87,11 @@ def time_case(case_name: str, mode: str, engines: list[str], rounds: int, second
         order = engines[r % len(engines):] + engines[:r % len(engines)]
         for engine in order:
             step = steps[engine]
+            sync()
             start = time.perf_counter()
             for _ in range(calls):
                 step(x, y)
+            sync()
             samples[engine].append((time.perf_counter() - start) / calls)
     medians = {e: statistics.median(s) for e, s in samples.items()}
     return {"case": case_name, "mode": mode, "calls_per_block": calls, "median_s": medians,
@@ -105,16 +111,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write all results to this file")
     parser.add_argument("--tune-trials", type=int, help="trials per graph for the tuned engine (default: 32 per kernel)")
     parser.add_argument("--tune-minutes", type=float, help="tuning time budget per graph")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="run models and inputs on this device (cuda: peak memory is not measured)")
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
+    engine_setup.DEVICE = args.device
+    if args.device == "cuda":
+        args.no_memory = True  # memory.py measures host memory in subprocesses
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 for all
     engine_setup.TUNE = {"trials": args.tune_trials, "minutes": args.tune_minutes}
     fma_peak = None
-    if "tuned" in engines:
+    if "tuned" in engines and args.device == "cpu":
         from .peak import fma_peak_gflops
 
         fma_peak = fma_peak_gflops()
         print(f"fp32 FMA peak (benchmarks/peak.py): {fma_peak:.1f} GFLOP/s")
     print(f"machine: {machine()}")
+    if args.device == "cuda":
+        print(f"device: {torch.cuda.get_device_name()}, TF32 off for eager and torch.compile")
     header = f"{'case':<12} {'mode':<9} {'engine':<9} {'median':>10} {'x eager':>8} {'first call':>11} {'peak MiB':>9}"
     print(header)
     print("-" * len(header))
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{'':<12} {'':<9} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "
                       f"{sum(k.use_tuned for k in report.kernels)} kernel(s) from the log", flush=True)
                 for k in report.kernels:
-                    if k.flops >= 1e8 and k.default_us:
+                    if k.flops >= 1e8 and k.default_us and fma_peak:
                         best = min(k.default_us, k.tuned_us or k.default_us)
                         print(f"{'':<12} {'':<9}   {k.name[:48]:<48} {k.flops / best / 1e3:7.1f} GFLOP/s "
                               f"({k.flops / best / 1e3 / fma_peak:4.0%} of peak; default "

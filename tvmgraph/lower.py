@@ -43,6 +43,7 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 
 from . import converters, decompositions, type_promotion
 from .errors import TraceError, UnsupportedOpError
+from .trace import math_attention
 
 _INPUT_ORDER = {InputKind.USER_INPUT: 0, InputKind.PARAMETER: 1, InputKind.BUFFER: 2,
                 InputKind.CONSTANT_TENSOR: 3}
@@ -95,8 +96,9 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
                    torch.ops.aten.upsample_trilinear3d.vec):
             table.pop(op)
         # Not in the export table; decomposes to a scatter_add of the gradient at the indices.
-        table[torch.ops.aten.max_pool2d_with_indices_backward.default] = \
-            torch._decomp.decomposition_table[torch.ops.aten.max_pool2d_with_indices_backward.default]
+        pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
+        if pool_backward in torch._decomp.decomposition_table:  # torch < 2.12 has none
+            table[pool_backward] = torch._decomp.decomposition_table[pool_backward]
         # Kept whole: their decompositions mix dtypes (heaviside) or have NaN gradients from the
         # branch `where` drops (log_ndtr); converters_special.py lowers them.
         table.pop(torch.ops.aten.heaviside.default)
@@ -106,7 +108,10 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         table.pop(torch.ops.aten.hardsigmoid.default)
         table.pop(torch.ops.aten.hardswish.default)
         table.update(decompositions.FIXED)  # torch's own give other numbers than eager
-        return exported.run_decompositions(table)
+        devices = [n.meta["val"].device for n in exported.graph.nodes
+                   if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+        with math_attention(devices):
+            return exported.run_decompositions(table)
 
 
 def op_key(node: torch.fx.Node) -> str:

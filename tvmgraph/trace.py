@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -205,7 +205,8 @@ def trace_build(
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights", category=UserWarning)
             owners = [("self", getattr(build, "__self__", None))] + [
                 (f"self.{path}", m) for path, m in root.named_modules() if path]
-            with recording([(w, o) for w, o in owners if o is not None]) as attributes:
+            with recording([(w, o) for w, o in owners if o is not None]) as attributes, \
+                    math_attention(t.device for t in flat_inputs if isinstance(t, torch.Tensor)):
                 if dynamic_batch:
                     examples, dynamic_shapes = export_arguments(flat_inputs)
                     exported = torch.export.export(root, examples, dynamic_shapes=dynamic_shapes, strict=False)
@@ -223,6 +224,17 @@ def trace_build(
     assert record.out_tree is not None
     stop_gradient.mark(exported)
     return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0])
+
+
+def math_attention(devices: Iterable[torch.device]) -> contextlib.AbstractContextManager:
+    """On CUDA, scaled_dot_product_attention dispatches to fused kernels (flash, memory-efficient,
+    cuDNN) that torch has no decomposition for; its math backend is matmuls and a softmax, the
+    program the CPU gets."""
+    if any(d.type == "cuda" for d in devices):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 def _trace_hint(message: str, root: torch.nn.Module, dynamic_batch: bool) -> str:
