@@ -11,11 +11,16 @@ bfloat16 accumulator (a vector zero stored into the uint16 buffer it becomes). T
     sum/mean/variance/collapse_sum_*(x) -> astype(op(astype(x, "float32")), dt)
     avg_pool*d/adaptive_avg_pool*d(x)   -> the same
     max/avg_pool2d_backward(dy, x)      -> astype(op(astype(dy, "float32"), astype(x, "float32")), dt)
+    gelu/silu/softmax/exp/erf/tanh/...  -> astype(op(astype(x, "float32")), dt)
 
 for every such call whose result dtype `dt` is bfloat16 or float16 (autocast's ops, and the
 backward pass's bias gradients of them). Results are those of a float32 accumulator rounded once.
 (The pooling gradients sum overlapping windows; TVM 0.27 also fails to compile the bfloat16
 argmax of max_pool2d_backward: a bfloat16 `let` that BF16ComputeLegalize retypes halfway.)
+torch's 16-bit activations and softmax compute in float32 too ("opmath") and round once. TVM
+computes them in the 16-bit dtype, one rounding per step, and a bfloat16 `erf` or `exp` is a
+scalar library call per element: an AMP transformer's GELU ran at 1.2 GB/s. In float32 they
+get the vectorized fast-math kernels (tvmgraph/schedules/fast_math.py).
 
 Position: after autodiff (the train step's collapse_sums are there), before LegalizeOps.
 Limits: other reductions (max/min are exact; variance, cumsum, softmax) keep their dtype.
@@ -37,7 +42,11 @@ LOW_PRECISION = ("bfloat16", "float16")
 _CAST_INPUT = ("relax.sum", "relax.mean", "relax.variance", "relax.collapse_sum_to", "relax.collapse_sum_like",
                "relax.nn.avg_pool1d", "relax.nn.avg_pool2d", "relax.nn.avg_pool3d", "relax.nn.adaptive_avg_pool1d",
                "relax.nn.adaptive_avg_pool2d", "relax.nn.adaptive_avg_pool3d",
-               "relax.grad.max_pool2d_backward", "relax.grad.avg_pool2d_backward")
+               "relax.grad.max_pool2d_backward", "relax.grad.avg_pool2d_backward",
+               # computed in float32 (opmath), not accumulated
+               "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.nn.softplus", "relax.nn.softmax",
+               "relax.nn.log_softmax", "relax.erf", "relax.exp", "relax.log", "relax.tanh", "relax.sigmoid",
+               "relax.sqrt", "relax.rsqrt")
 
 
 def _dtype(expr: relax.Expr) -> str | None:
@@ -82,7 +91,7 @@ class _Accumulator(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="AccumulateFloat32")
 class AccumulateFloat32:
-    """Half-precision matmuls, convolutions and sums accumulate in float32, rounded once."""
+    """Half-precision matmuls, convolutions, sums and activations compute in float32, rounded once."""
 
     def __init__(self, report: Callable[[str], None] | None = None) -> None:
         self.report = report or (lambda msg: None)

@@ -39,7 +39,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvmgraph.debug import logger
 from tvmgraph.training.optimizers import PARAM, RULES, UpdateRule
-from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR
+from tvmgraph.training.loss_scale import keep_if_found
+from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR, SKIP_ATTR
 from tvmgraph.training.update_ops import SCALAR_DTYPE, RelaxUpdateOps
 
 LANES = 16  # elements per vector on AVX-512 float32; 8 on AVX2 is handled by LLVM splitting
@@ -75,9 +76,11 @@ class TEUpdateOps:
     """Evaluates a formula for one parameter into TE computes, in the order of `output` calls."""
 
     def __init__(self, shape: tuple[int, ...], dtype: str, out_dtypes: dict[str, str], tag: str,
-                 scalar_keys: frozenset[str] = frozenset()):
+                 scalar_keys: frozenset[str] = frozenset(), skip: te.Tensor | None = None):
         self.shape, self.dtype, self.out_dtypes, self.tag = shape, dtype, out_dtypes, tag
         self.scalar_keys = scalar_keys  # results that are scalar state (not stored)
+        self.skip = skip  # loss scaling: where skip() > 0, every result is its old value
+        self.old: dict[str, TEValue] = {}  # the buffer each key's result overwrites
         self.outputs: dict[str, te.Tensor] = {}  # element-wise results, in formula order
         self.stored: set[str] = set()  # keys whose buffer already holds the new value
 
@@ -93,6 +96,7 @@ class TEUpdateOps:
         """The old value of state `key`, which a formula may read only until it stores `key`
         (the kernel overwrites the buffer in place)."""
         old = self.read(tensor, scalar)
+        self.old[key] = old
 
         def element(i):
             if key in self.stored:
@@ -149,7 +153,11 @@ class TEUpdateOps:
 
         def stored(i):
             v = value(i)
-            return v if _dtype(v) == dtype else tirx.Cast(dtype, v)
+            v = v if _dtype(v) == dtype else tirx.Cast(dtype, v)
+            if self.skip is None:
+                return v
+            # Read before this key is stored: the element's own old value, kept on overflow.
+            return tirx.Select(self.skip() > tirx.const(0.0, "float32"), self.old[key](i), v)
 
         if key in self.scalar_keys:
             # Scalar state (Adam's step) is not stored by the kernel (its store would have to
@@ -179,13 +187,15 @@ def _chunks(param_types: list[relax.TensorType]) -> list[list[int]]:
 
 
 def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
-                        target: tvm.target.Target) -> tuple[tirx.PrimFunc, list[int]]:
+                        target: tvm.target.Target, skippable: bool = False) -> tuple[tirx.PrimFunc, list[int]]:
     """The in-place TIR kernel for one group, and for each of its results (the element-wise
     state and the parameter, per parameter in formula order) the index of the argument it
-    overwrites. Scalar state is read, not written (see TEUpdateOps.output)."""
+    overwrites. Scalar state is read, not written (see TEUpdateOps.output). `skippable`: a
+    second input `skip` (train_step.update_function)."""
     keys = rule.state_keys(flags)
     hyper = te.placeholder((len(rule.hyper_keys),), SCALAR_DTYPE, name="hyper")
-    inputs, outputs, inplace, chains = [hyper], [], [], []
+    skip = te.placeholder((), "float32", name="skip") if skippable else None
+    inputs, outputs, inplace, chains = [hyper, *([skip] if skip is not None else [])], [], [], []
     for j, ty in enumerate(param_types):
         shape, dtype = tuple(int(d) for d in ty.shape), ty.dtype.dtype
         p = te.placeholder(shape, dtype, name=f"p{j}")
@@ -196,7 +206,7 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
         arg_index = {PARAM: base, **{k: base + 2 + n for n, k in enumerate(keys)}}
         inputs += [p, g, *states.values()]
         ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}",
-                          frozenset(k for k in keys if rule.scalar_state(k)))
+                          frozenset(k for k in keys if rule.scalar_state(k)), skip)
         h = {k: ops.value(lambda i, n=n: hyper(n), True) for n, k in enumerate(rule.hyper_keys)}
         rule.update(ops, ops.read_state(PARAM, p, False), ops.read(g),
                     {k: ops.read_state(k, s, rule.scalar_state(k)) for k, s in states.items()}, h, flags)
@@ -291,7 +301,9 @@ class _Rewriter(PyExprMutator):
             return call
         keys = rule.state_keys(flags)
         per_param = 2 + len(keys)
-        param_types = [p.ty for p in func.params[1::per_param]]
+        skippable = bool((func.attrs or {}).get(SKIP_ATTR, False))
+        lead = 2 if skippable else 1  # hyper[, skip], then each parameter's arguments
+        param_types = [p.ty for p in func.params[lead::per_param]]
         chunks = _chunks(param_types)
         self.kernels += len(chunks)
         self.fused.append(f"{call.op.name_hint} ({len(param_types)} parameters"
@@ -300,12 +312,14 @@ class _Rewriter(PyExprMutator):
         arg_key = [PARAM, None, *keys]  # a parameter's arguments: p, g, its state
         kernel_results: dict[int, dict[str, relax.Expr]] = {}
         for c, chunk in enumerate(chunks):
-            kernel, inplace = build_update_kernel(rule, flags, [param_types[j] for j in chunk], self.target)
+            kernel, inplace = build_update_kernel(rule, flags, [param_types[j] for j in chunk], self.target,
+                                                  skippable)
             gv = self.builder_.add_func(kernel, f"{call.op.name_hint}_kernel" + (str(c) if len(chunks) > 1 else ""))
-            args = [call.args[0]] + [a for j in chunk for a in call.args[1 + j * per_param: 1 + (j + 1) * per_param]]
+            args = [*call.args[:lead]] + [a for j in chunk
+                                          for a in call.args[lead + j * per_param: lead + (j + 1) * per_param]]
             updated = relax.op.call_tir_inplace(gv, relax.Tuple(args), inplace, [args[i].ty for i in inplace])
             # Result t overwrites argument inplace[t]: its position names the parameter and key.
-            named = [(chunk[(arg - 1) // per_param], arg_key[(arg - 1) % per_param]) for arg in inplace]
+            named = [(chunk[(arg - lead) // per_param], arg_key[(arg - lead) % per_param]) for arg in inplace]
             if len(inplace) == 1:  # one result (plain SGD on one parameter): a tensor, no tuple
                 kernel_results.setdefault(named[0][0], {})[named[0][1]] = self.builder_.emit(updated)
                 continue
@@ -317,7 +331,7 @@ class _Rewriter(PyExprMutator):
                 kernel_results.setdefault(j, {})[key] = relax.TupleGetItem(updated, t)
         # The kernels' results, with the scalar state computed by Relax ops, back into the
         # update function's result layout.
-        scalars = self._scalar_state(rule, flags, list(call.args), per_param) if has_scalars else None
+        scalars = self._scalar_state(rule, flags, list(call.args), per_param, skippable) if has_scalars else None
         results = []
         for j in range(len(param_types)):
             for key in (*keys, PARAM):
@@ -325,21 +339,26 @@ class _Rewriter(PyExprMutator):
         return relax.Tuple(results)
 
     def _scalar_state(self, rule: UpdateRule, flags: dict[str, bool], args: list[relax.Expr],
-                      per_param: int) -> list[dict[str, relax.Expr]]:
+                      per_param: int, skippable: bool) -> list[dict[str, relax.Expr]]:
         """New scalar state per parameter, evaluated as Relax ops (element-wise parts die)."""
         keys = rule.state_keys(flags)
         bb = self.builder_
         hyper = args[0]
+        lead = 2 if skippable else 1
         h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip")) for i, k in enumerate(rule.hyper_keys)}
         out = []
-        for j in range(len(args[1:]) // per_param):
-            p, g, *states = args[1 + j * per_param: 1 + (j + 1) * per_param]
+        for j in range(len(args[lead:]) // per_param):
+            p, g, *states = args[lead + j * per_param: lead + (j + 1) * per_param]
             dtype = p.ty.dtype.dtype
             ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: s.ty.dtype.dtype for k, s in zip(keys, states)}})
             rule.update(ops, ops.wrap(p), ops.wrap(g),
                         {k: ops.wrap(s, rule.scalar_state(k)) for k, s in zip(keys, states)},
                         {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
-            out.append({k: ops.outputs[k] for k in keys if rule.scalar_state(k)})
+            new = {k: ops.outputs[k] for k in keys if rule.scalar_state(k)}
+            if skippable:
+                old = dict(zip(keys, states))
+                new = {k: keep_if_found(bb, args[1], old[k], v) for k, v in new.items()}
+            out.append(new)
         return out
 
 

@@ -182,6 +182,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.simplify_power import SimplifyPower
     from relay_passes.straighten import StraightenBindings
 
+    from .schedules.bitwise_isnan import BitwiseIsNaN
     from .schedules.propagate_nan import PropagateNaN
 
     T = relax.transform
@@ -194,12 +195,13 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    kernel (allow_fuse_model_update_ops), or its Relax function is inlined.
         FuseModelUpdate(config.fuse_model_update_ops, report),
         T.InlinePrivateFunctions(),
-        #    bfloat16/float16 matmuls, convolutions and sums accumulate in float32, as torch's do.
-        AccumulateFloat32(report),
         # 3. Matmuls read broadcast operands in place (MHA's expand + bmm and its gradient);
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),
         SimplifyPower(report),
+        #    bfloat16/float16 matmuls, convolutions, sums and activations compute in float32, as
+        #    torch's do (after SimplifyBroadcastMatmul, whose patterns its casts would hide).
+        AccumulateFloat32(report),
         #    On the CPU, convolutions on images narrower than a vector are im2col + matmul.
         *([Im2colConv(report)] if target.kind.name == "llvm" else []),
         #    Each matmul/conv2d is grouped with its epilogue and operand transposes
@@ -223,6 +225,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         *default_schedules(target, config),
         #    A float max/min with a NaN operand is NaN, as in torch (TVM's drops it on CPU).
         *([PropagateNaN()] if target.kind.name == "llvm" else []),
+        #    isnan (and isinf, isfinite) as a test of the bits, which vectorizes.
+        *([BitwiseIsNaN()] if target.kind.name == "llvm" else []),
         #    The kernels run in an order with fewer tensors live at once
         #    (enable_straighten_algorithm). NOTE: needs dataflow blocks, so before ToNonDataflow.
         StraightenBindings(config.straighten_algorithm, report),

@@ -439,6 +439,18 @@ def test_reduction_rule_matches_torch(case: tuple) -> None:
         assert_scheduled(func, parallel=False)
 
 
+def test_a_reduction_over_several_axes_cuts_its_vector_from_the_innermost() -> None:
+    """A sum over both axes of (64, 1024): the vector loads read x[k0, 16 * k1 + lane], not the
+    div/mod of one fused index, which LLVM at -O1 leaves as 16 scalar loads."""
+    x = torch.randn(64, 1024)
+    mod = unary_module((64, 1024), lambda v: relax.op.sum(v))
+    out, scheduled = run_relax(mod, x)
+    torch.testing.assert_close(out, x.sum(), atol=1e-2, rtol=1e-4)
+    (func,) = prim_funcs(scheduled).values()
+    text = func.script()
+    assert "T.vectorized" in text and "//" not in text and "%" not in text
+
+
 @I.ir_module
 class LayerNorm:
     @R.function

@@ -595,3 +595,31 @@ def test_network_parameter_gradients(case: NetCase) -> None:
     for variant in case.variants:
         variant(module.model)
         check_network(compiled, module, args, f"{case.id} with {variant.__name__}")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bfloat16_gelu_gradient_computes_in_float32(approximate: str) -> None:
+    """As torch's bfloat16 GELU backward: erf/tanh and the products in float32, rounded once
+    (in bfloat16 each step rounded, and erf ran one element at a time). Within one bfloat16
+    step of torch's gradient."""
+    gelu = relax.op.nn.gelu if approximate == "none" else relax.op.nn.gelu_tanh
+    x, w = (torch.randn(4, 64) * 2).bfloat16().float(), torch.randn(4, 64).bfloat16()
+    bb = relax.BlockBuilder()
+    # A float32 parameter cast to bfloat16, as under autocast (Gradient takes no bfloat16 input).
+    xv, wv = relax.Var("x", relax.TensorType((4, 64), "float32")), relax.Var("w", relax.TensorType((4, 64), "bfloat16"))
+    with bb.function("main", [xv, wv]):
+        with bb.dataflow():
+            low = bb.emit(relax.op.astype(xv, "bfloat16"))
+            loss = bb.emit_output(bb.emit(relax.op.sum(relax.op.astype(relax.op.multiply(gelu(low), wv), "float32"))))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main", require_grads=[bb.get()["main"].params[0]])(bb.get())
+    unary = "relax.erf" if approximate == "none" else "relax.tanh"
+    calls = [b.value for blk in mod["main_adjoint"].body.blocks for b in blk.bindings
+             if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == unary]
+    assert calls and all(c.ty.dtype.dtype == "float32" for c in calls)
+    vm = relax.VirtualMachine(tvm.compile(tvm.IRModule({"main_adjoint": mod["main_adjoint"]}), target="llvm"),
+                              tvm.cpu())
+    _, (dx,) = vm["main_adjoint"](x, w)
+    xt = x.clone().requires_grad_()
+    (F.gelu(xt.bfloat16(), approximate=approximate) * w).float().sum().backward()
+    torch.testing.assert_close(torch.from_dlpack(dx), xt.grad, rtol=2**-8, atol=1e-4)

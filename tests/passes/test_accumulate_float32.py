@@ -65,3 +65,37 @@ def test_matmul_rounds_once_like_torch() -> None:
     dy, f = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(8, 16)
     y = torch.from_dlpack(vm["main"](x, w, dy, f)[0])
     assert torch.equal(y, x @ w)
+
+
+@I.ir_module
+class Bfloat16Activations:
+    @R.function
+    def main(x: R.Tensor((4, 64), "bfloat16")):
+        with R.dataflow():
+            g = R.nn.gelu(x)
+            e = R.exp(x)
+            s = R.nn.softmax(x, axis=-1)
+            R.output(g, e, s)
+        return (g, e, s)
+
+
+def test_activations_compute_in_float32() -> None:
+    """gelu(x) -> astype(gelu(astype(x, float32)), bfloat16), and so on for exp and softmax."""
+    after = AccumulateFloat32()(Bfloat16Activations)
+    calls = [b.value for b in after["main"].body.blocks[0].bindings]
+    assert [c.op.name.removeprefix("relax.") for c in calls] == [
+        "astype", "nn.gelu", "astype", "astype", "exp", "astype", "astype", "nn.softmax", "astype"]
+    assert [str(c.attrs.dtype) for c in calls if c.op.name == "relax.astype"] == ["float32", "bfloat16"] * 3
+
+
+def test_activations_round_once_like_torch() -> None:
+    """Within one bfloat16 step (2**-8 relative; 1e-4 absolute in gelu's tail, where TVM's and
+    torch's erf differ) of torch's bfloat16 gelu, exp and softmax, which compute in float32."""
+    x = (torch.randn(4, 64) * 3).bfloat16()
+    mod = AccumulateFloat32()(Bfloat16Activations)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    got = [torch.from_dlpack(t) for t in vm["main"](x)]
+    expected = [torch.nn.functional.gelu(x), torch.exp(x), torch.softmax(x, dim=-1)]
+    for name, g, e in zip(("gelu", "exp", "softmax"), got, expected):
+        assert g.dtype == torch.bfloat16, name
+        torch.testing.assert_close(g.float(), e.float(), rtol=2**-8, atol=1e-4, msg=name)

@@ -165,3 +165,40 @@ def test_rewritten_module_computes_what_torch_computes(mod: tvm.IRModule) -> Non
     for module in (mod, SimplifyBroadcastMatmul()(mod)):
         for got, want in zip(_run(module, *args), expected):
             np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+@I.ir_module
+class BackwardBfloat16:
+    """`Backward` under AMP: autocast's bfloat16 weight and gradients."""
+
+    @R.function
+    def main(x: R.Tensor((4, 2, 8), "bfloat16"), dy: R.Tensor((4, 2, 6), "bfloat16"),
+             w: R.Tensor((6, 8), "bfloat16")):
+        with R.dataflow():
+            wt = R.permute_dims(w, axes=[1, 0])
+            wb = R.broadcast_to(wt, R.shape([4, 8, 6]))
+            wbt = R.permute_dims(wb, axes=[0, 2, 1])
+            dx = R.matmul(dy, wbt)
+            xt = R.permute_dims(x, axes=[0, 2, 1])
+            dwb = R.matmul(xt, dy)
+            dwt = R.collapse_sum_to(dwb, R.shape([8, 6]))
+            dw = R.permute_dims(dwt, axes=[1, 0])
+            R.output(dx, dw)
+        return (dx, dw)
+
+
+def test_the_pipeline_simplifies_before_accumulate_float32_casts_hide_the_pattern() -> None:
+    """In tvmgraph's pipeline the bfloat16 weight gradient is one 2-D product too, accumulated in
+    float32: AccumulateFloat32 runs after this pass (its casts between the matmul and the
+    collapse_sum_to left an AMP transformer a 100 MB batch of weight copies per step)."""
+    from tvmgraph.config import compile_options
+    from tvmgraph.pipeline import get_pipeline
+
+    cpu = tvm.target.Target({"kind": "llvm"})
+    out = get_pipeline(cpu, compile_options(None), checks=False).until("FuseEpilogue")(BackwardBfloat16)
+    calls = [b.value for blk in out["main"].body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)]
+    names = [c.op.name for c in calls if isinstance(c.op, tvm.ir.Op)]
+    assert "relax.collapse_sum_to" not in names and "relax.broadcast_to" not in names
+    matmuls = [c for c in calls if getattr(c.op, "name", "") == "relax.matmul"]
+    assert len(matmuls) == 2 and all(len(c.ty.shape) <= 3 and c.attrs.out_dtype == "float32" for c in matmuls)
+    assert [len(c.ty.shape) for c in matmuls] == [3, 2]

@@ -104,6 +104,15 @@ def const(value: float, like: relax.Expr) -> relax.Constant:
     return relax.const(value, dtype_of(like))
 
 
+def in_float32(ctx: relax.BlockBuilder, formula: Callable[..., relax.Expr], *tensors: relax.Expr) -> relax.Expr:
+    """`formula(*tensors)` computed in float32 when they are bfloat16/float16 and rounded once
+    to their dtype, as torch's 16-bit kernels compute ("opmath"); plain otherwise."""
+    low = dtype_of(tensors[0])
+    if low not in ("bfloat16", "float16"):
+        return formula(*tensors)
+    return relax.op.astype(formula(*[ctx.normalize(relax.op.astype(t, "float32")) for t in tensors]), low)
+
+
 def prod(values: Sequence[int]) -> int:
     """The product of a sequence of ints (1 when empty)."""
     return functools.reduce(operator.mul, values, 1)

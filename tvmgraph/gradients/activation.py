@@ -9,7 +9,7 @@ import math
 
 from tvm import relax
 
-from ._common import const, register, shape_of, sum_to_shape
+from ._common import const, in_float32, register, shape_of, sum_to_shape
 
 op = relax.op
 
@@ -27,10 +27,13 @@ def gelu_grad(
     ``dx = dy * (Phi(x) + x * phi(x))`` with the normal density
     ``phi(x) = exp(-x^2/2) / sqrt(2 pi)``.
     """
-    x = orig_call.args[0]
-    cdf = const(0.5, x) + const(0.5, x) * op.erf(x * const(math.sqrt(0.5), x))
-    pdf = op.exp(const(-0.5, x) * x * x) * const(1.0 / math.sqrt(2.0 * math.pi), x)
-    return [output_grad * (cdf + x * pdf)]
+
+    def dx(x: relax.Expr, dy: relax.Expr) -> relax.Expr:
+        cdf = const(0.5, x) + const(0.5, x) * op.erf(x * const(math.sqrt(0.5), x))
+        pdf = op.exp(const(-0.5, x) * x * x) * const(1.0 / math.sqrt(2.0 * math.pi), x)
+        return dy * (cdf + x * pdf)
+
+    return [in_float32(ctx, dx, orig_call.args[0], output_grad)]
 
 
 @register("relax.nn.gelu_tanh")
@@ -41,13 +44,16 @@ def gelu_tanh_grad(
 
     ``dx = dy * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 c x^2))`` with ``t = tanh(u)``.
     """
-    x = orig_call.args[0]
-    k = const(math.sqrt(2.0 / math.pi), x)
-    x2 = x * x
-    t = op.tanh(k * x * (const(1.0, x) + const(_GELU_TANH_COEF, x) * x2))
-    du = k * (const(1.0, x) + const(3.0 * _GELU_TANH_COEF, x) * x2)
-    half = const(0.5, x)
-    return [output_grad * (half * (const(1.0, x) + t) + half * x * (const(1.0, x) - t * t) * du)]
+
+    def dx(x: relax.Expr, dy: relax.Expr) -> relax.Expr:
+        k = const(math.sqrt(2.0 / math.pi), x)
+        x2 = x * x
+        t = op.tanh(k * x * (const(1.0, x) + const(_GELU_TANH_COEF, x) * x2))
+        du = k * (const(1.0, x) + const(3.0 * _GELU_TANH_COEF, x) * x2)
+        half = const(0.5, x)
+        return dy * (half * (const(1.0, x) + t) + half * x * (const(1.0, x) - t * t) * du)
+
+    return [in_float32(ctx, dx, orig_call.args[0], output_grad)]
 
 
 @register("relax.nn.leakyrelu")

@@ -258,6 +258,19 @@ def schedule_leading_spatial(sch: s_tir.Schedule, block: SBlockRV) -> bool:
     return True
 
 
+def rewrite_prim_funcs(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
+    """`mod` with `rewrite(func)` in place of each PrimFunc (`mod` itself when none changed)."""
+    updates = {}
+    for gvar, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            new = rewrite(func)
+            if not new.same_as(func):
+                updates[gvar] = new
+    if not updates:
+        return mod
+    return tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs, global_infos=mod.global_infos)
+
+
 def simplify_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` with every block's indices simplified under its iterators' ranges.
 

@@ -27,6 +27,8 @@ import tvm
 from tvm import tirx
 from tvm_ffi.structural import StructuralMutator, structural_mutate
 
+from .loops import rewrite_prim_funcs
+
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -69,13 +71,4 @@ class PropagateNaN:
     """Apply `propagate_nan` to every PrimFunc of the module."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in mod.functions_items():
-            if isinstance(func, tirx.PrimFunc):
-                new = propagate_nan(func)
-                if not new.same_as(func):
-                    updates[gvar] = new
-        if not updates:
-            return mod
-        return tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs,
-                            global_infos=mod.global_infos)
+        return rewrite_prim_funcs(mod, propagate_nan)

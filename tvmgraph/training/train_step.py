@@ -19,6 +19,7 @@ Output: the module with `main` replaced by
 
     @R.function(private=True)
     def update_0(hyper, p, g, s..., ...):   # attrs: tvmgraph.model_update = rule name, flags
+                                            # (loss scaling: hyper, skip, p, g, s..., ...)
         ...elementwise update of every parameter of group 0...
         return (new_s..., new_p, new_s..., new_p, ...)
 
@@ -56,6 +57,7 @@ from .update_ops import SCALAR_DTYPE, RelaxUpdateOps
 FUNC_NAME = "train_step"
 MODEL_UPDATE_ATTR = "tvmgraph.model_update"  # rule name, on each group's update function
 FLAGS_ATTR = "tvmgraph.update_flags"
+SKIP_ATTR = "tvmgraph.update_skippable"  # takes `skip` after `hyper` (loss scaling)
 
 
 @dataclass(frozen=True)
@@ -82,13 +84,15 @@ class TrainStepLayout:
 
 
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
-                    name: str, fusable: bool = True) -> relax.Function:
-    """The Relax function updating every parameter of one group (see the module docstring);
-    not `fusable`: untagged, so FuseModelUpdate leaves it as Relax ops (loss_scale.py)."""
+                    name: str, skippable: bool = False) -> relax.Function:
+    """The Relax function updating every parameter of one group (see the module docstring).
+    `skippable` (loss scaling): a second input `skip`, a float32 scalar; where it is above 0
+    (the step overflowed) every result is its old value (loss_scale.keep_if_found)."""
     keys = rule.state_keys(flags)
     bb = relax.BlockBuilder()
     hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), SCALAR_DTYPE))
-    params, per_param = [hyper], []
+    skip = relax.Var("skip", relax.TensorType((), "float32")) if skippable else None
+    params, per_param = [hyper, *([skip] if skip is not None else [])], []
     for i, ty in enumerate(param_types):
         p, g = relax.Var(f"p{i}", ty), relax.Var(f"g{i}", ty)
         states = {k: relax.Var(f"{k}{i}", relax.TensorType((), "float32") if rule.scalar_state(k) else ty)
@@ -96,7 +100,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
         params += [p, g, *states.values()]
         per_param.append((p, g, states))
     # Public while the adjoint is inlined (see append_train_step), private afterwards.
-    with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags} if fusable else None):
+    with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags, SKIP_ATTR: skippable}):
         with bb.dataflow():
             h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
                  for i, k in enumerate(rule.hyper_keys)}
@@ -107,7 +111,11 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
                 rule.update(ops, ops.wrap(p), ops.wrap(g),
                             {k: ops.wrap(v, rule.scalar_state(k)) for k, v in states.items()},
                             {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
-                results += [ops.outputs[k] for k in keys] + [ops.outputs[PARAM]]
+                new = [ops.outputs[k] for k in keys] + [ops.outputs[PARAM]]
+                if skip is not None:
+                    new = [loss_scale.keep_if_found(bb, skip, old, value)
+                           for old, value in zip([*states.values(), p], new)]
+                results += new
             out = bb.emit_output(relax.Tuple(results))
         bb.emit_func_output(out)
     return bb.get()[name]
@@ -213,16 +221,14 @@ class GroupUpdates:
             group_grads = grads[cursor:cursor + n]
             if group.clip is not None and n:
                 group_grads = _clip(bb, group_grads, *group.clip)
-            args, old = [hyper], []
+            # An overflow skips the step: the update keeps every old value.
+            args = [hyper, *([found[id(group.optimizer)]] if found is not None else [])]
             for k in range(n):
                 states = self.state_vars[state_cursor:state_cursor + len(keys)]
                 args += [params[cursor + k], group_grads[k], *states]
-                old += [*states, params[cursor + k]]
                 state_cursor += len(keys)
             updated = bb.emit(relax.Call(update_gv, args))
             results = [bb.emit(relax.TupleGetItem(updated, i)) for i in range(n * (len(keys) + 1))]
-            if found is not None:  # an overflow skips the step: every value stays as it was
-                results = [loss_scale.keep_if_found(bb, found[id(group.optimizer)], o, r) for o, r in zip(old, results)]
             for k in range(n):
                 base = k * (len(keys) + 1)
                 new_states += results[base:base + len(keys)]
@@ -239,8 +245,7 @@ def declare_updates(bb: relax.BlockBuilder, plan: TrainingPlan, param_types: lis
         types = param_types[cursor:cursor + len(group.targets)]
         cursor += len(group.targets)
         name = f"update_{index}_{group.rule.name}"
-        fusable = not plan.loss_scaling  # a skipped step needs the old values after the update
-        update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name, fusable), name))
+        update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name, plan.loss_scaling), name))
         for target, ty in zip(group.targets, types):
             for key in group.state_keys:
                 scalar = group.rule.scalar_state(key)
