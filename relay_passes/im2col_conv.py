@@ -30,7 +30,7 @@ Position: after autodiff (it rewrites the backward pass's convolutions too), bef
 CPU targets only. Limits: NCHW/OIHW (IOHW transposed), groups 1, static image sizes (the batch
 may be symbolic), output width below MAX_WIDTH (wider images keep the direct schedule, at
 65-75% of the FMA peak there; except a strided 1x1 transposed convolution, rewritten at any
-width), float32 and float64 (a 16-bit conv is left to accumulate in float32).
+width), float32 and float64 results (16-bit inputs with a float32 result: AccumulateFloat32's).
 """
 
 from __future__ import annotations
@@ -145,8 +145,11 @@ def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
     if not all(isinstance(d, tirx.IntImm) for d in (*data[1:], *weight, *out[1:])):
         return False
     dtype = str(call.ty.dtype)
-    if dtype not in ("float32", "float64") or any(str(a.ty.dtype) != dtype for a in call.args):
-        return False  # 16-bit convs accumulate in float32 (AccumulateFloat32): left as they are
+    # A 16-bit conv comes here with a float32 result (AccumulateFloat32 ran): its matmul then
+    # sums in float32 as well. 16-bit results would sum in 16 bits: left as they are.
+    inputs = {"float32": ("float32", "bfloat16", "float16"), "float64": ("float64",)}.get(dtype, ())
+    if any(str(a.ty.dtype) not in inputs for a in call.args):
+        return False
     kh, kw = int(weight[2]), int(weight[3])
     if int(data[1]) * kh * kw < MIN_REDUCTION:
         return False

@@ -105,17 +105,30 @@ def test_the_rewrite_is_a_copy_a_view_and_one_matmul() -> None:
     assert shapes == [[2, 8, 3, 3, 6, 6], [2, 72, 36], [5, 72], [2, 5, 36], [2, 5, 6, 6]]
 
 
-def test_half_precision_convolutions_are_left_to_accumulate_in_float32() -> None:
-    """A bfloat16 conv is AccumulateFloat32's (float32 sums, one rounding): a bfloat16 matmul
-    here would sum in bfloat16."""
+def test_half_precision_convolutions_sum_in_float32() -> None:
+    """A bfloat16 conv with a bfloat16 result is left alone (its matmul would sum in bfloat16);
+    after AccumulateFloat32 (bfloat16 inputs, a float32 result) it is rewritten, its matmul sums
+    in float32, and the result rounded to bfloat16 is torch's within one bfloat16 step."""
+    from relay_passes.accumulate_float32 import AccumulateFloat32
 
     @I.ir_module
     class Half:
         @R.function
-        def main(x: R.Tensor((1, 16, 4, 4), "bfloat16"), w: R.Tensor((8, 16, 3, 3), "bfloat16")):
+        def main(x: R.Tensor((2, 16, 4, 4), "bfloat16"), w: R.Tensor((8, 16, 3, 3), "bfloat16")):
             with R.dataflow():
                 y = R.nn.conv2d(x, w, padding=1)
                 R.output(y)
             return y
 
     tvm.ir.assert_structural_equal(Im2colConv()(Half), Half)
+    mod = Im2colConv()(AccumulateFloat32()(Half))
+    matmuls = [b.value for b in mod["main"].body.blocks[0].bindings
+               if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]
+    assert "im2col" in [gv.name_hint for gv in mod.get_global_vars()]
+    assert len(matmuls) == 1 and matmuls[0].attrs.out_dtype == "float32"
+    x, w = torch.randn(2, 16, 4, 4).bfloat16(), torch.randn(8, 16, 3, 3).bfloat16()
+    vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
+    got = torch.from_dlpack(vm["main"](x, w))
+    want = torch.nn.functional.conv2d(x, w, padding=1)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-8, atol=1e-2)
