@@ -76,10 +76,12 @@ class TEUpdateOps:
     """Evaluates a formula for one parameter into TE computes, in the order of `output` calls."""
 
     def __init__(self, shape: tuple[int, ...], dtype: str, out_dtypes: dict[str, str], tag: str,
-                 scalar_keys: frozenset[str] = frozenset(), skip: te.Tensor | None = None):
+                 scalar_keys: frozenset[str] = frozenset(), skip: te.Tensor | None = None,
+                 unscale: te.Tensor | None = None):
         self.shape, self.dtype, self.out_dtypes, self.tag = shape, dtype, out_dtypes, tag
         self.scalar_keys = scalar_keys  # results that are scalar state (not stored)
         self.skip = skip  # loss scaling: where skip() > 0, every result is its old value
+        self.unscale = unscale  # loss scaling: what a gradient is multiplied by when read
         self.old: dict[str, TEValue] = {}  # the buffer each key's result overwrites
         self.outputs: dict[str, te.Tensor] = {}  # element-wise results, in formula order
         self.stored: set[str] = set()  # keys whose buffer already holds the new value
@@ -105,6 +107,12 @@ class TEUpdateOps:
             return old(i)
 
         return self.value(element, old.scalar)
+
+    def read_grad(self, tensor: te.Tensor) -> TEValue:
+        """The gradient, unscaled (times `unscale`, in its dtype) under loss scaling."""
+        if self.unscale is None:
+            return self.read(tensor)
+        return self.value(lambda i: tensor(*i) * tirx.Cast(tensor.dtype, self.unscale()), False)
 
     def apply(self, fn, *args: TEValue) -> TEValue:
         """`fn` of `args`' elements, in float64 if all are scalar, else in the parameter's dtype
@@ -191,11 +199,12 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
     """The in-place TIR kernel for one group, and for each of its results (the element-wise
     state and the parameter, per parameter in formula order) the index of the argument it
     overwrites. Scalar state is read, not written (see TEUpdateOps.output). `skippable`: a
-    second input `skip` (train_step.update_function)."""
+    second and third input, `skip` and `unscale` (train_step.update_function)."""
     keys = rule.state_keys(flags)
     hyper = te.placeholder((len(rule.hyper_keys),), SCALAR_DTYPE, name="hyper")
     skip = te.placeholder((), "float32", name="skip") if skippable else None
-    inputs, outputs, inplace, chains = [hyper, *([skip] if skip is not None else [])], [], [], []
+    unscale = te.placeholder((), "float32", name="unscale") if skippable else None
+    inputs, outputs, inplace, chains = [hyper, *([skip, unscale] if skippable else [])], [], [], []
     for j, ty in enumerate(param_types):
         shape, dtype = tuple(int(d) for d in ty.shape), ty.dtype.dtype
         p = te.placeholder(shape, dtype, name=f"p{j}")
@@ -206,9 +215,9 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
         arg_index = {PARAM: base, **{k: base + 2 + n for n, k in enumerate(keys)}}
         inputs += [p, g, *states.values()]
         ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}",
-                          frozenset(k for k in keys if rule.scalar_state(k)), skip)
+                          frozenset(k for k in keys if rule.scalar_state(k)), skip, unscale)
         h = {k: ops.value(lambda i, n=n: hyper(n), True) for n, k in enumerate(rule.hyper_keys)}
-        rule.update(ops, ops.read_state(PARAM, p, False), ops.read(g),
+        rule.update(ops, ops.read_state(PARAM, p, False), ops.read_grad(g),
                     {k: ops.read_state(k, s, rule.scalar_state(k)) for k, s in states.items()}, h, flags)
         order = list(ops.outputs)  # stored in formula order
         outputs += [ops.outputs[k] for k in order]
@@ -302,7 +311,7 @@ class _Rewriter(PyExprMutator):
         keys = rule.state_keys(flags)
         per_param = 2 + len(keys)
         skippable = bool((func.attrs or {}).get(SKIP_ATTR, False))
-        lead = 2 if skippable else 1  # hyper[, skip], then each parameter's arguments
+        lead = 3 if skippable else 1  # hyper[, skip, unscale], then each parameter's arguments
         param_types = [p.ty for p in func.params[lead::per_param]]
         chunks = _chunks(param_types)
         self.kernels += len(chunks)
@@ -344,7 +353,7 @@ class _Rewriter(PyExprMutator):
         keys = rule.state_keys(flags)
         bb = self.builder_
         hyper = args[0]
-        lead = 2 if skippable else 1
+        lead = 3 if skippable else 1
         h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip")) for i, k in enumerate(rule.hyper_keys)}
         out = []
         for j in range(len(args[lead:]) // per_param):

@@ -167,9 +167,9 @@ def test_adam_kernel_and_relax_step_match_torch(options: dict) -> None:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["kernel", "relax"])
 def test_a_skipped_step_keeps_every_value(fused: bool) -> None:
-    """Loss scaling: the update takes `skip` after `hyper`. skip = 1 (an overflow) leaves the
-    parameter and every state, Adam's scalar step included, as they were, in the fused kernel
-    and in the Relax ops alike; skip = 0 is torch's step."""
+    """Loss scaling: the update takes `skip` and `unscale` after `hyper`. skip = 1 (an overflow)
+    leaves the parameter and every state, Adam's scalar step included, as they were, in the
+    fused kernel and in the Relax ops alike; skip = 0 is torch's step on the unscaled gradient."""
     rule, shape = RULES["adam"], (40, 16)
     group = {"amsgrad": False, "maximize": False, "weight_decay": 0, "betas": (0.9, 0.999), "eps": 1e-8,
              "decoupled_weight_decay": False, "lr": 1e-2}
@@ -178,15 +178,16 @@ def test_a_skipped_step_keeps_every_value(fused: bool) -> None:
         mod = FuseModelUpdate(enabled=fused)(module_with_update("adam", flags, [shape], skippable=True))
     if fused:
         kernel = next(f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
-        assert [p.name for p in kernel.params][:2] == ["hyper", "skip"]
+        assert [p.name for p in kernel.params][:3] == ["hyper", "skip", "unscale"]
     run = relax.VirtualMachine(tvm.compile(mod, target=CPU), tvm.cpu())["main"]
     hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float64)
     p, g = torch.randn(shape), torch.randn(shape)
     state = {"step": torch.tensor(3.0), "exp_avg": torch.randn(shape) * 0.1, "exp_avg_sq": torch.rand(shape) * 0.1}
     keys = [*rule.state_keys(flags), "param"]
-    for skip in (1.0, 0.0):
-        args = [p.clone(), g] + [state[k].clone() for k in rule.state_keys(flags)]
-        got = dict(zip(keys, [torch.from_numpy(r.numpy()) for r in run(hyper, torch.tensor(skip), *args)]))
+    for skip in (1.0, 0.0):  # the gradient comes scaled by 1024 and is unscaled in the update
+        args = [p.clone(), g * 1024] + [state[k].clone() for k in rule.state_keys(flags)]
+        got = dict(zip(keys, [torch.from_numpy(r.numpy())
+                              for r in run(hyper, torch.tensor(skip), torch.tensor(1 / 1024), *args)]))
         expected_p, expected_state = (p, state) if skip else torch_adam_step(p, g, state, lr=1e-2)
         torch.testing.assert_close(got["param"], expected_p, atol=1e-6, rtol=1e-5)
         for key in rule.state_keys(flags):

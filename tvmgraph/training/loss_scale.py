@@ -52,18 +52,26 @@ def with_scaled_loss(main: relax.Function, loss_index: int, divisor: int = 1) ->
     return new, len(fields) - 1
 
 
-def unscale(bb: relax.BlockBuilder, grads: list[relax.Expr], scale: relax.Expr) -> tuple[list[relax.Expr], relax.Expr]:
-    """The grads divided by the scale (by its float32 reciprocal, as torch does) and a float32
-    0/1 flag: 1 when any scaled grad is inf or NaN."""
+def reciprocal(bb: relax.BlockBuilder, scale: relax.Expr) -> relax.Expr:
+    """1 / scale as float32 (computed in float64, as torch does): what unscales a gradient."""
     op = relax.op
-    inv = bb.emit(op.astype(op.divide(relax.const(1.0, "float64"), op.astype(scale, "float64")), SCALE_DTYPE))
+    return bb.emit(op.astype(op.divide(relax.const(1.0, "float64"), op.astype(scale, "float64")), SCALE_DTYPE))
+
+
+def unscaled(bb: relax.BlockBuilder, grad: relax.Expr, inv: relax.Expr) -> relax.Expr:
+    """`grad` times the reciprocal of the scale, in the gradient's dtype."""
+    return bb.emit(relax.op.multiply(grad, relax.op.astype(inv, grad.ty.dtype.dtype)))
+
+
+def overflow(bb: relax.BlockBuilder, grads: list[relax.Expr]) -> relax.Expr:
+    """A float32 0/1 flag: 1 when any scaled grad is inf or NaN."""
+    op = relax.op
     # An int32 max: a float max is NaN-propagating (tvmgraph.PropagateNaN), 5x slower per element.
     flags = [op.astype(op.max(op.astype(op.logical_not(op.isfinite(g)), "int32")), "float32") for g in grads]
     found = flags[0]
     for flag in flags[1:]:
         found = op.maximum(found, flag)
-    found = bb.emit(found)
-    return [bb.emit(op.multiply(g, op.astype(inv, g.ty.dtype.dtype))) for g in grads], found
+    return bb.emit(found)
 
 
 def keep_if_found(bb: relax.BlockBuilder, found: relax.Expr, old: relax.Expr, new: relax.Expr) -> relax.Expr:

@@ -19,7 +19,7 @@ Output: the module with `main` replaced by
 
     @R.function(private=True)
     def update_0(hyper, p, g, s..., ...):   # attrs: tvmgraph.model_update = rule name, flags
-                                            # (loss scaling: hyper, skip, p, g, s..., ...)
+                                            # (loss scaling: hyper, skip, unscale, p, g, ...)
         ...elementwise update of every parameter of group 0...
         return (new_s..., new_p, new_s..., new_p, ...)
 
@@ -57,7 +57,7 @@ from .update_ops import SCALAR_DTYPE, RelaxUpdateOps
 FUNC_NAME = "train_step"
 MODEL_UPDATE_ATTR = "tvmgraph.model_update"  # rule name, on each group's update function
 FLAGS_ATTR = "tvmgraph.update_flags"
-SKIP_ATTR = "tvmgraph.update_skippable"  # takes `skip` after `hyper` (loss scaling)
+SKIP_ATTR = "tvmgraph.update_skippable"  # takes `skip` and `unscale` after `hyper` (loss scaling)
 
 
 @dataclass(frozen=True)
@@ -86,13 +86,15 @@ class TrainStepLayout:
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
                     name: str, skippable: bool = False) -> relax.Function:
     """The Relax function updating every parameter of one group (see the module docstring).
-    `skippable` (loss scaling): a second input `skip`, a float32 scalar; where it is above 0
-    (the step overflowed) every result is its old value (loss_scale.keep_if_found)."""
+    `skippable` (loss scaling): two float32 scalar inputs after `hyper`: `skip`, where it is
+    above 0 (the step overflowed) every result is its old value (loss_scale.keep_if_found),
+    and `unscale`, which each gradient is multiplied by first (1 / the loss scale)."""
     keys = rule.state_keys(flags)
     bb = relax.BlockBuilder()
     hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), SCALAR_DTYPE))
     skip = relax.Var("skip", relax.TensorType((), "float32")) if skippable else None
-    params, per_param = [hyper, *([skip] if skip is not None else [])], []
+    unscale = relax.Var("unscale", relax.TensorType((), "float32")) if skippable else None
+    params, per_param = [hyper, *([skip, unscale] if skippable else [])], []
     for i, ty in enumerate(param_types):
         p, g = relax.Var(f"p{i}", ty), relax.Var(f"g{i}", ty)
         states = {k: relax.Var(f"{k}{i}", relax.TensorType((), "float32") if rule.scalar_state(k) else ty)
@@ -108,7 +110,8 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
             for p, g, states in per_param:
                 dtype = p.ty.dtype.dtype
                 ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: v.ty.dtype.dtype for k, v in states.items()}})
-                rule.update(ops, ops.wrap(p), ops.wrap(g),
+                grad = loss_scale.unscaled(bb, g, unscale) if unscale is not None else g
+                rule.update(ops, ops.wrap(p), ops.wrap(grad),
                             {k: ops.wrap(v, rule.scalar_state(k)) for k, v in states.items()},
                             {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
                 new = [ops.outputs[k] for k in keys] + [ops.outputs[PARAM]]
@@ -213,16 +216,22 @@ class GroupUpdates:
     def emit(self, bb: relax.BlockBuilder, params: list[relax.Expr], grads: list[relax.Expr],
              found: dict[int | str, relax.Expr] | None = None) -> tuple[list[relax.Expr], list[relax.Expr]]:
         """Clip each group's gradients when configured, then call its update: new params, new
-        states. `found` (loss scaling): each optimizer's overflow flag, which keeps the old values."""
+        states. `found` (loss scaling, unscale_per_optimizer): each optimizer's overflow flag,
+        which keeps the old values, and the reciprocal of the scale."""
         new_params, new_states = [], []
         cursor, state_cursor = 0, 0
         for group, hyper, update_gv in zip(self.plan.groups, self.hyper_vars, self.update_gvs):
             n, keys = len(group.targets), group.state_keys
             group_grads = grads[cursor:cursor + n]
+            # Loss scaling: the update unscales the gradients (clipping needs them unscaled
+            # first), and an overflow skips the step: the update keeps every old value.
+            unscale = found["unscale"] if found is not None else None
+            if unscale is not None and group.clip is not None and n:
+                group_grads = [loss_scale.unscaled(bb, g, unscale) for g in group_grads]
+                unscale = relax.const(1.0, "float32")
             if group.clip is not None and n:
                 group_grads = _clip(bb, group_grads, *group.clip)
-            # An overflow skips the step: the update keeps every old value.
-            args = [hyper, *([found[id(group.optimizer)]] if found is not None else [])]
+            args = [hyper, *([found[id(group.optimizer)], unscale] if found is not None else [])]
             for k in range(n):
                 states = self.state_vars[state_cursor:state_cursor + len(keys)]
                 args += [params[cursor + k], group_grads[k], *states]
@@ -277,8 +286,9 @@ def finish_module(mod: tvm.IRModule, updates: GroupUpdates, entries: list[str]) 
 
 def unscale_per_optimizer(bb: relax.BlockBuilder, plan: TrainingPlan, grads: list[relax.Expr],
              scale: relax.Var) -> dict[int | str, relax.Expr]:
-    """Unscale `grads` in place (in the list) and return each optimizer's overflow flag (by
-    `id`), and under "any" the flag of the whole step, which updates the scale."""
+    """Each optimizer's overflow flag of the scaled `grads` (by `id`), under "any" the flag of
+    the whole step, which updates the scale, and under "unscale" 1 / scale, which the updates
+    multiply the gradients by (GroupUpdates.emit)."""
     by_optimizer: dict[int, list[int]] = {}
     cursor = 0
     for group in plan.groups:
@@ -286,11 +296,10 @@ def unscale_per_optimizer(bb: relax.BlockBuilder, plan: TrainingPlan, grads: lis
         cursor += len(group.targets)
     found: dict[int | str, relax.Expr] = {}
     for key, indices in by_optimizer.items():
-        unscaled, found[key] = loss_scale.unscale(bb, [grads[i] for i in indices], scale)
-        for i, g in zip(indices, unscaled):
-            grads[i] = g
+        found[key] = loss_scale.overflow(bb, [grads[i] for i in indices])
     flags = list(found.values())
     found["any"] = flags[0] if len(flags) == 1 else bb.emit(relax.op.max(relax.op.stack(flags)))
+    found["unscale"] = loss_scale.reciprocal(bb, scale)
     return found
 
 
