@@ -167,24 +167,8 @@ def test_rewritten_module_computes_what_torch_computes(mod: tvm.IRModule) -> Non
             np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=1e-5)
 
 
-@I.ir_module
-class BackwardBfloat16:
-    """`Backward` under AMP: autocast's bfloat16 weight and gradients."""
-
-    @R.function
-    def main(x: R.Tensor((4, 2, 8), "bfloat16"), dy: R.Tensor((4, 2, 6), "bfloat16"),
-             w: R.Tensor((6, 8), "bfloat16")):
-        with R.dataflow():
-            wt = R.permute_dims(w, axes=[1, 0])
-            wb = R.broadcast_to(wt, R.shape([4, 8, 6]))
-            wbt = R.permute_dims(wb, axes=[0, 2, 1])
-            dx = R.matmul(dy, wbt)
-            xt = R.permute_dims(x, axes=[0, 2, 1])
-            dwb = R.matmul(xt, dy)
-            dwt = R.collapse_sum_to(dwb, R.shape([8, 6]))
-            dw = R.permute_dims(dwt, axes=[1, 0])
-            R.output(dx, dw)
-        return (dx, dw)
+# `Backward` under AMP: autocast's bfloat16 weight and gradients.
+BackwardBfloat16 = tvm.script.from_source(Backward.script().replace('"float32"', '"bfloat16"'))
 
 
 def test_the_pipeline_simplifies_before_accumulate_float32_casts_hide_the_pattern() -> None:
