@@ -22,8 +22,9 @@ computes them in the 16-bit dtype, one rounding per step, and a bfloat16 `erf` o
 scalar library call per element: an AMP transformer's GELU ran at 1.2 GB/s. In float32 they
 get the vectorized fast-math kernels (tvmgraph/schedules/fast_math.py).
 
-Position: after autodiff (the train step's collapse_sums are there), before LegalizeOps.
-Limits: other reductions (max/min are exact; variance, cumsum, softmax) keep their dtype.
+Position: after autodiff (the train step's collapse_sums are there) and SimplifyBroadcastMatmul
+(whose patterns its casts would hide), before LegalizeOps.
+Limits: other reductions (max/min are exact; cumsum) keep their dtype.
 """
 
 from __future__ import annotations

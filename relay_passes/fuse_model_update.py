@@ -40,7 +40,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvmgraph.debug import logger
 from tvmgraph.training.optimizers import PARAM, RULES, UpdateRule
 from tvmgraph.training.loss_scale import keep_if_found
-from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR, SKIP_ATTR
+from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR, SKIP_ATTR, SKIP_INPUTS
 from tvmgraph.training.update_ops import SCALAR_DTYPE, RelaxUpdateOps
 
 LANES = 16  # elements per vector on AVX-512 float32; 8 on AVX2 is handled by LLVM splitting
@@ -202,9 +202,9 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
     second and third input, `skip` and `unscale` (train_step.update_function)."""
     keys = rule.state_keys(flags)
     hyper = te.placeholder((len(rule.hyper_keys),), SCALAR_DTYPE, name="hyper")
-    skip = te.placeholder((), "float32", name="skip") if skippable else None
-    unscale = te.placeholder((), "float32", name="unscale") if skippable else None
-    inputs, outputs, inplace, chains = [hyper, *([skip, unscale] if skippable else [])], [], [], []
+    scalars = [te.placeholder((), "float32", name=name) for name in SKIP_INPUTS] if skippable else []
+    skip, unscale = scalars or (None, None)
+    inputs, outputs, inplace, chains = [hyper, *scalars], [], [], []
     for j, ty in enumerate(param_types):
         shape, dtype = tuple(int(d) for d in ty.shape), ty.dtype.dtype
         p = te.placeholder(shape, dtype, name=f"p{j}")
@@ -311,7 +311,7 @@ class _Rewriter(PyExprMutator):
         keys = rule.state_keys(flags)
         per_param = 2 + len(keys)
         skippable = bool((func.attrs or {}).get(SKIP_ATTR, False))
-        lead = 3 if skippable else 1  # hyper[, skip, unscale], then each parameter's arguments
+        lead = 1 + len(SKIP_INPUTS) * skippable  # hyper[, skip, unscale], then each parameter's
         param_types = [p.ty for p in func.params[lead::per_param]]
         chunks = _chunks(param_types)
         self.kernels += len(chunks)
@@ -340,7 +340,7 @@ class _Rewriter(PyExprMutator):
                 kernel_results.setdefault(j, {})[key] = relax.TupleGetItem(updated, t)
         # The kernels' results, with the scalar state computed by Relax ops, back into the
         # update function's result layout.
-        scalars = self._scalar_state(rule, flags, list(call.args), per_param, skippable) if has_scalars else None
+        scalars = self._scalar_state(rule, flags, list(call.args), per_param, lead) if has_scalars else None
         results = []
         for j in range(len(param_types)):
             for key in (*keys, PARAM):
@@ -348,12 +348,12 @@ class _Rewriter(PyExprMutator):
         return relax.Tuple(results)
 
     def _scalar_state(self, rule: UpdateRule, flags: dict[str, bool], args: list[relax.Expr],
-                      per_param: int, skippable: bool) -> list[dict[str, relax.Expr]]:
-        """New scalar state per parameter, evaluated as Relax ops (element-wise parts die)."""
+                      per_param: int, lead: int) -> list[dict[str, relax.Expr]]:
+        """New scalar state per parameter, evaluated as Relax ops (element-wise parts die);
+        `args[:lead]` are hyper and, under loss scaling, skip and unscale."""
         keys = rule.state_keys(flags)
         bb = self.builder_
         hyper = args[0]
-        lead = 3 if skippable else 1
         h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip")) for i, k in enumerate(rule.hyper_keys)}
         out = []
         for j in range(len(args[lead:]) // per_param):
@@ -364,7 +364,7 @@ class _Rewriter(PyExprMutator):
                         {k: ops.wrap(s, rule.scalar_state(k)) for k, s in zip(keys, states)},
                         {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
             new = {k: ops.outputs[k] for k in keys if rule.scalar_state(k)}
-            if skippable:
+            if lead > 1:  # a skipped step keeps the old scalar state too
                 old = dict(zip(keys, states))
                 new = {k: keep_if_found(bb, args[1], old[k], v) for k, v in new.items()}
             out.append(new)

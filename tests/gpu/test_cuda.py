@@ -154,7 +154,7 @@ def test_tuning_on_the_gpu_is_applied_and_keeps_eager_numbers(tmp_path: Path) ->
     x = torch.randn(64, 256, device=CUDA)
     report = tvmgraph.tune(GpuMLP(model), x, trials=32, log_dir=tmp_path)
     print(report.table())
-    assert report.target.startswith("cuda") or "cuda" in report.target
+    assert "cuda" in report.target
     assert report.trials >= 32 and report.kernels
     assert report.graph_untuned_ms > 0 and report.graph_tuned_ms > 0
     with pytest.MonkeyPatch.context() as mp:

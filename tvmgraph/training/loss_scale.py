@@ -3,17 +3,17 @@
 What `torch.amp.GradScaler` does around an eager step, as Relax ops of `train_step`:
 
     main(inputs..., loss_scale)  also returns  astype(loss, float32) * loss_scale   # differentiated
-    grads = grads * float32(1 / float64(loss_scale))        # unscale_; clipping comes after
     found_inf[opt] = any(!isfinite(scaled grads of opt))    # per optimizer, as scaler.step(opt)
-    new_p, new_state = where(found_inf[opt], old, new)      # a skipped step changes nothing
+    update_0(hyper, found_inf[opt], float32(1 / float64(loss_scale)), p, g, state...)  # per group
+        # unscales g as it reads it (a clipped group's grads are unscaled before the clip),
+        # and where found_inf[opt] keeps every old value: a skipped step changes nothing
     scale, tracker = update(scale, tracker, any(found_inf), [growth, backoff, interval])
 
 `update` is `torch._amp_update_scale_`: on an overflow the scale backs off and the tracker
 resets; after `growth_interval` clean steps in a row the scale grows (if the grown scale is
 finite) and the tracker resets. The scale, the tracker and the three factors are runtime
-inputs: changing them never recompiles. The skip needs the old values after the update, so a
-loss-scaled step keeps the optimizer update as plain Relax ops (not FuseModelUpdate's
-in-place kernels).
+inputs: changing them never recompiles. The update's `skip` and `unscale` inputs
+(train_step.update_function) let FuseModelUpdate keep it one in-place kernel per group.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ from .update_ops import SCALAR_DTYPE, RelaxUpdateOps
 FUNC_NAME = "train_step"
 MODEL_UPDATE_ATTR = "tvmgraph.model_update"  # rule name, on each group's update function
 FLAGS_ATTR = "tvmgraph.update_flags"
-SKIP_ATTR = "tvmgraph.update_skippable"  # takes `skip` and `unscale` after `hyper` (loss scaling)
+SKIP_ATTR = "tvmgraph.update_skippable"  # takes SKIP_INPUTS after `hyper` (loss scaling)
+SKIP_INPUTS = ("skip", "unscale")
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,9 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
     keys = rule.state_keys(flags)
     bb = relax.BlockBuilder()
     hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), SCALAR_DTYPE))
-    skip = relax.Var("skip", relax.TensorType((), "float32")) if skippable else None
-    unscale = relax.Var("unscale", relax.TensorType((), "float32")) if skippable else None
-    params, per_param = [hyper, *([skip, unscale] if skippable else [])], []
+    scalars = [relax.Var(name, relax.TensorType((), "float32")) for name in SKIP_INPUTS] if skippable else []
+    skip, unscale = scalars or (None, None)
+    params, per_param = [hyper, *scalars], []
     for i, ty in enumerate(param_types):
         p, g = relax.Var(f"p{i}", ty), relax.Var(f"g{i}", ty)
         states = {k: relax.Var(f"{k}{i}", relax.TensorType((), "float32") if rule.scalar_state(k) else ty)
