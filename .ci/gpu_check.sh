@@ -3,7 +3,8 @@
 # Python 3.12 with torch but no TVM and no network, so the TVM stack travels in .gpu/ (made here
 # by .ci/gpu_bundle.sh, carried with `carry: [".gpu"]`), unpacked to /tmp/site.
 #   .ci/gpu_check.sh [tests|bench|all]      logs go to $OUT (or /tmp/gpu_out)
-# Time limits and the benchmark's rows: TESTS_S, BENCH_S (seconds), CASES, ENGINES.
+# Time limits and the benchmark's rows: TESTS_S, BENCH_S (seconds), CASES, ENGINES; PYTEST_ARGS
+# (e.g. "-k float16") picks tests.
 # A file .gpu/amp_probe.py, if any, is a one-off probe run between the two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ then
     export TVM_CUDA_COMPILE_MODE=nvcc
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    timeout ${TESTS_S:-240} python3 -m pytest tests/gpu -v -p no:cacheprovider -s -W default --durations=0 2>&1 | tee "$OUT/gpu_tests.log"
+    timeout ${TESTS_S:-240} python3 -m pytest tests/gpu ${PYTEST_ARGS:-} -v -p no:cacheprovider -s -W default --durations=0 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 if [ -e .gpu/amp_probe.py ]; then  # a one-off probe carried with the bundle
     timeout 60 python3 .gpu/amp_probe.py 2>&1 | grep -v DEBUG | tee "$OUT/probe.log"

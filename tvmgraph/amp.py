@@ -1,8 +1,8 @@
 """Mixed precision (AMP) and loss scaling: the torch side.
 
-`GraphConfig.enable_amp(True)` traces `build()` under `torch.autocast`, so torch.export records
-autocast's casts (a `wrap_with_autocast` region that `run_decompositions` inlines into explicit
-`_to_copy` ops): every op computes in the dtype autocast's policy gives it, exactly as in eager,
+`GraphConfig.enable_amp(True)` traces `build()` under `torch.autocast`, at the ATen level
+(tvmgraph/trace.py, `_export`), so the program records autocast's casts as explicit `_to_copy`
+ops: every op computes in the dtype autocast's policy gives it, exactly as in eager,
 and parameters stay float32 inputs whose gradients come back through the casts as float32.
 
 `Graph.set_grad_scaler(scaler)` takes a `torch.amp.GradScaler` (or `tvmgraph.amp.GradScaler`,

@@ -27,6 +27,10 @@ ones give silently wrong numbers (each found against torch eager; tests/numeric/
   gradients (docs/gradients.md).
 - `_safe_softmax` (kept whole by lowering.decompose): torch's decomposition has a NaN gradient
   on fully masked rows.
+- `_softmax`, `_log_softmax` with `half_to_float` (what CUDA autocast makes of a float16
+  softmax: `softmax(x, dim, dtype=float32)` of a CUDA half tensor becomes
+  `_softmax(x, dim, True)`): the stock converters ignore the flag and compute in float16,
+  returning float16 where torch returns float32 (a float16 AMP loss on CUDA rounded to float16).
 - `_native_batch_norm_legit_no_training` in float16/bfloat16: the stock result is float32.
   Here it computes in float32 (as torch does) and returns the input's dtype.
 """
@@ -743,8 +747,22 @@ def safe_softmax(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     return bb.emit(relax.op.where(empty, zero, probs))
 
 
+def softmax_half_to_float(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`_softmax` / `_log_softmax(x, dim, half_to_float)`; with the flag, the input is cast to
+    float32 first, as torch's CUDA kernel reads it."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    dim = int(_arg(node, 1, "dim", -1))
+    if _arg(node, 2, "half_to_float", False) and _dtype(x) != "float32":
+        x = bb.emit(relax.op.astype(x, "float32"))
+    op = relax.op.nn.log_softmax if node.target.__name__.startswith("_log_softmax") else relax.op.nn.softmax
+    return bb.emit(op(x, dim))
+
+
 CONVERTERS = {
     "_safe_softmax.default": safe_softmax,
+    "_softmax.default": softmax_half_to_float,
+    "_log_softmax.default": softmax_half_to_float,
     "max_pool2d_with_indices.default": max_pool_with_indices,
     "max_pool3d_with_indices.default": max_pool_with_indices,
     "adaptive_max_pool2d.default": adaptive_max_pool,

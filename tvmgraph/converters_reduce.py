@@ -22,6 +22,8 @@ as torch's does.
 - `unfold`, `as_strided` (any strides), `as_strided_scatter`, `diagonal_scatter`: `take` or
   `where` with constant index maps, computed on the contiguous input.
 - `addbmm`, `_trilinear` (`bilinear`), `_cdist_forward`, `_pdist_forward`, embedding bags.
+- `prod.dim_int` (`torch.prod(x, dim)`): the importer lowers only the product of every element;
+  its converter reads `dim` and `keepdim` too.
 """
 
 from __future__ import annotations
@@ -718,7 +720,13 @@ def embedding_bag(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
     return bb.emit(relax.Tuple([out, out, out, out]))
 
 
+def prod_dim(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """prod(x, dim, keepdim) (its `dtype=` is type_promotion's: the input is cast first)."""
+    return stock_converter(importer, "prod.default")(node)
+
+
 CONVERTERS = {
+    "prod.dim_int": prod_dim,
     "amax.default": extremum(True),
     "amin.default": extremum(False),
     "max.default": extremum(True),  # x.max(): over every element

@@ -151,12 +151,10 @@ def _ill_formed(mod: tvm.IRModule) -> str | None:
 def default_schedules(target: tvm.target.Target, options: CompileOptions) -> list[tvm.transform.Pass]:
     """The passes that give each kernel without a schedule its default one: dlight's rules on
     GPU (every GPU kernel needs thread bindings), tvmgraph's CPU rules on LLVM."""
-    if target.kind.name == "cuda":
-        from tvm.s_tir import dlight as dl
+    from .schedules import ApplyCPUSchedules, ApplyGPUSchedules
 
-        return [dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                        dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
-    from .schedules import ApplyCPUSchedules
+    if target.kind.name == "cuda":
+        return [ApplyGPUSchedules()]
 
     return [ApplyCPUSchedules(fast_math=options.fast_math)] if options.cpu_schedules else []
 

@@ -6,9 +6,9 @@ and inlines the block. The Relax program, differentiated as a whole, then sent g
 them: `x * x.detach()` trained with twice torch's gradient, and a teacher's output computed
 under no_grad was differentiated. `mark(exported)`, run right after export, rewrites them into
 `tvmgraph::stop_gradient`, an op that survives decomposition and lowers to `relax.grad.no_grad`
-(the identity, with no gradient). Under AMP, export splits the program into autocast regions:
-`mark` looks into them for detach, and `StopWhereGradIsOff`, active while build() is traced,
-stops the results of ops run in a no_grad block (whose region export loses there).
+(the identity, with no gradient). Under AMP, build() is traced at the ATen level, where no
+no_grad block is recorded: `StopWhereGradIsOff`, active while build() is traced, stops the
+results of ops run in one.
 """
 
 from __future__ import annotations
@@ -71,12 +71,32 @@ def _mark_graph(module: torch.fx.GraphModule) -> int:
 
 class StopWhereGradIsOff(torch.overrides.TorchFunctionMode):
     """While build() runs under AMP: the result of every op run with gradients off (a no_grad
-    block) goes through stop_gradient. Export splits an autocast program into regions and loses
-    the no_grad block's own region, which `mark` reads otherwise."""
+    block) goes through stop_gradient. AMP traces at the ATen level (trace._export), which runs
+    build() with gradients off and records no no_grad block, so the grad mode build() sets is
+    kept here instead: `torch._C._set_grad_enabled` (what `no_grad`, `enable_grad` and
+    `set_grad_enabled` call) sets it, and `torch.is_grad_enabled()` reads it while build() runs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_enabled = True
+        self._saved = None
+
+    def __enter__(self):
+        self._saved = torch.is_grad_enabled
+        torch.is_grad_enabled = lambda: self.grad_enabled
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.is_grad_enabled = self._saved
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._C._set_grad_enabled:
+            self.grad_enabled = bool(args[0])
+            return None
         out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled():
+        if self.grad_enabled:
             return out
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: _STOP(t) if t.is_floating_point() else t, out)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.export._trace  # the ATen-level export that AMP uses (`_export`)
 
 from . import stop_gradient
 from .attribute_guard import AttributeGuard, recording
@@ -96,6 +97,7 @@ class _BuildRoot(torch.nn.Module):
 
     def forward(self, *flat_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         record = self._record
+        record.backward = None  # the ATen-level export (AMP) runs build() twice
         args = self._args_tree.unflatten(flat_inputs)
         amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
         stops = stop_gradient.StopWhereGradIsOff() if record.autocast else contextlib.nullcontext()
@@ -207,11 +209,9 @@ def trace_build(
                 (f"self.{path}", m) for path, m in root.named_modules() if path]
             with recording([(w, o) for w, o in owners if o is not None]) as attributes, \
                     math_attention(t.device for t in flat_inputs if isinstance(t, torch.Tensor)):
-                if dynamic_batch:
-                    examples, dynamic_shapes = export_arguments(flat_inputs)
-                    exported = torch.export.export(root, examples, dynamic_shapes=dynamic_shapes, strict=False)
-                else:
-                    exported = torch.export.export(root, tuple(flat_inputs), strict=False)
+                examples, dynamic_shapes = export_arguments(flat_inputs) if dynamic_batch \
+                    else (tuple(flat_inputs), None)
+                exported = _export(root, examples, dynamic_shapes, below_autocast=autocast is not None)
     except TvmGraphError:
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
@@ -224,6 +224,19 @@ def trace_build(
     assert record.out_tree is not None
     stop_gradient.mark(exported)
     return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0])
+
+
+def _export(root: torch.nn.Module, examples: tuple, dynamic_shapes: object,
+             below_autocast: bool) -> torch.export.ExportedProgram:
+    """torch.export, non-strict. `below_autocast` (AMP) traces at the ATen level, below the
+    autocast dispatch keys, so the program holds the casts that eager's autocast makes. The
+    default training IR traces above them, and its autocast regions lose the policy of ops
+    that decompose there: `F.nll_loss` stayed bfloat16 on the CPU (eager: float32), and on
+    CUDA `log_softmax` stayed float16 (a float16 AMP loss rounded to float16)."""
+    if not below_autocast:
+        return torch.export.export(root, examples, dynamic_shapes=dynamic_shapes, strict=False)
+    return torch.export._trace._export(root, examples, dynamic_shapes=dynamic_shapes, strict=False,
+                                       pre_dispatch=False)
 
 
 def math_attention(devices: Iterable[torch.device]) -> contextlib.AbstractContextManager:

@@ -10,9 +10,10 @@ import pytest
 import torch
 import tvm
 from torch import nn
+from torch.nn import functional as F
 
 import tvmgraph
-from tests.conftest import ModuleGraph, TrainGraph
+from tests.conftest import Fn, ModuleGraph, TrainGraph
 from tests.models import EncoderBlock, SmallCNN, mlp
 from tvmgraph import entry, errors
 
@@ -106,6 +107,38 @@ def test_inference_matches_autocast() -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def _labels(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(x.shape[0]) % x.shape[1]
+
+
+# Ops whose autocast policy lives on an op inside them: traced above autocast (torch.export's
+# training IR) and decomposed later, `F.nll_loss` computed in bfloat16 where eager's autocast
+# computes `nll_loss` in float32. Each output is checked for eager's dtype and values.
+AUTOCAST_POLICY = [
+    pytest.param(lambda h: F.nll_loss(torch.log_softmax(h, 1), _labels(h)), id="nll_loss"),
+    pytest.param(lambda h: F.nll_loss(torch.log_softmax(h, 1), _labels(h), reduction="sum"), id="nll_loss-sum"),
+    pytest.param(lambda h: F.cross_entropy(h, _labels(h)), id="cross_entropy"),
+    pytest.param(lambda h: F.mse_loss(h, torch.ones_like(h)), id="mse_loss"),
+    pytest.param(lambda h: torch.log_softmax(h, 1), id="log_softmax"),
+    pytest.param(lambda h: F.layer_norm(h, (h.shape[1],)), id="layer_norm"),
+    pytest.param(lambda h: torch.prod(h * 0.1 + 1, 1), id="prod"),
+    pytest.param(lambda h: F.binary_cross_entropy_with_logits(h, torch.ones_like(h)), id="bce_with_logits"),
+]
+
+
+@pytest.mark.parametrize("fn", AUTOCAST_POLICY)
+def test_ops_follow_autocast_policy(fn) -> None:
+    """Each op computes in the dtype eager's autocast gives it, on a bfloat16 input (a matmul's)."""
+    x, w = torch.randn(8, 6), torch.randn(6, 6)
+    graph = ModuleGraph(Fn(lambda x, w: fn(x @ w)))
+    graph.config.enable_amp(True)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = fn(x @ w)
+    out = graph(x, w)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, **BF16_OUT_TOL)
+
+
 @pytest.mark.slow
 def test_cnn_inference_matches_autocast() -> None:
     """Convolutions, pooling (bfloat16 max/avg pools) and batch norm under autocast."""
@@ -147,6 +180,15 @@ def test_mlp_adam_with_grad_scaler_matches_eager() -> None:
 def test_mlp_sgd_amp_without_scaler_matches_eager() -> None:
     rows, *_ = _side_by_side(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                              _batches(4, (32,)), 20)
+    _assert_rows_match(rows)
+
+
+def test_log_softmax_and_nll_loss_train_like_eager() -> None:
+    """The MNIST recipe (a LogSoftmax head, NLLLoss): the loss is float32 as in eager (autocast's
+    nll_loss), not a bfloat16 loss that moves by bfloat16 steps."""
+    model = nn.Sequential(mlp(), nn.LogSoftmax(dim=1))
+    rows, *_ = _side_by_side(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                             _batches(4, (32,)), 10, loss_fn=nn.NLLLoss())
     _assert_rows_match(rows)
 
 
@@ -363,6 +405,21 @@ def test_float16_train_step_with_scaler_compiles_for_cuda() -> None:
     kinds = [m.kind for m in host.imports]
     source = host.imports[kinds.index("cuda")].inspect_source()
     assert "__global__" in source and "half" in source
+
+
+def test_float16_transformer_train_step_compiles_for_cuda() -> None:
+    """Attention, layer norm and an MSE loss's mean in a float16 AMP step build for a GPU
+    (dlight's Reduction rule raised on the mean, which failed the whole build)."""
+    model = EncoderBlock()
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    graph.config.enable_amp(True, dtype=torch.float16)
+    traced = graph.trace(torch.randn(4, 16, 32), torch.randn(4, 16, 32))
+    options = traced.signature.options
+    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
+                               graph._state().grad_scaler)
+    _, executable = traced.lower(plan).build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    host = executable.mod.imports[0]
+    assert "cuda" in [m.kind for m in host.imports]
 
 
 def test_bfloat16_kernels_storing_constants_compile() -> None:

@@ -22,6 +22,7 @@ from tvm.script import relax as R
 
 from tvmgraph.schedules import (
     ApplyCPUSchedules,
+    ApplyGPUSchedules,
     Conv2d,
     ConvWeightGradient,
     Elementwise,
@@ -596,6 +597,18 @@ def test_a_failing_rule_falls_through_to_the_next() -> None:
     with TARGET:
         mod = ApplyCPUSchedules(_Exploding(), Fallback())(tvm.IRModule({"main": func}))
     assert bool(mod["main"].attrs["tirx.is_scheduled"])
+
+
+def test_a_failing_gpu_rule_falls_through_to_the_next() -> None:
+    """The same for dlight's GPU rules (TVM 0.27's Reduction rule raised inside rfactor on a
+    float16 AMP step and ended its CUDA build): the kernel gets the next rule's schedule."""
+    from tvm.s_tir import dlight as dl
+
+    func = te_matmul(16, 32, 8, False, False)
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        mod = ApplyGPUSchedules(_Exploding(), dl.gpu.Fallback())(tvm.IRModule({"main": func}))
+    assert bool(mod["main"].attrs["tirx.is_scheduled"])
+    assert "threadIdx.x" in mod["main"].script()
 
 
 def test_scheduled_functions_and_foreign_targets_are_left_alone() -> None:

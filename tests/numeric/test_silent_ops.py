@@ -233,6 +233,32 @@ def test_half_batch_norm_keeps_dtype(dtype: torch.dtype, train: bool) -> None:
     _assert_half_close(model.running_var, reference.running_var)
 
 
+# What CUDA autocast records for a float16 softmax (its float32 policy): `softmax(x, dim,
+# dtype=float32)` of a CUDA half tensor is `_softmax(x, dim, half_to_float=True)`. torch's CPU
+# kernels refuse the flag, so eager's numbers here are the float32 op on the float16 input.
+HALF_TO_FLOAT = [
+    pytest.param(torch.ops.aten._softmax.default, torch.softmax, id="_softmax"),
+    pytest.param(torch.ops.aten._log_softmax.default, torch.log_softmax, id="_log_softmax"),
+]
+
+
+@pytest.mark.parametrize("op, float32_op", HALF_TO_FLOAT)
+def test_half_to_float_softmax_computes_in_float32(op: Callable, float32_op: Callable) -> None:
+    """The result is float32 with float32's values (it was computed and returned in float16:
+    a CUDA float16 AMP loss came out rounded to float16), and so is the gradient."""
+    x = torch.randn(4, 7) * 4
+    actual = ModuleGraph(Fn(lambda x: op(x.half(), 1, True)))(x)
+    expected = float32_op(x.half().float(), 1)
+    assert actual.dtype == torch.float32
+    assert_close(actual, expected)
+    w = torch.randn(4, 7)
+    leaf = x.clone().requires_grad_()
+    (float32_op(leaf.half().float(), 1) * w).sum().backward()
+    model = OpOfParameter(lambda x: op(x.half(), 1, True), x)
+    SGDStep(model)(w)
+    assert_close(x - model.x.detach(), leaf.grad, **HALF_TOLERANCES[torch.float16])
+
+
 def test_grid_sample_bicubic_is_refused() -> None:
     """Bicubic grid_sample (TVM's cubic kernel is not torch's) is an UnsupportedOpError naming
     the op and the modes that work, not a wrong number."""
@@ -328,6 +354,9 @@ GRADIENTS = [
     pytest.param(lambda x: torch.std(x * _zero_row(), 1), _edges, id="std-constant_row"),
     pytest.param(lambda x: torch.std_mean(x * _zero_row(), 1)[0], _edges, id="std_mean-constant_row"),
     pytest.param(torch.sinc, _edges, id="sinc-zero"),
+    # prod over one dim had no lowering (the importer's covers every element); zeros in a row
+    pytest.param(lambda x: torch.prod(x * _zero_row(), 1), _edges, id="prod-dim-zero_row"),
+    pytest.param(lambda x: torch.prod(x, 0, keepdim=True), _edges, id="prod-dim-keepdim"),
     # index_put with fewer indices than dims failed to compile
     pytest.param(lambda x: torch.zeros(2, 6).index_put((torch.tensor([0, 0, 1]),), x[[0, 0, 1]] * 2.0, accumulate=True),
                  _edges, id="index_put-accumulate-rows"),

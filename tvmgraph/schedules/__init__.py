@@ -1,11 +1,13 @@
 """Default CPU schedules for TIR kernels: fast code without tuning.
 
 `ApplyCPUSchedules` is a module pass that gives each PrimFunc the first matching rule's
-schedule; it goes right after `FuseTIR` in llvm pipelines. See docs/schedules.md for what each
+schedule; it goes right after `FuseTIR` in llvm pipelines. `ApplyGPUSchedules` does the same
+with dlight's GPU rules for CUDA. See docs/schedules.md for what each
 rule does and the speeds it reaches.
 """
 
 from .apply import ApplyCPUSchedules as ApplyCPUSchedules
+from .apply_gpu import ApplyGPUSchedules as ApplyGPUSchedules
 from .conv import Conv2d as Conv2d
 from .conv_grad import ConvWeightGradient as ConvWeightGradient
 from .elementwise import Elementwise as Elementwise

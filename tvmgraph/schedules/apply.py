@@ -105,9 +105,9 @@ def _try_rule(
     # NOTE: a rule is heuristic code over arbitrary TIR; whatever it raises must only cost
     # the schedule, so the next rule gets the function.
     except Exception as err:  # noqa: BLE001
-        logger.debug("ApplyCPUSchedules: rule %s failed on %s: %s", type(rule).__name__, name, err)
+        logger.debug("rule %s failed on %s: %s", type(rule).__name__, name, err)
         return None
     if sch is None:
         return None
-    logger.debug("ApplyCPUSchedules: %s scheduled %s", type(rule).__name__, name)
+    logger.debug("%s scheduled %s", type(rule).__name__, name)
     return sch.mod["main"]

@@ -1,0 +1,56 @@
+"""`ApplyGPUSchedules`: dlight's default GPU schedules, where a rule that raises costs only itself.
+
+dlight's own `ApplyDefaultSchedule` lets a rule's exception end the compile. In TVM 0.27 its
+`Reduction` rule raises inside `rfactor` ("Check failed: block_realize ==
+old_block_realize_") on a reduction of a float16 AMP transformer's training step, so that step
+did not build for CUDA. Here, as in `ApplyCPUSchedules`, the rules are tried in order on each
+unscheduled PrimFunc and the first schedule one returns is kept; a rule that raises is logged and
+the next one gets the function (dlight's `Fallback`, last, binds threads to anything).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tvm
+from tvm import tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+
+from .apply import _target_of, _try_rule, is_scheduled
+
+logger = logging.getLogger(__name__)
+
+
+def default_gpu_rules() -> list[ScheduleRule]:
+    """dlight's GPU rules in the order tvmgraph has always used them."""
+    from tvm.s_tir import dlight as dl
+
+    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmgraph.ApplyGPUSchedules")
+class ApplyGPUSchedules:
+    """Schedule each unscheduled PrimFunc for a GPU target with the first rule that succeeds."""
+
+    def __init__(self, *rules: ScheduleRule) -> None:
+        self.rules = list(rules) or default_gpu_rules()
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        updates = {}
+        for gvar, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or is_scheduled(func):
+                continue
+            target = _target_of(func)
+            if target is None or "gpu" not in target.keys:
+                continue
+            for rule in self.rules:
+                scheduled = _try_rule(rule, func, target, gvar.name_hint)
+                if scheduled is not None:
+                    updates[gvar] = scheduled.with_attr("tirx.is_scheduled", True)
+                    break
+            else:
+                logger.debug("ApplyGPUSchedules: no rule scheduled %s", gvar.name_hint)
+        if not updates:
+            return mod
+        return tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs,
+                            global_infos=mod.global_infos)
