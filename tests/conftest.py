@@ -67,8 +67,7 @@ class TrainGraph(tvmgraph.nn.Graph):
 
 class SGDStep(tvmgraph.nn.Graph):
     """One SGD step with lr=1 on `model(*inputs)` (a scalar loss): a parameter moves by minus its
-    gradient. Momentum changes nothing on the first step (the buffer starts as the gradient) but
-    keeps FuseModelUpdate off its one-result case (relay_passes/fuse_model_update.py)."""
+    gradient. Momentum changes nothing on the first step (the buffer starts as the gradient)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
