@@ -70,6 +70,28 @@ def x4() -> torch.Tensor:
     return torch.randn(2, 3, 7, 9)
 
 
+def _scalar() -> torch.Tensor:
+    return torch.tensor(1.7)
+
+
+# Along dim 0 of a 0-d tensor (torch: one element); the compile failed inside TVM (zero_dim.py).
+ZERO_D = [
+    pytest.param(lambda x: torch.softmax(x, 0), id="softmax"),
+    pytest.param(lambda x: torch.log_softmax(x, -1), id="log_softmax"),
+    pytest.param(lambda x: F.softmin(x, 0), id="softmin"),
+    pytest.param(lambda x: torch.cumsum(x, 0), id="cumsum"),
+    pytest.param(lambda x: torch.cumprod(x, 0), id="cumprod"),
+    pytest.param(lambda x: torch.mean(x, 0, keepdim=True), id="mean-keepdim"),
+    pytest.param(lambda x: torch.var(x, 0, correction=0), id="var"),
+    pytest.param(lambda x: torch.std(x, -1, correction=0), id="std"),
+    pytest.param(lambda x: torch.var_mean(x, 0, correction=0), id="var_mean"),
+    pytest.param(lambda x: torch.prod(x, 0), id="prod"),
+    pytest.param(lambda x: torch.all(x > 0, 0), id="all"),
+    pytest.param(lambda x: torch.gather(x, 0, torch.tensor(0)), id="gather"),
+]
+ZERO_D_GRADIENTS = [p for p in ZERO_D if p.id in ("softmax", "log_softmax", "cumsum", "mean-keepdim", "prod", "gather")]
+
+
 FORWARD = [
     pytest.param(lambda x: F.max_pool2d(x, 2, return_indices=True), lambda: (x4(),),
                  id="max_pool2d-return_indices"),
@@ -197,7 +219,8 @@ def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-@pytest.mark.parametrize("fn, make_args", FORWARD)
+@pytest.mark.parametrize("fn, make_args", FORWARD + [pytest.param(p.values[0], lambda: (_scalar(),), id=f"0d-{p.id}")
+                                                     for p in ZERO_D])
 def test_forward_matches_eager(fn: Callable, make_args: Callable) -> None:
     """The inference graph returns what eager returns: same shapes, dtypes (int64 indices) and
     values within the float32 tolerance, NaN where eager has NaN."""
@@ -368,7 +391,8 @@ def _ids() -> torch.Tensor:
     return torch.tensor([[0, 2, 5, 0], [2, 2, 1, 5]])  # repeated ids, the padding ids among them
 
 
-@pytest.mark.parametrize("fn, make_x", GRADIENTS)
+@pytest.mark.parametrize("fn, make_x", GRADIENTS + [pytest.param(p.values[0], _scalar, id=f"0d-{p.id}")
+                                                    for p in ZERO_D_GRADIENTS])
 def test_gradient_matches_eager(fn: Callable, make_x: Callable) -> None:
     """One SGD step with lr=1 moves the op's input by minus torch.autograd's gradient of
     sum(op(x) * w) (float32 tolerance; no NaN)."""

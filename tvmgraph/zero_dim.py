@@ -1,0 +1,77 @@
+"""Ops along a dimension of a 0-d tensor, which torch allows and TVM's ops refuse.
+
+torch reads a 0-d tensor as one element along dim 0 (or -1): `torch.softmax(t, 0)` is 1.0,
+`t.cumsum(0)` and `t.mean(0)` are `t`, `t.var(0, correction=0)` is 0. TVM's softmax,
+reductions and scans reject a 0-d input, and the compile failed inside TVM (a CompileError or
+a PassError naming no op). Here each op of `DIM_OPS` with a 0-d tensor input runs on that
+input seen as shape [1], and its results are reshaped to the shapes torch gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tvm import relax
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+from .converters_nn import stock_converter
+
+Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
+
+# Seen failing on a 0-d input (each is tested in tests/numeric/test_silent_ops.py).
+DIM_OPS = {
+    "_softmax.default", "_log_softmax.default", "_safe_softmax.default", "cumsum.default",
+    "cumprod.default", "mean.dim", "var.correction", "var_mean.correction", "prod.dim_int",
+    "any.dim", "any.dims", "gather.default",
+}
+
+
+def _is_0d(expr: object) -> bool:
+    return isinstance(expr, relax.Expr) and isinstance(expr.ty, relax.TensorType) and expr.ty.ndim == 0
+
+
+def _torch_shapes(node: torch.fx.Node) -> list[tuple[int, ...]] | None:
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (list, tuple)) else [val]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    return [tuple(int(d) for d in v.shape) for v in vals]
+
+
+def zero_dim_safe(key: str, inner: Converter | None) -> Converter:
+    """`inner` (None: the importer's own converter for `key`), run on [1]-shaped views of its 0-d
+    tensor inputs when it has any."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        def run() -> relax.Expr:
+            return inner(node, importer) if inner is not None else stock_converter(importer, key)(node)
+
+        bb = importer.block_builder
+        zero_d = [a for a in dict.fromkeys(node.args) if isinstance(a, torch.fx.Node) and _is_0d(importer.env.get(a))]
+        shapes = _torch_shapes(node)
+        if not zero_d or shapes is None:
+            return run()
+        saved = {a: importer.env[a] for a in zero_d}
+        for a in zero_d:
+            importer.env[a] = bb.emit(relax.op.reshape(saved[a], [1]))
+        try:
+            out = run()
+        finally:
+            importer.env.update(saved)
+        if isinstance(out, relax.Tuple):
+            return relax.Tuple([bb.emit(relax.op.reshape(f, s)) for f, s in zip(out.fields, shapes)])
+        if isinstance(out.ty, relax.TupleType):
+            return relax.Tuple([bb.emit(relax.op.reshape(relax.TupleGetItem(out, i), s))
+                                for i, s in enumerate(shapes)])
+        return bb.emit(relax.op.reshape(out, shapes[0]))
+
+    return convert
+
+
+def with_zero_dim(converters: dict[str, Converter]) -> dict[str, Converter]:
+    """`converters` with every op of `DIM_OPS` made safe for 0-d inputs."""
+    out = dict(converters)
+    for key in DIM_OPS:
+        out[key] = zero_dim_safe(key, converters.get(key))
+    return out
