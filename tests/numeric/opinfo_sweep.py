@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "ops.md"
-MODE = os.environ.get("TVMGRAPH_TEST_OPINFO", "ci")  # "ci": first usable float32 sample per op; "all"
+# "ci": first usable float32 sample per op; "ci:bfloat16" (any dtype name): that dtype's; "all"
+MODE = os.environ.get("TVMGRAPH_TEST_OPINFO", "ci")
 # A comma-separated list of op keys (`name` or `name.variant`) sweeps only those.
 ONLY = [k for k in os.environ.get("TVMGRAPH_TEST_OPINFO_OPS", "").split(",") if k]
 BATCH = 12          # samples per graph: fewer compiles; a failure costs ~2*log2(BATCH) retries
@@ -254,7 +255,8 @@ def _eager_grads(case: Case, wants_grad: list[int]) -> None:
 def cases_for(op: Any, mode: str) -> Iterator[Case | tuple[str, str]]:
     """The Cases of one op: the first usable float32 sample ("ci"), or every sample of every
     dtype in ALL_DTYPES the op supports ("all"). Unusable samples come as (id, reason)."""
-    dtypes = [torch.float32] if mode == "ci" else [d for d in ALL_DTYPES if d in op.supported_dtypes("cpu")]
+    first_only = mode.startswith("ci")
+    dtypes = [_ci_dtype(mode)] if first_only else [d for d in ALL_DTYPES if d in op.supported_dtypes("cpu")]
     reasons = []
     for dtype in dtypes:
         torch.manual_seed(0)
@@ -268,14 +270,23 @@ def cases_for(op: Any, mode: str) -> Iterator[Case | tuple[str, str]]:
             case = prepare(op, dtype, index, sample)
             if isinstance(case, Case):
                 yield case
-                if mode == "ci":
+                if first_only:
                     return
             else:
                 reasons.append(case)
-                if mode != "ci":
+                if not first_only:
                     yield f"{op_key(op)}|{_name(dtype)}|{index}", case
-    if mode == "ci":
-        yield f"{op_key(op)}|float32|-", "no usable sample: " + (", ".join(sorted(set(reasons))) or "none")
+    if first_only:
+        yield f"{op_key(op)}|{_name(dtypes[0])}|-", "no usable sample: " + (", ".join(sorted(set(reasons))) or "none")
+
+
+def _ci_dtype(mode: str) -> torch.dtype:
+    """The dtype of a "ci" mode: float32, or the one named after "ci:"."""
+    name = mode.partition(":")[2] or "float32"
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"TVMGRAPH_TEST_OPINFO={mode!r}: {name!r} is not a torch dtype")
+    return dtype
 
 
 # ---- the graphs ----
@@ -648,7 +659,7 @@ def render(table: list[Row], skipped: dict[str, str], mode: str) -> str:
     s = summary(table)
     pct = lambda a, b: f"{100 * a / b:.0f}%" if b else "-"  # noqa: E731
     command = ("python -m tests.numeric.opinfo_sweep" if mode == "ci"
-               else "TVMGRAPH_TEST_OPINFO=all python -m tests.numeric.opinfo_sweep")
+               else f"TVMGRAPH_TEST_OPINFO={mode} python -m tests.numeric.opinfo_sweep")
     lines = [
         "# Op coverage: PyTorch OpInfo samples through tvmgraph",
         "",
@@ -658,7 +669,7 @@ def render(table: list[Row], skipped: dict[str, str], mode: str) -> str:
         "",
         "Each in-scope op of PyTorch's OpInfo database",
         "(`torch.testing._internal.common_methods_invocations.op_db`) runs "
-        + ("its first usable float32 sample" if mode == "ci" else
+        + (f"its first usable {_name(_ci_dtype(mode))} sample" if mode.startswith("ci") else
            "every sample in each of float32, float64, bfloat16, int64, int32 and bool it supports")
         + " through two tvmgraph graphs, compared with eager:",
         "",
