@@ -1,0 +1,91 @@
+"""Ops that compute float16/bfloat16 tensors in float32, as torch's CPU kernels do.
+
+torch computes these ops on 16-bit floats in float32 (its "opmath" type) and rounds the result
+once. TVM 0.27 either refuses them in 16 bits or rounds at every step:
+- `native_group_norm` and a batch norm without running statistics (`F.batch_norm(x, None,
+  None, training=True)`) failed to compile ("relax.nn.group_norm" type error; LegalizeOps takes
+  float32/float16 only): under AMP every GroupNorm model failed;
+- `fmod` failed to compile (a bfloat16 store into a uint16 buffer);
+- the max pools with indices and `adaptive_max_pool` failed (TVM has no bfloat16 `isnan`);
+- `grid_sampler` returned float32 for a bfloat16 input, and a batch norm's saved mean and
+  invstd float32 where torch keeps the statistics' dtype.
+Each op of `FLOAT32_OPS` reads its 16-bit float inputs cast to float32, and each result is cast
+to the dtype torch gives it. Found by the bfloat16 OpInfo sweep
+(`TVMGRAPH_TEST_OPINFO=ci:bfloat16`) and tested in tests/numeric/test_amp.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tvm import relax
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+from .converters_nn import stock_converter
+
+Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
+
+FLOAT32_OPS = {
+    "native_group_norm.default", "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit.default",
+    "_native_batch_norm_legit_functional.default", "native_batch_norm.default",
+    "fmod.Tensor", "fmod.Scalar",
+    "max_pool2d_with_indices.default", "max_pool3d_with_indices.default",
+    "adaptive_max_pool2d.default", "adaptive_max_pool3d.default",
+    "grid_sampler_2d.default", "grid_sampler_3d.default",
+}
+_HALF = ("float16", "bfloat16")
+
+
+def _is_half(expr: object) -> bool:
+    return isinstance(expr, relax.Expr) and isinstance(expr.ty, relax.TensorType) and expr.ty.dtype.dtype in _HALF
+
+
+def _torch_dtypes(node: torch.fx.Node) -> list[str | None]:
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (list, tuple)) else [val]
+    return [str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def _cast(bb: relax.BlockBuilder, expr: relax.Expr, dtype: str | None) -> relax.Expr:
+    if dtype is None or not isinstance(expr.ty, relax.TensorType) or expr.ty.dtype.dtype == dtype:
+        return expr
+    return bb.emit(relax.op.astype(expr, dtype))
+
+
+def in_float32(key: str, inner: Converter | None) -> Converter:
+    """`inner` (None: the importer's own converter for `key`) on float32 copies of its 16-bit
+    float tensor inputs, its results cast to torch's dtypes."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        def run() -> relax.Expr:
+            return inner(node, importer) if inner is not None else stock_converter(importer, key)(node)
+
+        bb = importer.block_builder
+        args = [a for a in dict.fromkeys([*node.args, *node.kwargs.values()]) if isinstance(a, torch.fx.Node)]
+        half = [a for a in args if _is_half(importer.env.get(a))]
+        if not half:
+            return run()
+        saved = {a: importer.env[a] for a in half}
+        for a in half:
+            importer.env[a] = bb.emit(relax.op.astype(saved[a], "float32"))
+        try:
+            out = run()
+        finally:
+            importer.env.update(saved)
+        dtypes = _torch_dtypes(node)
+        if isinstance(out, relax.Tuple):
+            return relax.Tuple([_cast(bb, f, d) for f, d in zip(out.fields, dtypes)])
+        if isinstance(out.ty, relax.TupleType):
+            return relax.Tuple([_cast(bb, bb.emit(relax.TupleGetItem(out, i)), d) for i, d in enumerate(dtypes)])
+        return _cast(bb, out, dtypes[0])
+
+    return convert
+
+
+def with_float32(converters: dict[str, Converter]) -> dict[str, Converter]:
+    """`converters` with every op of `FLOAT32_OPS` computed in float32 on 16-bit inputs."""
+    out = dict(converters)
+    for key in FLOAT32_OPS:
+        out[key] = in_float32(key, converters.get(key))
+    return out
