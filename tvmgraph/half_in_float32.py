@@ -28,7 +28,8 @@ Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
 FLOAT32_OPS = {
     "native_group_norm.default", "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit.default",
-    "_native_batch_norm_legit_functional.default", "native_batch_norm.default",
+    "_native_batch_norm_legit_functional.default", "_batch_norm_with_update_functional.default",
+    "native_batch_norm.default",
     "fmod.Tensor", "fmod.Scalar",
     "max_pool2d_with_indices.default", "max_pool3d_with_indices.default",
     "adaptive_max_pool2d.default", "adaptive_max_pool3d.default",
