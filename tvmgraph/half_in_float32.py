@@ -7,11 +7,13 @@ once. TVM 0.27 either refuses them in 16 bits or rounds at every step:
   float32/float16 only): under AMP every GroupNorm model failed;
 - `fmod` failed to compile (a bfloat16 store into a uint16 buffer);
 - the max pools with indices and `adaptive_max_pool` failed (TVM has no bfloat16 `isnan`);
+- float16 `acos`, `asin`, `atan`, `atan2`, `acosh`, `asinh` failed to compile (LLVM has no
+  float16 intrinsic for them);
 - `grid_sampler` returned float32 for a bfloat16 input, and a batch norm's saved mean and
   invstd float32 where torch keeps the statistics' dtype.
 Each op of `FLOAT32_OPS` reads its 16-bit float inputs cast to float32, and each result is cast
-to the dtype torch gives it. Found by the bfloat16 OpInfo sweep
-(`TVMGRAPH_TEST_OPINFO=ci:bfloat16`) and tested in tests/numeric/test_amp.py.
+to the dtype torch gives it. Found by the 16-bit OpInfo sweeps
+(`TVMGRAPH_TEST_OPINFO=ci:bfloat16`, `ci:float16`) and tested in tests/numeric/test_amp.py.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ FLOAT32_OPS = {
     "max_pool2d_with_indices.default", "max_pool3d_with_indices.default",
     "adaptive_max_pool2d.default", "adaptive_max_pool3d.default",
     "grid_sampler_2d.default", "grid_sampler_3d.default",
+    "acos.default", "asin.default", "atan.default", "atan2.default", "acosh.default", "asinh.default",
 }
 _HALF = ("float16", "bfloat16")
 
