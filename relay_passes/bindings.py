@@ -1,9 +1,11 @@
-"""What a binding reads, and whether a fused group would read itself: helpers the passes that walk bindings share."""
+"""What a binding reads, where a training function's backward pass starts, and whether a fused
+group would read itself: helpers the passes that walk bindings share."""
 
 from __future__ import annotations
 
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 
 def vars_in(expr: relax.Expr) -> list[relax.Var]:
@@ -11,6 +13,40 @@ def vars_in(expr: relax.Expr) -> list[relax.Var]:
     found: list[relax.Var] = []
     relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)
     return found
+
+
+def backward_start(bindings: list[relax.Binding]) -> int | None:
+    """Index of the first binding of a training function's backward pass: relax.transform.Gradient
+    names every adjoint `<var>_adjoint`, the loss's first. None in a function without one."""
+    return next((i for i, b in enumerate(bindings) if b.var.name.endswith("_adjoint")), None)
+
+
+@mutator
+class Substitute(PyExprMutator):
+    """Replace variables by others in an expression: `Substitute({old: new}).visit_expr(e)`."""
+
+    def __init__(self, mapping: dict[relax.Var, relax.Var]) -> None:
+        super().__init__()
+        self.mapping = mapping
+
+    def visit_dataflow_var_(self, op: relax.DataflowVar) -> relax.Expr:
+        return self.mapping.get(op, op)
+
+    def visit_var_(self, op: relax.Var) -> relax.Expr:
+        return self.mapping.get(op, op)
+
+
+def rebound(binding: relax.Binding, substitute: Substitute) -> relax.Binding:
+    """`binding` with `substitute` applied to its variable and its value."""
+    var, value = substitute.mapping.get(binding.var, binding.var), substitute.visit_expr(binding.value)
+    if isinstance(binding, relax.MatchCast):
+        return relax.MatchCast(var, value, binding.struct_info)
+    return relax.VarBinding(var, value)
+
+
+def with_blocks(func: relax.Function, blocks: list[relax.BindingBlock]) -> relax.Function:
+    """`func` with its body's blocks replaced (Normalize the module afterwards)."""
+    return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs)
 
 
 class Acyclic:

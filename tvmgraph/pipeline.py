@@ -176,6 +176,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.fuse_model_update import FuseModelUpdate
     from relay_passes.im2col_conv import Im2colConv
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
+    from relay_passes.recompute_upcasts import RecomputeUpcasts
+    from relay_passes.separate_backward import SeparateBackward
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
     from relay_passes.simplify_power import SimplifyPower
     from relay_passes.straighten import StraightenBindings
@@ -200,6 +202,11 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    bfloat16/float16 matmuls, convolutions, sums and activations compute in float32, as
         #    torch's do (after SimplifyBroadcastMatmul, whose patterns its casts would hide).
         AccumulateFloat32(report),
+        #    Training steps: the backward pass redoes the forward pass's float32 casts of 16-bit
+        #    activations instead of keeping them (AMP), and forward and backward passes go in
+        #    separate dataflow blocks, so that fusion keeps each pass's work in its pass.
+        RecomputeUpcasts(report),
+        SeparateBackward(report),
         #    On the CPU, convolutions on images narrower than a vector are im2col + matmul.
         *([Im2colConv(report)] if target.kind.name == "llvm" else []),
         #    Each matmul/conv2d is grouped with its epilogue and operand transposes

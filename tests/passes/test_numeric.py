@@ -98,7 +98,7 @@ class CastScale(nn.Module):
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 def test_cast_scale_matches_torch(fuse: bool, caplog: pytest.LogCaptureFixture) -> None:
     """float32 -> float64 casts scaled by a 0-d tensor and by a constant: equal to torch; fused,
-    two kernels are reported."""
+    one kernel is reported (the cast that `wide + 1.0` also reads is left alone)."""
     x, scale = torch.randn(4, 8), torch.tensor(1024.0, dtype=torch.float64)
     graph = ModuleGraph(CastScale())
     graph.config.allow_fuse_cast_scale(fuse)
@@ -107,7 +107,7 @@ def test_cast_scale_matches_torch(fuse: bool, caplog: pytest.LogCaptureFixture) 
         outputs = graph(x, scale)
     for out, ref in zip(outputs, CastScale()(x, scale)):
         assert_close(out, ref)
-    assert ("FuseCastScale: 2 cast + scale kernel(s)" in caplog.text) is fuse
+    assert ("FuseCastScale: 1 cast + scale kernel(s)" in caplog.text) is fuse
 
 
 def training_step_module() -> tvm.IRModule:

@@ -1,0 +1,117 @@
+"""RecomputeUpcasts redoes in the backward pass the forward pass's float32 casts of 16-bit
+tensors, and SeparateBackward puts the two passes in separate dataflow blocks (before/after IR;
+the memory they save is measured in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from relay_passes.recompute_upcasts import RecomputeUpcasts
+from relay_passes.separate_backward import SeparateBackward
+
+
+@I.ir_module
+class Step:
+    @R.function
+    def main(x: R.Tensor((4, 8), "bfloat16"), w: R.Tensor((8,), "float32")):
+        with R.dataflow():
+            y = R.astype(x, "float32")
+            z = R.multiply(y, w)
+            loss = R.sum(z)
+            loss_adjoint = R.ones((), "float32")
+            z_adjoint = R.broadcast_to(loss_adjoint, (4, 8))
+            w_adjoint = R.sum(R.multiply(z_adjoint, y), axis=[0])
+            R.output(loss, w_adjoint)
+        return (loss, w_adjoint)
+
+
+def test_upcast_read_by_the_backward_pass_is_redone_there() -> None:
+    """y is read by the forward multiply and by the weight gradient: the gradient reads a new
+    cast, made right before it, and y dies in the forward pass."""
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4, 8), "bfloat16"), w: R.Tensor((8,), "float32")):
+            with R.dataflow():
+                y = R.astype(x, "float32")
+                z = R.multiply(y, w)
+                loss = R.sum(z)
+                loss_adjoint = R.ones((), "float32")
+                z_adjoint = R.broadcast_to(loss_adjoint, (4, 8))
+                y_again = R.astype(x, "float32")
+                w_adjoint = R.sum(R.multiply(z_adjoint, y_again), axis=[0])
+                R.output(loss, w_adjoint)
+            return (loss, w_adjoint)
+
+    messages: list[str] = []
+    tvm.ir.assert_structural_equal(RecomputeUpcasts(report=messages.append)(Step), Expected)
+    assert messages == ["RecomputeUpcasts: float32 cast redone in the backward pass x1"]
+
+
+def test_other_casts_and_inference_functions_are_left_alone() -> None:
+    """A float32 -> float16 cast, a cast only the forward pass reads, and a function without a
+    backward pass keep their form."""
+
+    @I.ir_module
+    class Other:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), h: R.Tensor((4, 8), "bfloat16")):
+            with R.dataflow():
+                down = R.astype(x, "float16")
+                up = R.astype(h, "float32")
+                loss = R.sum(R.add(R.astype(down, "float32"), up))
+                loss_adjoint = R.ones((), "float32")
+                x_adjoint = R.multiply(R.broadcast_to(loss_adjoint, (4, 8)), R.astype(down, "float32"))
+                R.output(loss, x_adjoint)
+            return (loss, x_adjoint)
+
+        @R.function
+        def infer(h: R.Tensor((4, 8), "bfloat16")):
+            with R.dataflow():
+                up = R.astype(h, "float32")
+                out = R.add(up, up)
+                R.output(out)
+            return out
+
+    tvm.ir.assert_structural_equal(RecomputeUpcasts()(Other), Other)
+
+
+def test_backward_pass_gets_its_own_block() -> None:
+    """The cut is at the first adjoint; the forward values the backward pass reads (y, loss is
+    an output already) become block outputs."""
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4, 8), "bfloat16"), w: R.Tensor((8,), "float32")):
+            with R.dataflow():
+                y = R.astype(x, "float32")
+                z = R.multiply(y, w)
+                loss = R.sum(z)
+                R.output(y, loss)
+            with R.dataflow():
+                loss_adjoint = R.ones((), "float32")
+                z_adjoint = R.broadcast_to(loss_adjoint, (4, 8))
+                w_adjoint = R.sum(R.multiply(z_adjoint, y), axis=[0])
+                R.output(w_adjoint)
+            return (loss, w_adjoint)
+
+    messages: list[str] = []
+    tvm.ir.assert_structural_equal(SeparateBackward(report=messages.append)(Step), Expected)
+    assert messages == ["SeparateBackward: forward and backward passes in separate blocks in main"]
+
+
+def test_a_function_without_a_backward_pass_keeps_one_block() -> None:
+    @I.ir_module
+    class Infer:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32")):
+            with R.dataflow():
+                y = R.add(x, x)
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(SeparateBackward()(Infer), Infer)
