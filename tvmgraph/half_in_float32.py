@@ -18,15 +18,11 @@ to the dtype torch gives it. Found by the 16-bit OpInfo sweeps
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import stock_converter
-
-Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
+from .converter_wrapping import Converter, converter_for, per_result, with_inputs, wrap_ops
 
 FLOAT32_OPS = {
     "native_group_norm.default", "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit.default",
@@ -60,36 +56,22 @@ def _cast(bb: relax.BlockBuilder, expr: relax.Expr, dtype: str | None) -> relax.
 def in_float32(key: str, inner: Converter | None) -> Converter:
     """`inner` (None: the importer's own converter for `key`) on float32 copies of its 16-bit
     float tensor inputs, its results cast to torch's dtypes."""
+    run = converter_for(key, inner)
 
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-        def run() -> relax.Expr:
-            return inner(node, importer) if inner is not None else stock_converter(importer, key)(node)
-
         bb = importer.block_builder
         args = [a for a in dict.fromkeys([*node.args, *node.kwargs.values()]) if isinstance(a, torch.fx.Node)]
         half = [a for a in args if _is_half(importer.env.get(a))]
         if not half:
-            return run()
-        saved = {a: importer.env[a] for a in half}
-        for a in half:
-            importer.env[a] = bb.emit(relax.op.astype(saved[a], "float32"))
-        try:
-            out = run()
-        finally:
-            importer.env.update(saved)
+            return run(node, importer)
+        wide = {a: bb.emit(relax.op.astype(importer.env[a], "float32")) for a in half}
+        out = with_inputs(importer, wide, lambda: run(node, importer))
         dtypes = _torch_dtypes(node)
-        if isinstance(out, relax.Tuple):
-            return relax.Tuple([_cast(bb, f, d) for f, d in zip(out.fields, dtypes)])
-        if isinstance(out.ty, relax.TupleType):
-            return relax.Tuple([_cast(bb, bb.emit(relax.TupleGetItem(out, i)), d) for i, d in enumerate(dtypes)])
-        return _cast(bb, out, dtypes[0])
+        return per_result(bb, out, lambda result, i: _cast(bb, result, dtypes[i]))
 
     return convert
 
 
 def with_float32(converters: dict[str, Converter]) -> dict[str, Converter]:
     """`converters` with every op of `FLOAT32_OPS` computed in float32 on 16-bit inputs."""
-    out = dict(converters)
-    for key in FLOAT32_OPS:
-        out[key] = in_float32(key, converters.get(key))
-    return out
+    return wrap_ops(converters, FLOAT32_OPS, in_float32)

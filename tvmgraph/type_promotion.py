@@ -12,15 +12,12 @@ int32, int8 or bool count in int64, as torch's do (they overflowed in int32, or 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import result_dtype, stock_converter
-
-Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
+from .converter_wrapping import Converter, converter_for, with_inputs, wrap_ops
+from .converters_nn import result_dtype
 
 _COMPARISONS = {f"{op}.{kind}" for op in ("eq", "ne", "lt", "le", "gt", "ge") for kind in ("Tensor", "Scalar")}
 _ARITHMETIC = {
@@ -73,31 +70,23 @@ def computation_dtype(node: torch.fx.Node, key: str) -> torch.dtype | None:
 
 def promoting(key: str, inner: Converter | None) -> Converter:
     """`inner` (None: the importer's own converter for `key`) with torch's promotion around it."""
+    run = converter_for(key, inner)
 
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-        def run() -> relax.Expr:
-            if inner is not None:
-                return inner(node, importer)
-            return stock_converter(importer, key)(node)
-
         compute = computation_dtype(node, key)
         if compute is None:
-            return run()
+            return run(node, importer)
         target = _torch_dtype_name(compute)
         bb = importer.block_builder
         args = node.args[1:] if key == "where.self" else node.args[:1] if key in _ACCUMULATING else node.args
-        saved = {}
+        cast = {}
         for arg in args:
-            if isinstance(arg, torch.fx.Node) and arg not in saved:
+            if isinstance(arg, torch.fx.Node) and arg not in cast:
                 expr = importer.env.get(arg)
                 if isinstance(expr, relax.Expr) and isinstance(expr.ty, relax.TensorType) \
                         and expr.ty.dtype.dtype != target:
-                    saved[arg] = expr
-                    importer.env[arg] = bb.emit(relax.op.astype(expr, target))
-        try:
-            out = run()
-        finally:
-            importer.env.update(saved)
+                    cast[arg] = bb.emit(relax.op.astype(expr, target))
+        out = with_inputs(importer, cast, lambda: run(node, importer))
         want = result_dtype(node)
         if isinstance(out, relax.Expr) and isinstance(out.ty, relax.TensorType) and out.ty.dtype.dtype != want:
             out = bb.emit(relax.op.astype(out, want))
@@ -108,7 +97,4 @@ def promoting(key: str, inner: Converter | None) -> Converter:
 
 def with_promotion(converters: dict[str, Converter]) -> dict[str, Converter]:
     """`converters` plus torch's promotion for every op in `PROMOTING`."""
-    out = dict(converters)
-    for key in PROMOTING:
-        out[key] = promoting(key, converters.get(key))
-    return out
+    return wrap_ops(converters, PROMOTING, promoting)

@@ -9,15 +9,11 @@ input seen as shape [1], and its results are reshaped to the shapes torch gives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import stock_converter
-
-Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
+from .converter_wrapping import Converter, converter_for, per_result, with_inputs, wrap_ops
 
 # Seen failing on a 0-d input (each is tested in tests/numeric/test_silent_ops.py).
 DIM_OPS = {
@@ -42,36 +38,21 @@ def _torch_shapes(node: torch.fx.Node) -> list[tuple[int, ...]] | None:
 def zero_dim_safe(key: str, inner: Converter | None) -> Converter:
     """`inner` (None: the importer's own converter for `key`), run on [1]-shaped views of its 0-d
     tensor inputs when it has any."""
+    run = converter_for(key, inner)
 
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-        def run() -> relax.Expr:
-            return inner(node, importer) if inner is not None else stock_converter(importer, key)(node)
-
         bb = importer.block_builder
         zero_d = [a for a in dict.fromkeys(node.args) if isinstance(a, torch.fx.Node) and _is_0d(importer.env.get(a))]
         shapes = _torch_shapes(node)
         if not zero_d or shapes is None:
-            return run()
-        saved = {a: importer.env[a] for a in zero_d}
-        for a in zero_d:
-            importer.env[a] = bb.emit(relax.op.reshape(saved[a], [1]))
-        try:
-            out = run()
-        finally:
-            importer.env.update(saved)
-        if isinstance(out, relax.Tuple):
-            return relax.Tuple([bb.emit(relax.op.reshape(f, s)) for f, s in zip(out.fields, shapes)])
-        if isinstance(out.ty, relax.TupleType):
-            return relax.Tuple([bb.emit(relax.op.reshape(relax.TupleGetItem(out, i), s))
-                                for i, s in enumerate(shapes)])
-        return bb.emit(relax.op.reshape(out, shapes[0]))
+            return run(node, importer)
+        views = {a: bb.emit(relax.op.reshape(importer.env[a], [1])) for a in zero_d}
+        out = with_inputs(importer, views, lambda: run(node, importer))
+        return per_result(bb, out, lambda result, i: bb.emit(relax.op.reshape(result, shapes[i])))
 
     return convert
 
 
 def with_zero_dim(converters: dict[str, Converter]) -> dict[str, Converter]:
     """`converters` with every op of `DIM_OPS` made safe for 0-d inputs."""
-    out = dict(converters)
-    for key in DIM_OPS:
-        out[key] = zero_dim_safe(key, converters.get(key))
-    return out
+    return wrap_ops(converters, DIM_OPS, zero_dim_safe)
