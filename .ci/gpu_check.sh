@@ -4,7 +4,7 @@
 # by .ci/gpu_bundle.sh, carried with `carry: [".gpu"]`), unpacked to /tmp/site.
 #   .ci/gpu_check.sh [tests|bench|all]      logs go to $OUT (or /tmp/gpu_out)
 # Time limits and the benchmark's rows: TESTS_S, BENCH_S (seconds), CASES, ENGINES; PYTEST_ARGS
-# (e.g. "-k float16") picks tests.
+# picks tests (split on spaces, so no quoted words: "-k float16", "--deselect=tests/gpu/...").
 # A file .gpu/amp_probe.py, if any, is a one-off probe run between the two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
