@@ -7,6 +7,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from relay_passes import graph_functions
+from tvmgraph.schedules.loops import with_functions
+
 
 def vars_in(expr: relax.Expr) -> list[relax.Var]:
     """The variables `expr` refers to, in visiting order (with repeats)."""
@@ -44,9 +47,22 @@ def rebound(binding: relax.Binding, substitute: Substitute) -> relax.Binding:
     return relax.VarBinding(var, value)
 
 
-def with_blocks(func: relax.Function, blocks: list[relax.BindingBlock]) -> relax.Function:
-    """`func` with its body's blocks replaced (Normalize the module afterwards)."""
-    return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure, func.attrs)
+def rewrite_dataflow_blocks(mod: tvm.IRModule, rewrite) -> tuple[tvm.IRModule, list[str]]:
+    """`mod` with each dataflow block of its graph functions replaced by `rewrite(block)`, a list
+    of blocks (`[block]` for no change), and normalized; and the names of the functions that
+    changed (`mod` itself when none did)."""
+    updates = {}
+    for gv, func in graph_functions(mod):
+        if not isinstance(func.body, relax.SeqExpr):
+            continue
+        blocks = [part for block in func.body.blocks
+                  for part in (rewrite(block) if isinstance(block, relax.DataflowBlock) else [block])]
+        if len(blocks) != len(func.body.blocks) or any(not a.same_as(b) for a, b in zip(blocks, func.body.blocks)):
+            body = relax.SeqExpr(blocks, func.body.body)
+            updates[gv] = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+    if not updates:
+        return mod, []
+    return relax.transform.Normalize()(with_functions(mod, updates)), sorted(gv.name_hint for gv in updates)
 
 
 class Acyclic:

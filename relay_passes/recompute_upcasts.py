@@ -29,9 +29,9 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from relay_passes import graph_functions, report_counts
+from relay_passes import report_counts
 
-from .bindings import Substitute, backward_start, rebound, vars_in, with_blocks
+from .bindings import Substitute, backward_start, rebound, rewrite_dataflow_blocks, vars_in
 
 _ASTYPE = tvm.ir.Op.get("relax.astype")
 _HALF = ("float16", "bfloat16")
@@ -81,21 +81,14 @@ class RecomputeUpcasts:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        updates, total = {}, 0
-        for gv, func in graph_functions(mod):
-            if not isinstance(func.body, relax.SeqExpr):
-                continue
-            blocks, count = [], 0
-            for block in func.body.blocks:
-                if isinstance(block, relax.DataflowBlock):
-                    block, n = recompute(block)
-                    count += n
-                blocks.append(block)
-            if count:
-                updates[gv] = with_blocks(func, blocks)
-                total += count
-        if not updates:
-            return mod
-        report_counts(self.report, "RecomputeUpcasts", {"float32 cast redone in the backward pass": total})
-        out = tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs, global_infos=mod.global_infos)
-        return relax.transform.Normalize()(out)
+        counts = []
+
+        def rewrite(block: relax.DataflowBlock) -> list[relax.DataflowBlock]:
+            block, n = recompute(block)
+            counts.append(n)
+            return [block]
+
+        mod, _ = rewrite_dataflow_blocks(mod, rewrite)
+        if sum(counts):
+            report_counts(self.report, "RecomputeUpcasts", {"float32 cast redone in the backward pass": sum(counts)})
+        return mod

@@ -31,9 +31,7 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from relay_passes import graph_functions
-
-from .bindings import Substitute, backward_start, rebound, vars_in, with_blocks
+from .bindings import Substitute, backward_start, rebound, rewrite_dataflow_blocks, vars_in
 
 
 def separate(block: relax.DataflowBlock) -> list[relax.DataflowBlock]:
@@ -58,17 +56,7 @@ class SeparateBackward:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        updates = {}
-        for gv, func in graph_functions(mod):
-            if not isinstance(func.body, relax.SeqExpr):
-                continue
-            blocks = [part for block in func.body.blocks
-                      for part in (separate(block) if isinstance(block, relax.DataflowBlock) else [block])]
-            if len(blocks) != len(func.body.blocks):
-                updates[gv] = with_blocks(func, blocks)
-        if not updates:
-            return mod
-        self.report(f"SeparateBackward: forward and backward passes in separate blocks in "
-                    f"{', '.join(sorted(gv.name_hint for gv in updates))}")
-        out = tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs, global_infos=mod.global_infos)
-        return relax.transform.Normalize()(out)
+        mod, changed = rewrite_dataflow_blocks(mod, separate)
+        if changed:
+            self.report(f"SeparateBackward: forward and backward passes in separate blocks in {', '.join(changed)}")
+        return mod

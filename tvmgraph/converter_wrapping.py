@@ -30,6 +30,13 @@ def wrap_ops(converters: dict[str, Converter], keys: set[str],
     return {**converters, **{key: wrapper(key, converters.get(key)) for key in keys}}
 
 
+def traced_results(node: torch.fx.Node) -> list[object]:
+    """What tracing recorded as `node`'s results (`meta["val"]`): one per result, fake tensors
+    for tensors, in order."""
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (list, tuple)) else [val]
+
+
 def with_inputs(importer: ExportedProgramImporter, replacements: dict[torch.fx.Node, relax.Expr],
                 run: Callable[[], relax.Expr]) -> relax.Expr:
     """`run()` while the nodes of `replacements` read their replacement expressions."""

@@ -22,7 +22,7 @@ import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converter_wrapping import Converter, converter_for, per_result, with_inputs, wrap_ops
+from .converter_wrapping import Converter, converter_for, per_result, traced_results, with_inputs, wrap_ops
 
 FLOAT32_OPS = {
     "native_group_norm.default", "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit.default",
@@ -42,9 +42,7 @@ def _is_half(expr: object) -> bool:
 
 
 def _torch_dtypes(node: torch.fx.Node) -> list[str | None]:
-    val = node.meta.get("val")
-    vals = list(val) if isinstance(val, (list, tuple)) else [val]
-    return [str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else None for v in vals]
+    return [str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else None for v in traced_results(node)]
 
 
 def _cast(bb: relax.BlockBuilder, expr: relax.Expr, dtype: str | None) -> relax.Expr:

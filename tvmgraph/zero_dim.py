@@ -13,7 +13,7 @@ import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converter_wrapping import Converter, converter_for, per_result, with_inputs, wrap_ops
+from .converter_wrapping import Converter, converter_for, per_result, traced_results, with_inputs, wrap_ops
 
 # Seen failing on a 0-d input (each is tested in tests/numeric/test_silent_ops.py).
 DIM_OPS = {
@@ -28,8 +28,7 @@ def _is_0d(expr: object) -> bool:
 
 
 def _torch_shapes(node: torch.fx.Node) -> list[tuple[int, ...]] | None:
-    val = node.meta.get("val")
-    vals = list(val) if isinstance(val, (list, tuple)) else [val]
+    vals = traced_results(node)
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return None
     return [tuple(int(d) for d in v.shape) for v in vals]

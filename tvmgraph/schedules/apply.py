@@ -24,6 +24,7 @@ from tvm.target import Target
 
 from .cpu_target import is_cpu
 from .fast_math import use_fast_math
+from .loops import with_functions
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,7 @@ class ApplyCPUSchedules:
                 updates[gvar] = scheduled
                 used[rule_name] += 1
         if updates:
-            # NOTE: a new module: `mod[gvar] = func` would change the caller's module in place.
-            mod = tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs,
-                               global_infos=mod.global_infos)
+            mod = with_functions(mod, updates)
             summary = ", ".join(f"{name} {n}" for name, n in sorted(used.items()))
             logger.debug("ApplyCPUSchedules: scheduled %d PrimFuncs (%s)", len(updates), summary)
         return mod

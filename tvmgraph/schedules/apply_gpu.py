@@ -17,6 +17,7 @@ from tvm import tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 
 from .apply import _target_of, _try_rule, is_scheduled
+from .loops import with_functions
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,4 @@ class ApplyGPUSchedules:
                     break
             else:
                 logger.debug("ApplyGPUSchedules: no rule scheduled %s", gvar.name_hint)
-        if not updates:
-            return mod
-        return tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs,
-                            global_infos=mod.global_infos)
+        return with_functions(mod, updates)

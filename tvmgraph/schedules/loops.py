@@ -258,6 +258,14 @@ def schedule_leading_spatial(sch: s_tir.Schedule, block: SBlockRV) -> bool:
     return True
 
 
+def with_functions(mod: tvm.IRModule, updates: dict[tvm.ir.GlobalVar, tvm.ir.BaseFunc]) -> tvm.IRModule:
+    """A new module: `mod`'s functions with `updates` in place (`mod` itself when empty).
+    NOTE: `mod[gvar] = func` would change the caller's module in place."""
+    if not updates:
+        return mod
+    return tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs, global_infos=mod.global_infos)
+
+
 def rewrite_prim_funcs(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
     """`mod` with `rewrite(func)` in place of each PrimFunc (`mod` itself when none changed)."""
     updates = {}
@@ -266,9 +274,7 @@ def rewrite_prim_funcs(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
             new = rewrite(func)
             if not new.same_as(func):
                 updates[gvar] = new
-    if not updates:
-        return mod
-    return tvm.IRModule({**dict(mod.functions_items()), **updates}, attrs=mod.attrs, global_infos=mod.global_infos)
+    return with_functions(mod, updates)
 
 
 def simplify_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
