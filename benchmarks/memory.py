@@ -19,8 +19,10 @@ call instead of pooled). Both change where memory is cached, not how much a step
 `accumulation_rows` compares gradient accumulation with its micro-batch: a tvmgraph training
 step over `steps` x the micro-batch with `set_gradient_accumulation_steps(steps)` against one
 over the micro-batch alone (batch 256 with n = 4 against batch 64; the target is within 20%).
-`checkpointing_row` measures the transformer's training step in tvmgraph with and without
-activation checkpointing of its encoder layers (docs/training.md); run it alone with
+`checkpointing_row` measures a transformer's training step with and without activation
+checkpointing of its encoder layers, in tvmgraph (`GraphModule.activation_checkpointing`,
+docs/training.md) and in eager torch (`torch.utils.checkpoint` around each layer): the suite's
+2-layer encoder and `transformer_6`, the same layers six deep. Run it alone with
 `python -m benchmarks.memory [--tiny]` (`--tiny`: a toy size that only checks that it runs).
 """
 
@@ -66,20 +68,29 @@ def warm_up_engine(engine: str, mode: str, case: Case) -> None:
     gc.collect()
 
 
-def _tiny_transformer() -> Case:
-    """The transformer case at a toy size: checks that the checkpointing row runs, measures nothing."""
+def _encoder_case(name: str, layers: int, d_model: int, ffn: int, heads: int, seq: int, batch: int) -> Case:
+    """A TransformerEncoder of `layers` GELU layers with an MSE loss, like the suite's transformer."""
     import torch
     from torch import nn
 
     from .suite import Case
 
     def make_model() -> nn.Module:
-        layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
+        layer = nn.TransformerEncoderLayer(d_model=d_model, nhead=heads, dim_feedforward=ffn, dropout=0.0,
                                            activation="gelu", batch_first=True)
-        return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        return nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
 
-    return Case("transformer_tiny", "2-layer encoder, d_model 16, seq 8, batch 2", make_model,
-                lambda: (torch.randn(2, 8, 16), torch.randn(2, 8, 16)), nn.MSELoss)
+    return Case(name, f"{layers}-layer encoder, d_model {d_model}, seq {seq}, batch {batch}", make_model,
+                lambda: (torch.randn(batch, seq, d_model), torch.randn(batch, seq, d_model)), nn.MSELoss)
+
+
+# Cases of the checkpointing row beside the suite's: a toy size that only checks that the row runs,
+# and the suite transformer's layers six deep (with two layers, checkpointing can free at most the
+# activations of one layer: the other is recomputed at the peak).
+EXTRA_CASES = {
+    "transformer_tiny": lambda: _encoder_case("transformer_tiny", 2, 16, 32, 2, 8, 2),
+    "transformer_6": lambda: _encoder_case("transformer_6", 6, 256, 1024, 4, 128, 8),
+}
 
 
 def checkpoint_layers(graph: object) -> None:
@@ -90,23 +101,40 @@ def checkpoint_layers(graph: object) -> None:
         graph.model.layers[index].to(tvmgraph.nn.GraphModule).activation_checkpointing = True
 
 
+def checkpoint_layers_eagerly(model: object) -> None:
+    """Eager torch's activation checkpointing of every layer of a TransformerEncoder:
+    `torch.utils.checkpoint` around each layer's forward (non-reentrant, torch's recommended form)."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class CheckpointedEncoderLayer(nn.TransformerEncoderLayer):
+        def forward(self, *args, **kwargs):
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+    for layer in model.layers:
+        layer.__class__ = CheckpointedEncoderLayer  # keeps the attributes the encoder's fast-path checks read
+
+
 def probe(case_name: str, mode: str, engine: str, calls: int = 3, batch: int | None = None,
           accumulation_steps: int = 1, checkpointed: bool = False) -> int:
     """Run in the child: the step's peak memory in bytes. `batch` replaces the case's batch size
     (its rows repeated); `accumulation_steps` is tvmgraph's set_gradient_accumulation_steps;
-    `checkpointed`: tvmgraph with checkpoint_layers."""
+    `checkpointed`: every encoder layer checkpointed (checkpoint_layers, checkpoint_layers_eagerly)."""
     import torch
 
     from .engines import make_step
     from .suite import CASES
 
-    case = CASES[case_name] if case_name in CASES else _tiny_transformer()
+    case = CASES[case_name] if case_name in CASES else EXTRA_CASES[case_name]()
     torch.manual_seed(0)
     warm_up_engine(engine, mode, case)
-    step = make_step(engine, mode, case, case.make_model())
+    model = case.make_model()
+    if checkpointed and engine == "eager":
+        checkpoint_layers_eagerly(model)
+    step = make_step(engine, mode, case, model)
     if accumulation_steps > 1:
         step.config.set_gradient_accumulation_steps(accumulation_steps)
-    if checkpointed:
+    if checkpointed and engine != "eager":
         checkpoint_layers(step)
     x, y = case.inputs()
     if batch is not None:
@@ -153,17 +181,20 @@ def accumulation_rows(case_name: str = "cnn", micro_batch: int = 64, steps: int 
     }
 
 
-def checkpointing_row(case_name: str = "transformer") -> tuple[int | None, int | None]:
-    """Peak memory of tvmgraph's training step without and with its encoder layers checkpointed
-    (target: at least 30% lower with)."""
-    return (measure_peak_memory(case_name, "train", "tvmgraph"),
-            measure_peak_memory(case_name, "train", "tvmgraph", checkpointed=True))
+def checkpointing_row(case_name: str = "transformer", engine: str = "tvmgraph") -> tuple[int | None, int | None]:
+    """Peak memory of `engine`'s training step of `case_name` without and with its encoder layers
+    checkpointed (target: at least 30% lower with)."""
+    plain = measure_peak_memory(case_name, "train", engine)
+    if engine == "tvmgraph":  # the parent may not have run this case: the first probe compiled it
+        plain = measure_peak_memory(case_name, "train", engine)
+    return plain, measure_peak_memory(case_name, "train", engine, checkpointed=True)
 
 
-def format_checkpointing_row(case_name: str, plain: int | None, checkpointed: int | None) -> str:
+def format_checkpointing_row(case_name: str, plain: int | None, checkpointed: int | None,
+                             engine: str = "tvmgraph") -> str:
     if plain is None or checkpointed is None:
-        return f"{case_name:<12} train  tvmgraph peak MiB with checkpointed layers: probe failed"
-    return (f"{case_name:<12} train  tvmgraph peak MiB {plain / 2**20:.1f}, with checkpointed layers "
+        return f"{case_name:<12} train  {engine} peak MiB with checkpointed layers: probe failed"
+    return (f"{case_name:<12} train  {engine:<8} peak MiB {plain / 2**20:.1f}, with checkpointed layers "
             f"{checkpointed / 2**20:.1f} ({checkpointed / plain - 1:+.0%})")
 
 
@@ -171,7 +202,9 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="transformer training peak memory with and without "
-                                                 "activation checkpointing of its layers")
+                                                 "activation checkpointing of its layers, eager and tvmgraph")
     parser.add_argument("--tiny", action="store_true", help="toy size: only check that it runs")
-    name = "transformer_tiny" if parser.parse_args().tiny else "transformer"
-    print(format_checkpointing_row(name, *checkpointing_row(name)))
+    names = ["transformer_tiny"] if parser.parse_args().tiny else ["transformer", "transformer_6"]
+    for name in names:
+        for engine in ("eager", "tvmgraph"):
+            print(format_checkpointing_row(name, *checkpointing_row(name, engine), engine=engine), flush=True)

@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{case_name:<12} {mode:<9} {engine:<9} {median * 1e3:8.3f}ms {ratio} "
                       f"{result['compile_s'][engine]:10.2f}s {peak_text}", flush=True)
             if not args.no_memory and case_name == "transformer" and mode == "train" and "tvmgraph" in engines:
-                print(format_checkpointing_row(case_name, *checkpointing_row(case_name)), flush=True)
+                for engine in [e for e in ("eager", "tvmgraph") if e in engines]:
+                    print(format_checkpointing_row(case_name, *checkpointing_row(case_name, engine), engine=engine),
+                          flush=True)
             report = engine_setup.TUNE_REPORTS.get(f"{case_name} {mode}")
             if report is not None:
                 print(f"{'':<12} {'':<9} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import tvm
 import tvm_ffi
 from tvm import ir, relax, s_tir, tirx
+from tvm.sym import Analyzer
 
 from tvmgraph.debug import logger
 
@@ -70,16 +71,38 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
 
 
+def _flat(index: list[tirx.PrimExpr], shape: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+    """The row-major element offset of `index` in a buffer of `shape`."""
+    offset = tirx.IntImm("int64", 0)
+    for i, extent in zip(index, shape):
+        offset = offset * tirx.Cast("int64", extent) + tirx.Cast("int64", i)
+    return offset
+
+
+def _same_element(block: s_tir.SBlock, a: tirx.Buffer, a_index: list, b: tirx.Buffer, b_index: list) -> bool:
+    """Whether `a[a_index]` and `b[b_index]` are the same element of one memory for every
+    instance of `block`: the same index, or one reshaped (a GELU gradient that reads
+    (8, 128, 1024) tensors and writes their (1024, 1024) reshape)."""
+    if _same(list(a.shape), list(b.shape)) and _same(a_index, b_index):
+        return True
+    analyzer = Analyzer()
+    for iv in block.iter_vars:
+        analyzer.bind(iv.var, iv.dom)
+    return analyzer.can_prove_equal(_flat(a_index, list(a.shape)), _flat(b_index, list(b.shape)))
+
+
 def inplace_safe(func: tirx.PrimFunc, src: int, dst: int) -> bool:
     """Whether `func` computes the same when parameter `dst` is stored in parameter `src`'s memory.
 
-    True when the two have the same shape and dtype and exactly one block touches either: a
-    spatial block, run once per index (its iteration binding is a bijection of its loops), that
-    reads `src` and writes `dst` only at the same single index and never writes `src` or reads
-    `dst`. Each index of `dst` is then written after the only read of `src` at that index.
+    True when the two have the same dtype and number of elements and exactly one block touches
+    either: a spatial block, run once per index (its iteration binding is a bijection of its
+    loops), that reads `src` and writes `dst` only at a single element, the same one of the
+    shared memory (the same index, or the same row-major offset when one is a reshape of the
+    other), and never writes `src` or reads `dst`. Each element of `dst` is then written after
+    the only read of `src` at that element.
     """
     a, b = func.params[src], func.params[dst]
-    if not _same(list(a.shape), list(b.shape)) or a.dtype != b.dtype:
+    if a.dtype != b.dtype or not Analyzer().can_prove_equal(math.prod(a.shape), math.prod(b.shape)):
         return False
     touching: list[tuple[s_tir.SBlockRealize, list[tirx.For]]] = []
     loops: list[tirx.For] = []
@@ -116,7 +139,7 @@ def inplace_safe(func: tirx.PrimFunc, src: int, dst: int) -> bool:
             or any(r.source.same_as(a) for r in block.writes)):
         return False
     index, read_index = _point(writes[0]), _point(reads[0])
-    if index is None or read_index is None or not _same(index, read_index):
+    if index is None or read_index is None or not _same_element(block, a, read_index, b, index):
         return False
     # Every access in the body is at that index, and the buffers appear nowhere else.
     loads, stores, bad = [], [], []
@@ -134,7 +157,8 @@ def inplace_safe(func: tirx.PrimFunc, src: int, dst: int) -> bool:
             bad.append(node)
 
     tvm_ffi.structural_walk(block.body, [(ir.TensorLoad, on_load), (tirx.BufferStore, on_store)])
-    if bad or not stores or not all(_same(list(x.indices), index) for x in [*loads, *stores]):
+    if (bad or not stores or not all(_same(list(x.indices), read_index) for x in loads)
+            or not all(_same(list(x.indices), index) for x in stores)):
         return False
     if uses["a"] != 1 + len(loads) or uses["b"] != 1 + len(stores):
         return False
@@ -190,7 +214,11 @@ def analyze(mod: tvm.IRModule, func: relax.Function, inplace: bool = True) -> Fu
     first_use: dict[relax.Var, int] = {}
     kernel_calls = []  # (position, PrimFunc, GlobalVar, tensors each argument refers to)
 
+    fields: dict[relax.Var, list[set[relax.Var]]] = {}  # a tuple var -> what each field refers to
+
     def refs(expr: relax.Expr) -> set[relax.Var]:
+        if isinstance(expr, relax.TupleGetItem) and expr.tuple_value in fields:
+            return set(fields[expr.tuple_value][expr.index])  # one result of a multi-result kernel
         found: set[relax.Var] = set()
         for var in vars_in(expr):
             found |= alias.get(var, set())
@@ -207,6 +235,10 @@ def analyze(mod: tvm.IRModule, func: relax.Function, inplace: bool = True) -> Fu
             continue
         if isinstance(binding, relax.MatchCast) or isinstance(value, _ALIASES):
             alias[binding.var] = refs(value)
+            if isinstance(value, relax.Tuple):
+                fields[binding.var] = [refs(field) for field in value.fields]
+            elif isinstance(value, relax.Var) and value in fields:
+                fields[binding.var] = fields[value]
         elif isinstance(value, relax.Call) and any(value.op.same_as(op) for op in _VIEWS):
             alias[binding.var] = refs(value.args[0])
         elif isinstance(value, relax.Call) and isinstance(value.op, relax.GlobalVar) and \
@@ -252,7 +284,7 @@ def _inplace_results(prim: tirx.PrimFunc, gv: relax.GlobalVar, args: list, targe
                 continue
             donor = plan.tensors[in_var].root()
             if (donor.end != pos or donor is result or donor.nbytes != result.nbytes
-                    or donor.key != result.key or not _same_type(args[src], args[dst])):
+                    or donor.key != result.key or not _same_dtype(args[src], args[dst])):
                 continue
             key = (gv, src, dst)
             if key not in cache:
@@ -265,10 +297,12 @@ def _inplace_results(prim: tirx.PrimFunc, gv: relax.GlobalVar, args: list, targe
     return merged
 
 
-def _same_type(a: relax.Expr, b: relax.Expr) -> bool:
+def _same_dtype(a: relax.Expr, b: relax.Expr) -> bool:
+    """Both tensors of one dtype (their sizes are compared by the caller, their shapes may differ:
+    inplace_safe checks that the kernel reads and writes the same element)."""
     ta, tb = a.ty, b.ty
     return (isinstance(ta, relax.TensorType) and isinstance(tb, relax.TensorType)
-            and ta.dtype.dtype == tb.dtype.dtype and tvm_ffi.structural_equal(ta.shape, tb.shape))
+            and ta.dtype.dtype == tb.dtype.dtype)
 
 
 # ---- packing ----

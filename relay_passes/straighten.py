@@ -17,8 +17,9 @@ dies at its last reader:
      big tensors, e.g. a reduction) runs first, the one freeing most first;
   2. otherwise the ready binding that comes first in the original order runs, so the forward
      pass and anything the model does not see keep the order the program was written in.
-Every tensor is charged to a "root", the binding that allocated it; aliases share it. Results of
-the block (non-dataflow vars) and values from outside it never die in it.
+Every tensor is a "root" allocated by one binding (a kernel with several results allocates one
+per result); aliases share it. Results of the block (non-dataflow vars) and values from outside
+it never die in it.
 
 Constraints besides data dependencies: every in-place call (`call_tir_inplace`, e.g. the fused
 optimizer update) runs after all other readers of the tensors it overwrites, and every binding
@@ -46,23 +47,40 @@ _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 class BlockModel:
-    """What the scheduler knows about a block: for each binding the bindings it depends on,
-    the bytes it allocates and the roots (allocating bindings) it reads."""
+    """What the scheduler knows about a block: for each binding the bindings it depends on, the
+    tensors ("roots") it allocates and the roots it reads. A kernel with several results
+    allocates one root per result, so that each dies at its own last reader (a fused
+    linear + GELU keeps its pre-activation for the GELU gradient, while its output dies at the
+    weight gradient that reads it last)."""
 
     def __init__(self, bindings: list[relax.Binding], mod: tvm.IRModule | None = None):
         n = len(bindings)
         self.n = n
         index = {b.var: i for i, b in enumerate(bindings)}
-        outer: dict[relax.Var, int] = {}  # a value from outside the block: root n, n + 1, ...
+        self.root_bytes: list[int] = []
+        self.allocates: list[list[int]] = []  # roots each binding allocates
+        outer: dict[relax.Var, int] = {}  # a value from outside the block: a root of no bytes
         roots: list[set[int]] = []  # for each binding, the roots of the tensors it refers to
+        fields: dict[int, list[set[int]]] = {}  # for a binding of tuple value, each field's roots
+
+        def new_root(nbytes: int) -> int:
+            self.root_bytes.append(nbytes)
+            return len(self.root_bytes) - 1
 
         def roots_of(expr: relax.Expr) -> set[int]:
+            if isinstance(expr, relax.TupleGetItem) and isinstance(expr.tuple_value, relax.Var) \
+                    and index.get(expr.tuple_value) in fields:
+                return set(fields[index[expr.tuple_value]][expr.index])
             found: set[int] = set()
             for var in vars_in(expr):
-                found |= roots[index[var]] if var in index else {outer.setdefault(var, n + len(outer))}
+                if var in index:
+                    found |= roots[index[var]]
+                else:
+                    if var not in outer:
+                        outer[var] = new_root(0)
+                    found.add(outer[var])
             return found
 
-        self.size = [0] * n
         self.deps = [{index[v] for v in vars_in(b.value) if v in index} for b in bindings]
         self.reads: list[set[int]] = []
         self.protected: set[int] = set()  # roots that never die in this block
@@ -70,6 +88,7 @@ class BlockModel:
         for i, binding in enumerate(bindings):
             value = binding.value
             self.reads.append(roots_of(value))
+            self.allocates.append([])
             if last_match_cast >= 0:
                 self.deps[i].add(last_match_cast)
             if isinstance(binding, relax.MatchCast):
@@ -80,13 +99,22 @@ class BlockModel:
                 roots.append(set().union(*(roots_of(args[int(k)]) for k in value.attrs.inplace_indices
                                            if int(k) >= 0)))
             elif isinstance(value, relax.Call) and not _is_view(value, mod):
-                self.size[i] = static_bytes(binding.var.ty) or 0
-                roots.append({i})
+                ty = binding.var.ty
+                field_types = list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
+                self.allocates[i] = [new_root(static_bytes(t) or 0) for t in field_types]
+                roots.append(set(self.allocates[i]))
+                if isinstance(ty, relax.TupleType):
+                    fields[i] = [{r} for r in self.allocates[i]]
             else:  # Var, Tuple, TupleGetItem, constant, a reshape: an alias of what it reads
                 roots.append(self.reads[i])
+                if isinstance(value, relax.Tuple):
+                    fields[i] = [roots_of(field) for field in value.fields]
+                elif isinstance(value, relax.Var) and index.get(value) in fields:
+                    fields[i] = fields[index[value]]
             if not isinstance(binding.var, relax.DataflowVar):
                 self.protected |= roots[i]
         self.protected |= set(outer.values())
+        self.size = [sum(self.root_bytes[r] for r in rs) for rs in self.allocates]  # bytes each allocates
         # An in-place call stays after every reader of what it overwrites that came before it,
         # and before every reader that came after it (which sees the new values).
         self.readers: dict[int, list[int]] = {}
@@ -103,7 +131,7 @@ class BlockModel:
                             self.deps[j].add(i)
 
     def root_size(self, r: int) -> int:
-        return self.size[r] if r < self.n else 0
+        return self.root_bytes[r]
 
     def peak(self, order: list[int]) -> int:
         """Peak bytes of live tensors when the bindings run in `order`."""
@@ -113,13 +141,14 @@ class BlockModel:
                 last[r] = step
         dying: list[list[int]] = [[] for _ in order]
         for step, b in enumerate(order):
-            if self.size[b] and b not in self.protected:
-                dying[last.get(b, step)].append(b)
+            for r in self.allocates[b]:
+                if self.root_bytes[r] and r not in self.protected:
+                    dying[last.get(r, step)].append(r)
         live = peak = 0
         for step, b in enumerate(order):
             live += self.size[b]
             peak = max(peak, live)
-            live -= sum(self.size[r] for r in dying[step])
+            live -= sum(self.root_bytes[r] for r in dying[step])
         return peak
 
 

@@ -204,6 +204,58 @@ def test_what_escapes_is_left_to_static_plan_and_no_gain_keeps_the_function() ->
     assert messages == ["CompressMemory: memory planned: main 1.0 MiB kept (arena: 1.0 MiB)"]
 
 
+@I.ir_module
+class TwoResults:
+    """A kernel with two results (a fused linear + GELU's pre-activation and output): `act` is
+    read for the last time by the first `scale`, `pre` by the last one."""
+
+    @T.prim_func(private=True)
+    def pair(x: T.Buffer((N,), "float32"), pre: T.Buffer((N,), "float32"), act: T.Buffer((N,), "float32")):
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def scale(x: T.Buffer((N,), "float32"), y: T.Buffer((N,), "float32")):
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def total(x: T.Buffer((N,), "float32"), y: T.Buffer((), "float32")):
+        T.evaluate(0)
+
+    @R.function
+    def main(x: R.Tensor((N,), "float32")) -> R.Tensor((), "float32"):
+        R.func_attr({"relax.force_pure": True})
+        cls = TwoResults
+        a = R.builtin.alloc_tensor(R.shape([N]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        b = R.builtin.alloc_tensor(R.shape([N]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.pair(x, a, b)
+        both = (a, b)
+        pre = both[0]
+        act = both[1]
+        c = R.builtin.alloc_tensor(R.shape([N]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.scale(act, c)
+        d = R.builtin.alloc_tensor(R.shape([N]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.scale(c, d)
+        e = R.builtin.alloc_tensor(R.shape([N]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.scale(pre, e)
+        s = R.builtin.alloc_tensor(R.shape([]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.total(e, s)
+        return s
+
+
+def test_each_result_of_a_kernel_lives_until_its_own_last_reader() -> None:
+    """Reading `pre` (field 0) late keeps `a` alive, not `b`: `b` dies at its reader `scale(act)`,
+    so `d` can take its memory. (Read through the tuple as a whole, both would live to the end:
+    four tensors live at once instead of three.)"""
+    plan = analyze(TwoResults, TwoResults["main"], inplace=False)
+    by_name = {t.var.name: t for t in plan.tensors.values()}
+    positions = {b.var.name: i for i, b in enumerate(TwoResults["main"].body.blocks[0].bindings)}
+    assert by_name["b"].end == positions["c"] + 1  # its only reader, the call after c's allocation
+    assert by_name["a"].end == positions["e"] + 1
+    pack(plan)
+    assert check_plan(plan) == []
+    assert sum(plan.arena_bytes.values()) == 3 * 4 * N  # s is returned: not planned
+
+
 def test_kill_switch_and_in_place_switch() -> None:
     """Disabled, the pass returns its input; with inplace=False, b gets its own megabyte."""
     assert CompressMemory(enabled=False)(ExpTwice).same_as(ExpTwice)
@@ -274,6 +326,20 @@ class Kernels:
                 y[vi] = x[vi] + T.float32(1)
 
     @T.prim_func(private=True, s_tir=True)
+    def scale_reshaped(x: T.Buffer((4, 8), "float32"), y: T.Buffer((32,), "float32")):
+        for i in range(32):
+            with T.sblock("y"):
+                vi = T.axis.spatial(32, i)
+                y[vi] = x[vi // 8, vi % 8] * T.float32(2)
+
+    @T.prim_func(private=True, s_tir=True)
+    def transpose_reshaped(x: T.Buffer((4, 8), "float32"), y: T.Buffer((8, 4), "float32")):
+        for i, j in T.grid(8, 4):
+            with T.sblock("y"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vj, vi]
+
+    @T.prim_func(private=True, s_tir=True)
     def row_sum(x: T.Buffer((8, 8), "float32"), y: T.Buffer((8, 8), "float32")):
         for i, j, k in T.grid(8, 8, 8):
             with T.sblock("y"):
@@ -287,6 +353,8 @@ class Kernels:
     ("scale_add", 0, 2, True),        # element-wise in x; bias is read at another index
     ("scale_add", 1, 2, False),       # bias has another shape
     ("fused_vectorized", 0, 1, True), # split, fused, parallel, vectorized: still one index each
+    ("scale_reshaped", 0, 1, True),   # y is x reshaped: y[i] is x[i // 8, i % 8], the same element
+    ("transpose_reshaped", 0, 1, False),  # same size, but y[i, j] is x[j, i], another element
     ("transpose", 0, 1, False),       # y[i, j] reads x[j, i], which a later index overwrote
     ("shift", 0, 1, False),           # y[i] reads x[i + 1]
     ("two_readers", 0, 1, False),     # the second block reads x after y has overwritten it
@@ -294,8 +362,9 @@ class Kernels:
     ("row_sum", 0, 1, False),         # a reduction
 ], ids=lambda v: str(v))
 def test_inplace_safe(kernel: str, src: int, dst: int, safe: bool) -> None:
-    """Only a block that reads the input and writes the result at the same index, once per
-    index, may share memory between them."""
+    """Only a block that reads the input and writes the result at the same element of their
+    memory (the same index, or the same row-major offset of a reshape), once per index, may
+    share memory between them."""
     assert inplace_safe(Kernels[kernel], src, dst) is safe
 
 

@@ -76,6 +76,58 @@ def test_reduction_runs_as_soon_as_it_frees_its_input() -> None:
     tvm.ir.assert_structural_equal(StraightenBindings()(LateReductions), Expected)
 
 
+@I.ir_module
+class TwoResultBackward:
+    """A fused linear + GELU returns its pre-activation `pre` and output `act` (one kernel, two
+    results); `y` is the next layer's forward. In autodiff's order the backward computes the
+    upstream gradient `g` and the GELU gradient `k` (reads `pre`) before the weight gradient `w`
+    that reads `act` for the last time: `act` stays live through both (peak 16 KiB)."""
+
+    @T.prim_func(private=True)
+    def pair(x: T.Buffer((1024,), "float32"), pre: T.Buffer((1024,), "float32"), act: T.Buffer((1024,), "float32")):
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def step(x: T.Buffer((1024,), "float32"), y: T.Buffer((1024,), "float32")):
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def step2(x: T.Buffer((1024,), "float32"), y: T.Buffer((1024,), "float32"), z: T.Buffer((1024,), "float32")):
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def reduce(x: T.Buffer((1024,), "float32"), y: T.Buffer((), "float32")):
+        T.evaluate(0)
+
+    @R.function
+    def main(x: R.Tensor((1024,), "float32")):
+        cls = TwoResultBackward
+        with R.dataflow():
+            both = R.call_tir(cls.pair, (x,), out_ty=[R.Tensor((1024,), "float32"), R.Tensor((1024,), "float32")])
+            pre = both[0]
+            act = both[1]
+            y = R.call_tir(cls.step, (act,), out_ty=R.Tensor((1024,), "float32"))
+            g = R.call_tir(cls.step, (y,), out_ty=R.Tensor((1024,), "float32"))
+            k = R.call_tir(cls.step2, (pre, g), out_ty=R.Tensor((1024,), "float32"))
+            w = R.call_tir(cls.reduce, (act,), out_ty=R.Tensor((), "float32"))
+            out = (k, w)
+            R.output(out)
+        return out
+
+
+def test_each_result_of_a_kernel_dies_at_its_own_last_reader() -> None:
+    """`act` and `pre` are separate tensors: once `y` has read `act`, the weight gradient `w` is
+    its last reader and frees it, so it runs first (peak 12 KiB). Counted as one tensor with
+    `pre`, `w` would free nothing and the order would stay."""
+    bindings = list(TwoResultBackward["main"].body.blocks[0].bindings)
+    model = BlockModel(bindings)
+    order = straighten(model)
+    names = [bindings[i].var.name for i in order]
+    assert names.index("w") < names.index("g")
+    assert model.peak(list(range(len(bindings)))) == 4 * 4096
+    assert model.peak(order) == 3 * 4096 + 4
+
+
 def test_in_place_update_stays_after_other_readers() -> None:
     """The update overwrites p and frees s, so greedily it would run right after s; it waits
     for r, which reads the old p."""
