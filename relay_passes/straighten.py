@@ -40,7 +40,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvmgraph.debug import logger
 
 from .bindings import vars_in
-from .tensor_sizes import format_bytes, static_bytes
+from .tensor_sizes import COMPARE_AT, bytes_per_unit, format_bytes
 
 _INPLACE = tvm.ir.Op.get("relax.call_tir_inplace")
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -101,7 +101,7 @@ class BlockModel:
             elif isinstance(value, relax.Call) and not _is_view(value, mod):
                 ty = binding.var.ty
                 field_types = list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
-                self.allocates[i] = [new_root(static_bytes(t) or 0) for t in field_types]
+                self.allocates[i] = [new_root(_bytes(t)) for t in field_types]
                 roots.append(set(self.allocates[i]))
                 if isinstance(ty, relax.TupleType):
                     fields[i] = [{r} for r in self.allocates[i]]
@@ -150,6 +150,16 @@ class BlockModel:
             peak = max(peak, live)
             live -= sum(self.root_bytes[r] for r in dying[step])
         return peak
+
+
+def _bytes(ty: object) -> int:
+    """A result's bytes; a dynamic batch's tensor counted at COMPARE_AT rows (as CompressMemory
+    weighs it), so that the order is not blind to every activation of a dynamic-batch graph."""
+    size = bytes_per_unit(ty)
+    if size is None:
+        return 0
+    nbytes, unit = size
+    return nbytes if unit is None else nbytes * COMPARE_AT
 
 
 def _is_view(call: relax.Call, mod: tvm.IRModule | None) -> bool:

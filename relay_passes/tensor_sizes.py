@@ -6,6 +6,13 @@ import math
 
 import tvm
 from tvm import relax
+from tvm.sym import Analyzer
+
+
+# A size that is a multiple of a symbolic variable (a dynamic batch) is weighed at this value of
+# it, the batch the benchmarks use: where CompressMemory compares its plan with TVM's and where
+# StraightenBindings counts live bytes.
+COMPARE_AT = 64
 
 
 def static_bytes(ty: object) -> int | None:
@@ -22,6 +29,34 @@ def static_bytes(ty: object) -> int | None:
     return math.prod(int(d) for d in dims) * ((dtype.bits * dtype.lanes + 7) // 8)
 
 
+def bytes_per_unit(ty: object) -> tuple[int, tvm.tirx.Var | None] | None:
+    """(bytes, None) for a tensor type of static shape; (bytes per unit of `var`, var) for one
+    whose size is a constant times a single symbolic variable (a dynamic batch: (n, 3, 32, 32),
+    or (n * 128, 256) after a reshape); else None."""
+    nbytes = static_bytes(ty)
+    if nbytes is not None:
+        return nbytes, None
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    dims = list(ty.shape.values)
+    free = {v for d in dims for v in tvm.tirx.analysis.undefined_vars(d)}
+    if len(free) != 1:
+        return None
+    (var,) = free
+    elements = math.prod(dims)
+    at_one = Analyzer()
+    at_one.bind(var, tvm.tirx.IntImm("int64", 1))
+    per_unit = at_one.simplify(elements)
+    if not isinstance(per_unit, tvm.tirx.IntImm) or int(per_unit) <= 0 \
+            or not Analyzer().can_prove_equal(elements, per_unit * var):
+        return None
+    dtype = ty.dtype.dtype
+    return int(per_unit) * ((dtype.bits * dtype.lanes + 7) // 8), var
+
+
 def format_bytes(nbytes: int) -> str:
-    """MiB with one decimal; KiB below a tenth of a MiB."""
+    """MiB with one decimal; KiB below a tenth of a MiB; bytes below a KiB (an arena's bytes per
+    row of a dynamic batch)."""
+    if nbytes < 2**10:
+        return f"{nbytes} B"
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 // 10 else f"{nbytes / 2**10:.1f} KiB"

@@ -256,6 +256,105 @@ def test_each_result_of_a_kernel_lives_until_its_own_last_reader() -> None:
     assert sum(plan.arena_bytes.values()) == 3 * 4 * N  # s is returned: not planned
 
 
+@I.ir_module
+class DynamicExpTwice:
+    """ExpTwice with a dynamic batch: (n, 16) tensors, whose bytes are 64 per row."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def exp(var_x: T.handle, var_y: T.handle):
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, 16))
+        y = T.match_buffer(var_y, (n, 16))
+        for i, j in T.grid(n, 16):
+            with T.sblock("y"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.exp(x[vi, vj])
+
+    @T.prim_func(private=True)
+    def square(var_x: T.handle, var_y: T.handle):
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, 16))
+        y = T.match_buffer(var_y, (n, 16))
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def total(var_x: T.handle, var_y: T.handle, s: T.Buffer((), "float32")):
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, 16))
+        y = T.match_buffer(var_y, (n, 16))
+        T.evaluate(0)
+
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32")) -> R.Tensor((), "float32"):
+        n = T.int64()
+        R.func_attr({"relax.force_pure": True})
+        cls = DynamicExpTwice
+        a = R.builtin.alloc_tensor(R.shape([n, 16]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.exp(x, a)
+        b = R.builtin.alloc_tensor(R.shape([n, 16]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.square(a, b)
+        c = R.builtin.alloc_tensor(R.shape([n, 16]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.exp(a, c)
+        s = R.builtin.alloc_tensor(R.shape([]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+        cls.total(b, c, s)
+        return s
+
+
+def test_a_dynamic_batch_gets_an_arena_of_n_rows() -> None:
+    """a, b and c are (n, 16): an arena of 3 x 64 bytes per row (c written over a, which dies
+    there; b is live across), sized and offset by n at run time. StaticPlanBlockMemory gives
+    each its own storage; compared at n = 64 the arena is smaller."""
+
+    @I.ir_module
+    class Expected:
+        @T.prim_func(private=True, s_tir=True)
+        def exp(var_x: T.handle, var_y: T.handle):
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, 16))
+            y = T.match_buffer(var_y, (n, 16))
+            for i, j in T.grid(n, 16):
+                with T.sblock("y"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = T.exp(x[vi, vj])
+
+        @T.prim_func(private=True)
+        def square(var_x: T.handle, var_y: T.handle):
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, 16))
+            y = T.match_buffer(var_y, (n, 16))
+            T.evaluate(0)
+
+        @T.prim_func(private=True)
+        def total(var_x: T.handle, var_y: T.handle, s: T.Buffer((), "float32")):
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, 16))
+            y = T.match_buffer(var_y, (n, 16))
+            T.evaluate(0)
+
+        @R.function
+        def main(x: R.Tensor(("n", 16), "float32")) -> R.Tensor((), "float32"):
+            n = T.int64()
+            R.func_attr({"relax.force_pure": True})
+            cls = Expected
+            arena = R.memory.alloc_storage(R.shape([n * 128]), R.prim_value(0), R.str("global"), R.dtype("uint8"))
+            a = R.memory.alloc_tensor(arena, R.prim_value(0), R.shape([n, 16]), R.dtype("float32"), R.prim_value(0))
+            cls.exp(x, a)
+            b_at = R.memory.alloc_tensor(arena, R.prim_value(n * 64), R.shape([n, 16]), R.dtype("float32"),
+                                         R.prim_value(0))
+            b = R.memory.ensure_zero_offset(b_at)
+            cls.square(a, b)
+            c = R.memory.alloc_tensor(arena, R.prim_value(0), R.shape([n, 16]), R.dtype("float32"), R.prim_value(0))
+            cls.exp(a, c)
+            s = R.builtin.alloc_tensor(R.shape([]), R.dtype("float32"), R.prim_value(0), R.str("global"))
+            cls.total(b, c, s)
+            return s
+
+    messages: list[str] = []
+    tvm.ir.assert_structural_equal(CompressMemory(report=messages.append)(DynamicExpTwice), Expected)
+    assert messages == ["CompressMemory: memory planned: main 12.0 KiB -> 8.0 KiB at 64 rows "
+                        "(3 tensors in 1 arena(s), 1 in place; arenas 128 B x n)"]
+
+
 def test_kill_switch_and_in_place_switch() -> None:
     """Disabled, the pass returns its input; with inplace=False, b gets its own megabyte."""
     assert CompressMemory(enabled=False)(ExpTwice).same_as(ExpTwice)

@@ -46,6 +46,7 @@ from .loops import (
     parallelize,
     static_extent,
     vars_in,
+    work_extent,
 )
 
 # Output tile (rows x columns of accumulators); 4 x 3 x 16 floats = 768 bytes stays on the
@@ -195,7 +196,7 @@ def _schedule(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int)
     sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
     work = width
     for loop in [*inner_loops, *reduce_loops, *tile_loops]:
-        work *= static_extent(sch, loop) or 1
+        work *= work_extent(sch, loop)
     parallelize(sch, [outer], work)
     for loop in tile_loops:
         sch.unroll(loop)

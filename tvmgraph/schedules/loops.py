@@ -36,6 +36,18 @@ def static_extent(sch: s_tir.Schedule, loop: LoopRV) -> int | None:
     return int(extent) if isinstance(extent, tirx.IntImm) else None
 
 
+# What a symbolic trip count (a dynamic batch) counts as when deciding whether a loop nest has
+# enough work for threads: the batch a dynamic graph is benchmarked at. Counted as 1, a dynamic
+# batch's batch-norm statistics ran on one core (2x their static time on 2 cores).
+SYMBOLIC_TRIP_COUNT = 64
+
+
+def work_extent(sch: s_tir.Schedule, loop: LoopRV) -> int:
+    """The loop's trip count for work estimates: its constant extent, else SYMBOLIC_TRIP_COUNT."""
+    extent = static_extent(sch, loop)
+    return SYMBOLIC_TRIP_COUNT if extent is None else extent
+
+
 def iter_kinds(sch: s_tir.Schedule, block: SBlockRV) -> str | None:
     """'S'/'R' per loop of a block bound one loop per iterator, e.g. "SSR"; None otherwise."""
     loops = sch.get_loops(block)
@@ -224,7 +236,7 @@ def schedule_spatial(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> bool:
     heads = sch.get_loops(block)[: split + (1 if outer is not None else 0)]
     if outer is None and sch.get(inner).kind != tirx.ForKind.VECTORIZED:
         heads = sch.get_loops(block)
-    work = static_extent(sch, sch.get_loops(block)[-1]) or 1
+    work = work_extent(sch, sch.get_loops(block)[-1])
     parallelize(sch, list(heads), work)
     return True
 
@@ -253,7 +265,7 @@ def schedule_leading_spatial(sch: s_tir.Schedule, block: SBlockRV) -> bool:
         return False
     inner = 1
     for loop in loops[leading:]:
-        inner *= static_extent(sch, loop) or 1
+        inner *= work_extent(sch, loop)
     parallelize(sch, loops[:leading], inner)
     return True
 
@@ -329,7 +341,7 @@ def _schedule_transposed(sch: s_tir.Schedule, block: SBlockRV, axis: int, lanes:
     tile = TRANSPOSE_TILE
     a_ext, z_ext = static_extent(sch, loops[axis]), static_extent(sch, loops[-1])
     if a_ext is None or z_ext is None or a_ext % tile or z_ext % tile:
-        parallelize(sch, loops[:-1], static_extent(sch, loops[-1]) or 1)
+        parallelize(sch, loops[:-1], work_extent(sch, loops[-1]))
         return
     ao, ai = sch.split(loops[axis], [None, tile])
     zo, zi = sch.split(loops[-1], [None, tile])

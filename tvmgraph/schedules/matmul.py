@@ -56,6 +56,7 @@ from .loops import (
     root_blocks,
     static_extent,
     vars_in,
+    work_extent,
 )
 
 
@@ -413,8 +414,7 @@ def _schedule_pack(sch: s_tir.Schedule, producer: SBlockRV, tile: Tile, parallel
     sch.reorder(jo, jv, k, jj)
     sch.vectorize(jj)
     if parallel:
-        k_extent = static_extent(sch, k) or 1
-        parallelize(sch, [*s, jo, jv], k_extent * tile.lanes)
+        parallelize(sch, [*s, jo, jv], work_extent(sch, k) * tile.lanes)
 
 
 def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, panel_major: bool = False) -> LoopRV:
@@ -424,7 +424,7 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, panel_major: boo
     io, ii = sch.split(i, [None, tile.mi])
     jo, ji, jv = sch.split(j, [None, tile.nvec, tile.lanes])
     sch.reorder(s, jo, io, k, ii, ji, jv)
-    work = tile.mi * tile.nj * (static_extent(sch, k) or 1) * ((static_extent(sch, io) or 1) if panel_major else 1)
+    work = tile.mi * tile.nj * work_extent(sch, k) * (work_extent(sch, io) if panel_major else 1)
     outer = sch.fuse(s, jo) if panel_major else sch.fuse(s, jo, io)
     tile_loop = io if panel_major else outer
     store = sch.cache_write(main, 0, ACCUMULATOR_SCOPE)

@@ -41,6 +41,7 @@ from .loops import (
     static_extent,
     vars_in,
     vectorize_innermost,
+    work_extent,
 )
 
 
@@ -122,7 +123,7 @@ def _schedule_rows(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
         sch.compute_at(block, row, preserve_unit_loops=True)
     row_work = 1
     for loop in sch.get_loops(last)[1:]:
-        row_work *= static_extent(sch, loop) or 1
+        row_work *= work_extent(sch, loop)
     parallelize(sch, [row], row_work)
     # The row loop is a root-level loop: every block under it has it as its first loop.
     for block in sch.get_child_blocks(row):
@@ -254,7 +255,7 @@ def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None
         return
     work = 1
     for l in reduce_:
-        work *= static_extent(sch, l) or 1
+        work *= work_extent(sch, l)
     row = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
     partial = _rfactor_row(sch, block, 1, lanes)
     if partial is not None:
@@ -305,7 +306,7 @@ def _schedule_column(sch: s_tir.Schedule, block: SBlockRV, column: int, lanes: i
     sch.vectorize(vec)
     work = 1
     for l in reduce_:
-        work *= static_extent(sch, l) or 1
+        work *= work_extent(sch, l)
     parallelize(sch, [*others, co], work * chunk)
     # NOTE: last: once the init is split off, `parallel` refuses the loop nest.
     sch.decompose_reduction(block, reduce_[0])
