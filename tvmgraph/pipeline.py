@@ -183,6 +183,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.straighten import StraightenBindings
 
     from .schedules.bitwise_isnan import BitwiseIsNaN
+    from .schedules.division_free_bounds import DivisionFreeBounds
     from .schedules.propagate_nan import PropagateNaN
 
     T = relax.transform
@@ -232,6 +233,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         *([PropagateNaN()] if target.kind.name == "llvm" else []),
         #    isnan (and isinf, isfinite) as a test of the bits, which vectorizes.
         *([BitwiseIsNaN()] if target.kind.name == "llvm" else []),
+        #    A padded tile's bounds test under a dynamic batch without its division, which
+        #    vectorizes.
+        *([DivisionFreeBounds()] if target.kind.name == "llvm" else []),
         #    The kernels run in an order with fewer tensors live at once
         #    (enable_straighten_algorithm). NOTE: needs dataflow blocks, so before ToNonDataflow.
         StraightenBindings(config.straighten_algorithm, report),

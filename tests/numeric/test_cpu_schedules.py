@@ -401,6 +401,36 @@ def test_batch_statistics_over_a_symbolic_batch_are_vectorized() -> None:
     torch.testing.assert_close(got, data.sum((0, 2, 3)), **TOL)
 
 
+def test_batch_statistics_over_a_symbolic_batch_run_on_every_core() -> None:
+    """The same sum over (N, 96, 32, 32): its work is weighed at N = 64 (loops.work_extent), so
+    the channels run in parallel (with N counted as 1 they ran on one core)."""
+    n = tirx.Var("n", "int64")
+    x = te.placeholder((n, 96, 32, 32), name="x")
+    rn, rh, rw = (te.reduce_axis((0, e), name=name) for e, name in ((n, "rn"), (32, "rh"), (32, "rw")))
+    total = te.compute((96,), lambda c: te.sum(x[rn, c, rh, rw], axis=[rn, rh, rw]), name="total")
+    sch = Reduction().apply(te.create_prim_func([x, total]).with_attr("global_symbol", "main"), TARGET, False)
+    assert sch is not None and "for c in T.parallel(96):" in sch.mod["main"].script()
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_matmul_over_a_symbolic_axis_the_tile_divides_reads_b_in_place(batch: int) -> None:
+    """C[i, m, j] = A[i, k] B[k, m, j], J = (m, j) of n * 3072 (a 1x1 convolution over a dynamic batch): every
+    tile width divides J whatever n is, so B is read in place, unpadded and unpacked, as in the
+    static product (a padded copy of B was made before). Matches numpy at every n."""
+    n = tirx.Var("n", "int64")
+    i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731  (one index type with n's)
+    a = te.placeholder((i64(48), i64(32)), name="a")
+    b = te.placeholder((i64(32), n, i64(3072)), name="b")
+    k = te.reduce_axis((i64(0), i64(32)), name="k")
+    c = te.compute((i64(48), n, i64(3072)), lambda i, m, j: te.sum(a[i, k] * b[k, m, j], axis=k), name="c")
+    func = te.create_prim_func([a, b, c]).with_attr("global_symbol", "main")
+    sch = Matmul().apply(func, TARGET, False)
+    assert sch is not None and "b_global" not in sch.mod["main"].script()  # no copy of B
+    x, y = torch.randn(48, 32), torch.randn(32, batch, 3072)
+    got, _ = run_prim_func(func, x, y, out_shape=(48, batch, 3072))
+    torch.testing.assert_close(got, torch.einsum("ik,kmj->imj", x, y), **TOL)
+
+
 def unary_module(shape: tuple[int, ...], op) -> tvm.IRModule:
     bb = relax.BlockBuilder()
     x = relax.Var("x", R.Tensor(shape, "float32"))

@@ -13,6 +13,7 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
 from tvm.s_tir.dlight.analysis import collect_vars_used_in_prim_expr, get_root_block
 from tvm.s_tir.schedule import LoopRV, SBlockRV
+from tvm.sym import Analyzer
 
 # Below this many elements a parallel region costs more than it saves: waking the TVM thread
 # pool takes 6-10 us on the 2-core Zen 5 test machine, while one core adds 256K floats to
@@ -36,16 +37,24 @@ def static_extent(sch: s_tir.Schedule, loop: LoopRV) -> int | None:
     return int(extent) if isinstance(extent, tirx.IntImm) else None
 
 
-# What a symbolic trip count (a dynamic batch) counts as when deciding whether a loop nest has
-# enough work for threads: the batch a dynamic graph is benchmarked at. Counted as 1, a dynamic
-# batch's batch-norm statistics ran on one core (2x their static time on 2 cores).
+# A symbolic size (a dynamic batch) is weighed at this value where a schedule needs a number
+# (work for threads, a tile, panels): the batch a dynamic graph is benchmarked at, so that its
+# kernels at batch 64 are scheduled as the static graph's. Counted as 1, a dynamic batch's
+# batch-norm statistics ran on one core (2x their static time on 2 cores).
 SYMBOLIC_TRIP_COUNT = 64
 
 
 def work_extent(sch: s_tir.Schedule, loop: LoopRV) -> int:
-    """The loop's trip count for work estimates: its constant extent, else SYMBOLIC_TRIP_COUNT."""
-    extent = static_extent(sch, loop)
-    return SYMBOLIC_TRIP_COUNT if extent is None else extent
+    """The loop's trip count for estimates: its constant extent, else its extent with every
+    symbolic variable at SYMBOLIC_TRIP_COUNT (n * 1024 -> 65536)."""
+    extent = sch.get(loop).extent
+    if isinstance(extent, tirx.IntImm):
+        return int(extent)
+    analyzer = Analyzer()
+    for var in tirx.analysis.undefined_vars(extent):
+        analyzer.bind(var, tirx.IntImm("int64", SYMBOLIC_TRIP_COUNT))
+    value = analyzer.simplify(extent)
+    return max(1, int(value)) if isinstance(value, tirx.IntImm) else SYMBOLIC_TRIP_COUNT
 
 
 def iter_kinds(sch: s_tir.Schedule, block: SBlockRV) -> str | None:

@@ -23,8 +23,9 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      in registers (a small cache_write buffer that LLVM promotes) and the epilogue runs on it
      before it is stored.
 
-A dynamic batch makes some axes symbolic: the tile is chosen as for a long axis, and a
-symbolic I or J is always zero-padded to whole tiles (a 1x1 convolution's J holds the batch).
+A dynamic batch makes some axes symbolic: the tile and the panel decision are those of batch 64
+(loops.work_extent), and a symbolic I or J is zero-padded to whole tiles unless the tile
+provably divides it (a 1x1 convolution's J, n * H * W, usually is).
 
 Limits: float types only; no K blocking (fine while a B panel, K * nj
 floats, fits in L2: K up to ~4096); a transposed B is packed with strided reads (about a
@@ -43,6 +44,7 @@ from tvm.ir.expr import TensorLoad, TensorRegion
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import IterKind, IterTrait, make_iter_fusion_index_map
 from tvm.s_tir.schedule import LoopRV, SBlockRV
+from tvm.sym import Analyzer
 from tvm.target import Target
 
 from .unchecked import Schedule
@@ -87,10 +89,6 @@ _TILES_16_REGS = {
 }
 
 _PADDING_PENALTY = 1.05
-# The extent a tile is chosen for when an axis is symbolic (a dynamic batch): large enough that
-# padding it costs little, so the fastest tile wins.
-SYMBOLIC_EXTENT = 1024
-
 # NOTE: "global", not "local": TVM 0.27 keeps a "global" allocation under 1 KiB on the stack
 # but sends every "local" one (and every larger one) through TVMBackendAllocWorkspace, once per
 # tile. That call costs about as much as 64 steps of K, so short-K products (weight gradients,
@@ -137,6 +135,14 @@ def choose_tile(
 PANELS_PER_THREAD = 4
 
 
+def _divides(sch: s_tir.Schedule, loop: LoopRV, factor: int) -> bool:
+    """Whether `factor` divides the loop's extent, symbolic (a dynamic batch) or not."""
+    extent = sch.get(loop).extent
+    if isinstance(extent, tirx.IntImm):
+        return int(extent) % factor == 0
+    return Analyzer().can_prove_equal(tirx.floormod(extent, factor), 0)
+
+
 def enough_panels(s_extent: int | None, j_extent: int | None, tile: Tile, threads: int | None = None) -> bool:
     """Whether the product has enough B panels to run panel by panel in parallel (see `Matmul`)."""
     if s_extent is None or j_extent is None:
@@ -176,21 +182,24 @@ class Matmul(ScheduleRule):
         extents = canonicalize(sch, main, a, b)
         if extents is None:
             return None
-        _, i_ext, j_ext, k_ext = extents
         cpu = CPUTarget.from_target(target)
         dtype = sch.get(main).writes[0].source.dtype
         lanes = cpu.lanes(dtype)
         b_contiguous = _b_contiguous(func, sch, main, lanes)
-        tile = choose_tile(i_ext or SYMBOLIC_EXTENT, j_ext or SYMBOLIC_EXTENT, lanes, cpu.num_vector_registers,
-                           k_ext or SYMBOLIC_EXTENT, tvm.DataType(str(dtype)).bits // 8, b_contiguous)
-        # A symbolic I or J is always padded to whole tiles (pad_einsum rounds it up at run time).
-        pad_i = i_ext is None or i_ext % tile.mi != 0
-        pad_j = j_ext is None or j_ext % tile.nj != 0
+        # A symbolic axis (a dynamic batch) is tiled as at batch 64 (loops.work_extent), the
+        # static graph's batch, and padded to whole tiles (pad_einsum rounds it up at run time)
+        # unless the tile provably divides it (a 1x1 convolution's J, n * H * W).
+        s_loop, i_loop, j_loop, k_loop = sch.get_loops(main)
+        s_at, i_at, j_at, k_at = (work_extent(sch, loop) for loop in (s_loop, i_loop, j_loop, k_loop))
+        tile = choose_tile(i_at, j_at, lanes, cpu.num_vector_registers, k_at,
+                           tvm.DataType(str(dtype)).bits // 8, b_contiguous)
+        pad_i = not _divides(sch, i_loop, tile.mi)
+        pad_j = not _divides(sch, j_loop, tile.nj)
         if pad_i or pad_j:
             sch.pad_einsum(main, [1, tile.mi if pad_i else 1, tile.nj if pad_j else 1, 1])
         _prepare_a(sch, main, a)
         pack = pad_j or not b_contiguous
-        panel_major = pack and enough_panels(extents[0], j_ext, tile)
+        panel_major = pack and enough_panels(s_at, j_at, tile)
         packed = _prepare_b(sch, main, b, tile, pack, schedule=not panel_major)
         outer = _tile_main(sch, main, tile, panel_major)
         if panel_major:
