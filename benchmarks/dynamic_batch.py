@@ -5,7 +5,8 @@
 
 For each case of the suite (benchmarks/suite.py) and mode: the median time of one call at
 batch 64 of the static graph (compiled for batch 64) and of the dynamic graph (one program for
-every batch), their ratio (the target: dynamic within 10% of static), then the dynamic graph
+every batch), timed in interleaved rounds, their ratio (the target: dynamic within 10% of
+static), then the dynamic graph
 and eager at the other `--sizes`, all run by the dynamic graph's one program. Training steps
 the same model in place (the numbers are only timed). Cases or modes a dynamic batch does not
 cover yet (training through a flatten or a batch norm, docs/training.md) print why and go on.
@@ -67,6 +68,24 @@ def median_ms(fn: Callable[[], object], seconds: float, rounds: int = 5) -> floa
     return statistics.median(samples)
 
 
+def interleaved_median_ms(fns: list[Callable[[], object]], seconds: float, rounds: int = 9) -> list[float]:
+    """Median per-call time of each of `fns`, over `rounds` rounds that run each in turn for
+    about `seconds / rounds` (so that all see the same machine: this VM's speed drifts by 15%)."""
+    calls = []
+    for fn in fns:
+        start = time.perf_counter()
+        fn()  # warm-up (and the compile, for a graph's first call)
+        calls.append(max(1, int(seconds / rounds / max(time.perf_counter() - start, 1e-6))))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, n, out in zip(fns, calls, samples):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            out.append((time.perf_counter() - start) / n * 1e3)
+    return [statistics.median(s) for s in samples]
+
+
 def batch_of(case_name: str, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The case's inputs with `size` rows (the suite fixes the batch; the rest of the shape is kept)."""
     x, y = CASES[case_name].inputs()
@@ -102,8 +121,9 @@ def run(case_name: str, mode: str, sizes: list[int], seconds: float) -> None:
     reference = batch_of(case_name, REFERENCE_BATCH)
     try:
         static, dynamic = graph_of(case_name, mode, False), graph_of(case_name, mode, True)
-        static_ms = median_ms(lambda: static(*reference), seconds)
-        dynamic_ms = median_ms(lambda: dynamic(*reference), seconds)
+        static(*reference), dynamic(*reference)  # compile both before timing
+        static_ms, dynamic_ms = interleaved_median_ms([lambda: static(*reference), lambda: dynamic(*reference)],
+                                                      2 * seconds)
     except TvmGraphError as e:
         print(f"{case_name:>12} {mode:>5}: not covered: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return
