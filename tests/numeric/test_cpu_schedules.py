@@ -32,6 +32,7 @@ from tvmgraph.schedules import (
     Reduction,
 )
 from tvmgraph.schedules.fast_math import fast_erf, fast_exp, fast_sigmoid, fast_tanh
+from tvmgraph.schedules.matmul import choose_tile
 
 TARGET = tvm.target.Target(
     {"kind": "llvm", "mcpu": tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()}
@@ -429,6 +430,16 @@ def test_matmul_over_a_symbolic_axis_the_tile_divides_reads_b_in_place(batch: in
     x, y = torch.randn(48, 32), torch.randn(32, batch, 3072)
     got, _ = run_prim_func(func, x, y, out_shape=(48, batch, 3072))
     torch.testing.assert_close(got, torch.einsum("ik,kmj->imj", x, y), **TOL)
+
+
+def test_tile_of_a_symbolic_axis_divides_what_the_axis_is_a_multiple_of() -> None:
+    """The transformer's 8192 x 1024 x 256 product: with 8192 rows the 6-row tile wins (two rows
+    of padding); with n * 128 rows (a dynamic batch at 64) padding is a run-time copy of A, and
+    the tile's rows divide 128 instead."""
+    static = choose_tile(8192, 256, 16, 32, 1024, 4, False)
+    dynamic = choose_tile(8192, 256, 16, 32, 1024, 4, False, i_multiple=128)
+    assert static.mi == 6
+    assert 128 % dynamic.mi == 0
 
 
 def unary_module(shape: tuple[int, ...], op) -> tvm.IRModule:

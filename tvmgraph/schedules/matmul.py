@@ -24,7 +24,8 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      before it is stored.
 
 A dynamic batch makes some axes symbolic: the tile and the panel decision are those of batch 64
-(loops.work_extent), and a symbolic I or J is zero-padded to whole tiles unless the tile
+(loops.work_extent), preferring a tile that divides the constant the axis is a multiple of (the
+transformer's n * 128 rows), and a symbolic I or J is zero-padded to whole tiles unless the tile
 provably divides it (a 1x1 convolution's J, n * H * W, usually is).
 
 Limits: float types only; no K blocking (fine while a B panel, K * nj
@@ -89,6 +90,10 @@ _TILES_16_REGS = {
 }
 
 _PADDING_PENALTY = 1.05
+# A symbolic axis padded at run time: a zero-filled copy of all of A, made under a bounds test
+# TVM cannot simplify (the transformer's 8192 x 1024 x 256 product over a dynamic batch: 2.3x
+# its static time with a 6-row tile, which pads n * 128 rows).
+_SYMBOLIC_PADDING_PENALTY = 1.5
 # NOTE: "global", not "local": TVM 0.27 keeps a "global" allocation under 1 KiB on the stack
 # but sends every "local" one (and every larger one) through TVMBackendAllocWorkspace, once per
 # tile. That call costs about as much as 64 steps of K, so short-K products (weight gradients,
@@ -104,12 +109,17 @@ _PACK_COST = 16.0
 def choose_tile(
     i_extent: int, j_extent: int, lanes: int, num_registers: int, k_extent: int = 1024,
     dtype_bytes: int = 4, b_contiguous: bool = False,
+    i_multiple: int | None = None, j_multiple: int | None = None,
 ) -> Tile:
     """The register tile with the least estimated time, in units of one tile-row FMA step.
 
     Counts the padded work over the tile's relative throughput, the per-tile heap allocation
     of tiles over 1 KiB, and, when B could be read in place but J needs padding, the copy
     that packing B then costs (about _PACK_COST FMA steps per element of B).
+
+    A symbolic I or J (a dynamic batch) comes as its extent at batch 64 and `i_multiple` /
+    `j_multiple`, the constant it is provably a multiple of (128 for n * 128): a tile that does
+    not divide that is padded at run time, which costs more (_SYMBOLIC_PADDING_PENALTY).
     """
     table = _TILES_32_REGS if num_registers >= 32 else _TILES_16_REGS
     best: tuple[float, Tile] | None = None
@@ -117,12 +127,14 @@ def choose_tile(
         if i_extent == 1 and mi != 1:
             continue  # a matrix-vector product: there is no I axis to pad (it may not exist)
         i_pad, j_pad = _round_up(i_extent, mi), _round_up(j_extent, nvec * lanes)
+        pads_i = i_pad != i_extent if i_multiple is None else i_multiple % mi != 0
+        pads_j = j_pad != j_extent if j_multiple is None else j_multiple % (nvec * lanes) != 0
         cost = i_pad * j_pad / speed
-        if i_pad != i_extent:
-            cost *= _PADDING_PENALTY  # the zero-padded copy of A
+        if pads_i:
+            cost *= _PADDING_PENALTY if i_multiple is None else _SYMBOLIC_PADDING_PENALTY  # the zero-padded copy of A
         if mi * nvec * lanes * dtype_bytes >= STACK_BYTES:
             cost *= 1.0 + _ALLOC_COST_IN_K_STEPS / max(k_extent, 1)
-        if b_contiguous and j_pad != j_extent:
+        if b_contiguous and pads_j:
             cost += _PACK_COST * j_pad
         if best is None or cost < best[0]:
             best = (cost, Tile(mi, nvec, lanes))
@@ -133,6 +145,15 @@ def choose_tile(
 # Packing per panel needs this many panels per thread to keep every thread busy (S x J/nj
 # parallel iterations of unequal cost at the edges); with fewer, B is packed whole first.
 PANELS_PER_THREAD = 4
+
+
+def _known_multiple(sch: s_tir.Schedule, loop: LoopRV) -> int | None:
+    """None for a constant extent; for a symbolic one (a dynamic batch), the largest constant it
+    is provably a multiple of (128 for n * 128, 1 for n)."""
+    extent = sch.get(loop).extent
+    if isinstance(extent, tirx.IntImm):
+        return None
+    return max(1, int(Analyzer().modular_set(extent).coeff))
 
 
 def _divides(sch: s_tir.Schedule, loop: LoopRV, factor: int) -> bool:
@@ -192,7 +213,8 @@ class Matmul(ScheduleRule):
         s_loop, i_loop, j_loop, k_loop = sch.get_loops(main)
         s_at, i_at, j_at, k_at = (work_extent(sch, loop) for loop in (s_loop, i_loop, j_loop, k_loop))
         tile = choose_tile(i_at, j_at, lanes, cpu.num_vector_registers, k_at,
-                           tvm.DataType(str(dtype)).bits // 8, b_contiguous)
+                           tvm.DataType(str(dtype)).bits // 8, b_contiguous,
+                           _known_multiple(sch, i_loop), _known_multiple(sch, j_loop))
         pad_i = not _divides(sch, i_loop, tile.mi)
         pad_j = not _divides(sch, j_loop, tile.nj)
         if pad_i or pad_j:
