@@ -13,6 +13,8 @@ Each is registered above TVM's level (``fixes_tvm=True``); the reason is in its 
   (``quantile``'s ``ranks - ranks.long()``) gets gradient 1 instead of 0.
 * ``relax.concat``: ``split`` at the running offsets fails for one part (``torch.stack`` of one
   tensor) and for an empty part (``block_diag`` with an empty block).
+* ``relax.reshape``: reads the input's shape from its type, which a dynamic batch can leave
+  unknown (autodiff's copy of the forward pass): the transformer failed to train.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def take_grad(
     ``clip``: clamped into ``[0, d-1]``; ``wrap``: ``k mod d``) before ``take_backward``.
     """
     x, indices = orig_call.args
-    x_shape = shape_of(x)
-    count = prod(shape_of(indices))
+    x_shape = dims_of(x)  # the indices of a dynamic batch's tokens are symbolic: n * seq of them
+    count = prod(dims_of(indices))
     axis = orig_call.attrs.axis
     if axis is None:
         size = prod(x_shape)
@@ -55,6 +57,8 @@ def take_grad(
         axis = int(axis) % len(x_shape)
         size = x_shape[axis]
         grad = op.reshape(output_grad, x_shape[:axis] + [count] + x_shape[axis + 1 :])
+    if not isinstance(size, int):
+        raise NotImplementedError(f"take along a symbolic axis ({size}): train this graph with a static batch")
     flat = op.reshape(indices, [count])
     dtype = dtype_of(indices)
     mode = str(orig_call.attrs.mode)
@@ -235,3 +239,19 @@ def variance_grad(
         output_grad = op.expand_dims(output_grad, attrs.axis)
     return [output_grad * grad]
 
+
+
+@register("relax.reshape", fixes_tvm=True)
+def reshape_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``y = reshape(x, s)``:  ``dx = reshape(dy, x.shape)``; s is not differentiable.
+
+    TVM takes x's shape from x's type. Under a dynamic batch, autodiff copies the forward pass
+    and re-infers the copies' types, and the copy of a reshape to a symbolic shape (lifted to a
+    parameter, training/symbolic_shapes.py) can have a type with no shape: TVM's gradient then
+    fails (an encoder layer's attention reshapes). Such a shape is read at run time instead.
+    """
+    x = orig_call.args[0]
+    shape = x.ty.shape if isinstance(x.ty, relax.TensorType) else None
+    return [op.reshape(output_grad, op.shape_of(x) if shape is None else shape), grad_op.no_grad(orig_call.args[1])]

@@ -7,7 +7,9 @@ With a symbolic dim, Gradient copies the forward bindings into the backward pass
 1. fails ("key is not in Map") copying a binding whose call takes a symbolic shape
    (`R.reshape(x, R.shape([n, 108]))` of `x.flatten(1)`, `R.ones(R.shape([n]))`): `lift_shapes`
    makes each such shape a parameter of `main` before, `bind_shapes` puts it back into
-   `main_adjoint` after;
+   `main_adjoint` after; a `broadcast_to` of a tensor to the shape it has (attention's `expand`)
+   is dropped instead, since the copy of a broadcast to a shape parameter has no static shape
+   and the gradients of what reads it fail;
 2. would run the forward pass twice: `bind_shapes` merges the copies (common subexpressions);
    attention that RecomputeAttention marks for recomputation is then kept instead;
 3. builds the gradients' shapes with the forward program's symbolic variables, other objects
@@ -18,6 +20,7 @@ With a symbolic dim, Gradient copies the forward bindings into the backward pass
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -57,6 +60,10 @@ class _ShapeLifter(PyExprMutator):
         call = super().visit_call_(call)
         if not any(_symbolic_shape(a) for a in call.args):
             return call
+        if _identity_broadcast(call):
+            # attention's `expand` to the shape its input has: with the shape lifted, autodiff's
+            # copy of it would have no static shape, nor would the matmul that reads it.
+            return call.args[0]
         args = []
         for arg in call.args:
             if _symbolic_shape(arg):
@@ -65,6 +72,15 @@ class _ShapeLifter(PyExprMutator):
                 arg = param
             args.append(arg)
         return relax.Call(call.op, args, call.attrs, call.ty_args)
+
+
+def _identity_broadcast(call: relax.Call) -> bool:
+    """`broadcast_to(x, shape)` with `shape` the shape x has."""
+    if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.broadcast_to"):
+        return False
+    x, shape = call.args
+    return isinstance(x.ty, relax.TensorType) and isinstance(x.ty.shape, relax.ShapeExpr) \
+        and tvm_ffi.structural_equal(x.ty.shape, shape)
 
 
 def _symbolic_shape(arg: relax.Expr) -> bool:

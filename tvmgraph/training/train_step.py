@@ -367,8 +367,8 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
                 raise UnsupportedOpError(
                     f"{graph}: TVM's autodiff failed on this program with a dynamic batch "
                     f"(config.enable_dynamic_batch(); {type(e).__name__}: {reason_of(e)}). Train it with a "
-                    f"static batch (the option off; a smaller last batch then compiles once more); an MLP or "
-                    f"a CNN trains with a dynamic batch (docs/training.md, \"Dynamic batch\").") from e
+                    f"static batch (the option off; a smaller last batch then compiles once more); MLPs, "
+                    f"CNNs and transformers train with a dynamic batch (docs/training.md, \"Dynamic batch\").") from e
             raise
         raise UnsupportedOpError(f"{graph}: build() computes a shape from tensor values (nonzero, boolean masks, "
                                  f"torch.combinations) on the way to the loss; tvmgraph cannot differentiate "
