@@ -440,6 +440,10 @@ def test_tile_of_a_symbolic_axis_divides_what_the_axis_is_a_multiple_of() -> Non
     dynamic = choose_tile(8192, 256, 16, 32, 1024, 4, False, i_multiple=128)
     assert static.mi == 6
     assert 128 % dynamic.mi == 0
+    # A GPT's tied-embedding gradient, 4096 x 256 summed over n * 128 tokens: padding the static
+    # I would copy A along the symbolic K, one scalar at a time.
+    assert choose_tile(4096, 256, 16, 32, 8192, 4, False).mi == 6
+    assert 4096 % choose_tile(4096, 256, 16, 32, 8192, 4, False, symbolic_k=True).mi == 0
 
 
 def unary_module(shape: tuple[int, ...], op) -> tvm.IRModule:

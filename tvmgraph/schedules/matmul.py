@@ -92,7 +92,9 @@ _TILES_16_REGS = {
 _PADDING_PENALTY = 1.05
 # A symbolic axis padded at run time: a zero-filled copy of all of A, made under a bounds test
 # TVM cannot simplify (the transformer's 8192 x 1024 x 256 product over a dynamic batch: 2.3x
-# its static time with a 6-row tile, which pads n * 128 rows).
+# its static time with a 6-row tile, which pads n * 128 rows); or A padded along a static I
+# but copied along a symbolic K, one scalar at a time (a GPT's tied-embedding gradient,
+# 4096 x 256 summed over n * 128 tokens: 2x its static time).
 _SYMBOLIC_PADDING_PENALTY = 1.5
 # NOTE: "global", not "local": TVM 0.27 keeps a "global" allocation under 1 KiB on the stack
 # but sends every "local" one (and every larger one) through TVMBackendAllocWorkspace, once per
@@ -109,7 +111,7 @@ _PACK_COST = 16.0
 def choose_tile(
     i_extent: int, j_extent: int, lanes: int, num_registers: int, k_extent: int = 1024,
     dtype_bytes: int = 4, b_contiguous: bool = False,
-    i_multiple: int | None = None, j_multiple: int | None = None,
+    i_multiple: int | None = None, j_multiple: int | None = None, symbolic_k: bool = False,
 ) -> Tile:
     """The register tile with the least estimated time, in units of one tile-row FMA step.
 
@@ -119,7 +121,8 @@ def choose_tile(
 
     A symbolic I or J (a dynamic batch) comes as its extent at batch 64 and `i_multiple` /
     `j_multiple`, the constant it is provably a multiple of (128 for n * 128): a tile that does
-    not divide that is padded at run time, which costs more (_SYMBOLIC_PADDING_PENALTY).
+    not divide that is padded at run time, which costs more (_SYMBOLIC_PADDING_PENALTY), as does
+    padding I when K is symbolic (`symbolic_k`: the padded copy of A then runs a symbolic loop).
     """
     table = _TILES_32_REGS if num_registers >= 32 else _TILES_16_REGS
     best: tuple[float, Tile] | None = None
@@ -130,8 +133,8 @@ def choose_tile(
         pads_i = i_pad != i_extent if i_multiple is None else i_multiple % mi != 0
         pads_j = j_pad != j_extent if j_multiple is None else j_multiple % (nvec * lanes) != 0
         cost = i_pad * j_pad / speed
-        if pads_i:
-            cost *= _PADDING_PENALTY if i_multiple is None else _SYMBOLIC_PADDING_PENALTY  # the zero-padded copy of A
+        if pads_i:  # the zero-padded copy of A
+            cost *= _SYMBOLIC_PADDING_PENALTY if i_multiple is not None or symbolic_k else _PADDING_PENALTY
         if mi * nvec * lanes * dtype_bytes >= STACK_BYTES:
             cost *= 1.0 + _ALLOC_COST_IN_K_STEPS / max(k_extent, 1)
         if b_contiguous and pads_j:
@@ -214,7 +217,8 @@ class Matmul(ScheduleRule):
         s_at, i_at, j_at, k_at = (work_extent(sch, loop) for loop in (s_loop, i_loop, j_loop, k_loop))
         tile = choose_tile(i_at, j_at, lanes, cpu.num_vector_registers, k_at,
                            tvm.DataType(str(dtype)).bits // 8, b_contiguous,
-                           _known_multiple(sch, i_loop), _known_multiple(sch, j_loop))
+                           _known_multiple(sch, i_loop), _known_multiple(sch, j_loop),
+                           _known_multiple(sch, k_loop) is not None)
         pad_i = not _divides(sch, i_loop, tile.mi)
         pad_j = not _divides(sch, j_loop, tile.nj)
         if pad_i or pad_j:
