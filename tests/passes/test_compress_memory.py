@@ -467,6 +467,33 @@ def test_inplace_safe(kernel: str, src: int, dst: int, safe: bool) -> None:
     assert inplace_safe(Kernels[kernel], src, dst) is safe
 
 
+def test_packing_tries_several_orders_and_keeps_the_smallest_arena() -> None:
+    """Four tensors (first use, last use, units of 64 bytes): at most 5 units live at once.
+    Biggest first puts d and a (3 units each, never live together) at 0, b above a at 3, and c,
+    live with both d and b, at 5: a 7-unit arena. In order of first use they fit in 5, which
+    `pack` keeps."""
+    from relay_passes import compress_memory
+
+    unit = ALIGN
+    specs = {"a": (3, 6, 3 * unit), "b": (2, 3, 2 * unit), "c": (0, 2, 2 * unit), "d": (1, 1, 3 * unit)}
+
+    def plan_with(orders) -> int:
+        tensors = [Tensor(relax.Var(name, relax.TensorType((1,), "float32")), start, end, nbytes, (0, "global"))
+                   for name, (start, end, nbytes) in specs.items()]
+        plan = FunctionPlan({t.var: t for t in tensors})
+        saved = compress_memory._PACKING_ORDERS
+        compress_memory._PACKING_ORDERS = orders
+        try:
+            pack(plan)
+        finally:
+            compress_memory._PACKING_ORDERS = saved
+        assert check_plan(plan) == []
+        return plan.arena_bytes[(0, "global")]
+
+    assert plan_with(compress_memory._PACKING_ORDERS[:1]) == 7 * unit
+    assert plan_with(compress_memory._PACKING_ORDERS) == 5 * unit
+
+
 # ---- the planner's invariant ----
 
 @pytest.mark.parametrize("seed", range(10))
