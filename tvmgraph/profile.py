@@ -3,7 +3,8 @@
 Each call of the compiled program is timed through the Relax VM's instrument hook (before and
 after every call the VM makes), so the times are those of the program as it runs, kernels in their
 real order with their real inputs. Each kernel's FLOPs come from its TIR before
-scheduling (`estimate_tir_flops`), its bytes from its arguments (read plus written); against the machine's
+scheduling (`estimate_tir_flops`; a dynamic batch's kernels bound to the shapes they ran with),
+its bytes from its arguments (read plus written); against the machine's
 measured limits (tvmgraph/hardware.py) a kernel is compute-bound when its FLOPs per byte are above
 the ridge point (FMA peak / bandwidth) and is given as a share of the FMA peak, else as a share of
 the memory bandwidth.
@@ -110,6 +111,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.runs: list[dict[str, list[float]]] = []
         self.bytes: dict[str, int] = {}
+        self.args: dict[str, list[Any]] = {}  # each kernel's arguments' shapes (ints for scalars)
         self._started = 0.0
 
     def new_run(self) -> None:
@@ -119,6 +121,7 @@ class _Recorder:
         if before:
             if not self.bytes.get(symbol):  # counted once: the same call has the same arguments
                 self.bytes[symbol] = sum(_nbytes(a) for a in args)
+                self.args[symbol] = [_shape_of(a) for a in args]
             self._started = time.perf_counter()
         else:
             self.runs[-1][symbol].append(time.perf_counter() - self._started)
@@ -134,9 +137,17 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _flops(compiled: CompiledGraph) -> dict[str, float]:
+def _shape_of(value: Any) -> tuple[tuple[int, ...], str] | int | None:
+    if isinstance(value, tvm.runtime.Tensor):
+        return tuple(int(d) for d in value.shape), str(value.dtype)
+    return int(value) if isinstance(value, int) else None
+
+
+def _flops(compiled: CompiledGraph, args: dict[str, list[Any]]) -> dict[str, float]:
     """Each kernel's FLOPs, counted on its TIR before scheduling (a schedule's padding and
-    index arithmetic are not the kernel's work): the pipeline runs again up to its tuning stage."""
+    index arithmetic are not the kernel's work): the pipeline runs again up to its tuning stage.
+    A kernel over a dynamic batch is counted at the shapes it was called with (`args`): the
+    estimator counts a symbolic loop once, which showed a dynamic graph's kernels at 0.1 GFLOP/s."""
     from tvm.s_tir.analysis import estimate_tir_flops
 
     from .pipeline import get_pipeline
@@ -148,10 +159,38 @@ def _flops(compiled: CompiledGraph) -> dict[str, float]:
     for gv, func in mod.functions_items():
         if isinstance(func, tvm.tirx.PrimFunc):
             try:
-                flops[gv.name_hint] = float(estimate_tir_flops(tvm.IRModule({"main": func})))
+                if _symbolic(func):
+                    func = _at_call_shapes(func, args.get(gv.name_hint))
+                flops[gv.name_hint] = float(estimate_tir_flops(tvm.IRModule({"main": func}))) if func else 0.0
             except Exception:  # noqa: BLE001  (a kernel the estimator cannot walk counts no FLOPs)
                 flops[gv.name_hint] = 0.0
     return flops
+
+
+def _symbolic(func: tvm.tirx.PrimFunc) -> bool:
+    """Whether a parameter is a buffer with a symbolic dim, or a scalar (a dynamic batch)."""
+    for param in func.params:
+        ty = param.ty
+        if not isinstance(ty, tvm.tirx.BufferType):
+            return True
+        if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape):
+            return True
+    return False
+
+
+def _at_call_shapes(func: tvm.tirx.PrimFunc, call_args: list[Any] | None) -> tvm.tirx.PrimFunc | None:
+    """`func` with its parameters bound to the shapes (and scalars) of one call; None (no FLOPs
+    shown, rather than a wrong count) without them."""
+    if call_args is None or len(call_args) != len(func.params):
+        return None
+    binding = {}
+    for param, arg in zip(func.params, call_args):
+        if isinstance(arg, int):
+            binding[param] = tvm.tirx.IntImm("int64", arg)
+        elif isinstance(arg, tuple):
+            shape, dtype = arg
+            binding[param] = tvm.tirx.decl_buffer([tvm.tirx.IntImm("int64", d) for d in shape], dtype)
+    return func.specialize(binding)
 
 
 def profile_graph(graph: Graph, args: tuple, repeat: int = 5, limits: Limits | None | bool = True) -> Profile:
@@ -189,7 +228,7 @@ def profile_graph(graph: Graph, args: tuple, repeat: int = 5, limits: Limits | N
         if saved is not None:
             graph.load_state_dict(saved)
         torch.set_rng_state(rng)
-    flops = _flops(compiled)
+    flops = _flops(compiled, recorder.args)
     kernels, runtime_s, runtime_calls = [], [], 0
     for symbol in recorder.runs[0]:
         per_run = [sum(run.get(symbol, [])) for run in recorder.runs]

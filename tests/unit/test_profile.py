@@ -41,6 +41,22 @@ def test_inference_profile_counts_each_kernel_once_with_its_flops() -> None:
     assert report.graph in text and "test CPU" in text and first[0].name[:20] in text
 
 
+def test_dynamic_batch_kernels_are_counted_at_the_batch_they_ran() -> None:
+    """A dynamic-batch graph's kernels have a symbolic batch; counted at the call's shapes, the
+    FLOPs of one call are the static graph's (counted once per symbolic loop, they were 32x too
+    few here, and the profile showed 0.1 GFLOP/s kernels)."""
+    torch.manual_seed(0)
+    model = mlp((64, 128, 10))
+    x = torch.randn(32, 64)
+    static = ModuleGraph(model).profile(x, repeat=1)
+    graph = ModuleGraph(model)
+    graph.config.enable_dynamic_batch()
+    dynamic = graph.profile(x, repeat=1)
+    total = lambda report: sum(k.flops for k in report.kernels)  # noqa: E731
+    assert total(static) >= 2 * 32 * 64 * 128
+    assert total(dynamic) == pytest.approx(total(static), rel=0.02)
+
+
 def test_limit_share_is_fma_above_the_ridge_and_bandwidth_below() -> None:
     compute = KernelTime("mm", 1, 1e-3, flops=5e7, bytes=1_000_000)   # 50 FLOP/B, 50 GFLOP/s
     memory = KernelTime("add", 1, 1e-3, flops=1e6, bytes=5_000_000)    # 0.2 FLOP/B, 5 GB/s
