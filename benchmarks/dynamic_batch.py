@@ -56,16 +56,7 @@ class Train(tvmgraph.nn.Graph):
 
 def median_ms(fn: Callable[[], object], seconds: float, rounds: int = 5) -> float:
     """Median over `rounds` of the mean call time, each round about `seconds / rounds` long."""
-    start = time.perf_counter()
-    fn()  # warm-up (and the compile, for a graph's first call)
-    calls = max(1, int(seconds / rounds / max(time.perf_counter() - start, 1e-6)))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(samples)
+    return interleaved_median_ms([fn], seconds, rounds)[0]
 
 
 def interleaved_median_ms(fns: list[Callable[[], object]], seconds: float, rounds: int = 9) -> list[float]:

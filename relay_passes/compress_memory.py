@@ -53,9 +53,10 @@ from tvm import ir, relax, s_tir, tirx
 from tvm.sym import Analyzer
 
 from tvmgraph.debug import logger
+from tvmgraph.schedules.loops import REFERENCE_BATCH, at_reference_batch
 
 from .bindings import vars_in
-from .tensor_sizes import COMPARE_AT, bytes_per_unit, format_bytes
+from .tensor_sizes import bytes_per_unit, format_bytes
 
 ALIGN = 64  # bytes; TVM's kAllocAlignment, which kernels assume for their buffers
 _ALLOC = tvm.ir.Op.get("relax.builtin.alloc_tensor")
@@ -438,17 +439,9 @@ def arena_unit(key: tuple) -> tirx.Var | None:
     return key[2] if len(key) > 2 else None
 
 
-def _bytes_at(size: tirx.PrimExpr | int, at: int) -> int | None:
-    analyzer = Analyzer()
-    for var in tirx.analysis.undefined_vars(tirx.IntImm("int64", size) if isinstance(size, int) else size):
-        analyzer.bind(var, tirx.IntImm("int64", at))  # Relax shape variables are int64
-    value = analyzer.simplify(size)
-    return int(value) if isinstance(value, tirx.IntImm) else None
-
-
 def _planned_bytes(func: relax.Function) -> int:
     """Bytes of all `memory.alloc_storage`s of a function planned by StaticPlanBlockMemory (a
-    symbolic size at COMPARE_AT)."""
+    symbolic size at REFERENCE_BATCH)."""
     total = 0
     alloc_storage = tvm.ir.Op.get("relax.memory.alloc_storage")
 
@@ -457,15 +450,15 @@ def _planned_bytes(func: relax.Function) -> int:
         if isinstance(expr, relax.Call) and expr.op.same_as(alloc_storage):
             size = expr.args[0]
             if isinstance(size, relax.ShapeExpr):
-                total += _bytes_at(math.prod(size.values), COMPARE_AT) or 0
+                total += at_reference_batch(math.prod(size.values, start=tirx.IntImm("int64", 1))) or 0
 
     relax.analysis.post_order_visit(func.body, visit)
     return total
 
 
 def _arena_bytes(plan: FunctionPlan) -> int:
-    """Bytes of the plan's arenas (an arena of a symbolic unit at COMPARE_AT of it)."""
-    return sum(nbytes * (1 if arena_unit(key) is None else COMPARE_AT) for key, nbytes in plan.arena_bytes.items())
+    """Bytes of the plan's arenas (an arena of a symbolic unit at REFERENCE_BATCH of it)."""
+    return sum(nbytes * (1 if arena_unit(key) is None else REFERENCE_BATCH) for key, nbytes in plan.arena_bytes.items())
 
 
 def _format_arenas(plan: FunctionPlan) -> str:
@@ -506,7 +499,7 @@ class CompressMemory:
             assert not problems, f"CompressMemory overlapped tensors in {gv.name_hint}: {problems[:3]}"
             before, after = _planned_bytes(static[gv.name_hint]), _arena_bytes(plan)
             symbolic = any(arena_unit(key) is not None for key in plan.arena_bytes)
-            at = f" at {COMPARE_AT} rows" if symbolic else ""
+            at = f" at {REFERENCE_BATCH} rows" if symbolic else ""
             if after >= before:
                 lines.append(f"{gv.name_hint} {format_bytes(before)}{at} kept (arena: {format_bytes(after)})")
                 continue

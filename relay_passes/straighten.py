@@ -38,9 +38,10 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvmgraph.debug import logger
+from tvmgraph.schedules.loops import REFERENCE_BATCH
 
 from .bindings import vars_in
-from .tensor_sizes import COMPARE_AT, bytes_per_unit, format_bytes
+from .tensor_sizes import bytes_per_unit, format_bytes
 
 _INPLACE = tvm.ir.Op.get("relax.call_tir_inplace")
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -153,13 +154,14 @@ class BlockModel:
 
 
 def _bytes(ty: object) -> int:
-    """A result's bytes; a dynamic batch's tensor counted at COMPARE_AT rows (as CompressMemory
-    weighs it), so that the order is not blind to every activation of a dynamic-batch graph."""
+    """A result's bytes; a dynamic batch's tensor counted at REFERENCE_BATCH rows (as
+    CompressMemory weighs it), so that the order is not blind to every activation of a
+    dynamic-batch graph."""
     size = bytes_per_unit(ty)
     if size is None:
         return 0
     nbytes, unit = size
-    return nbytes if unit is None else nbytes * COMPARE_AT
+    return nbytes if unit is None else nbytes * REFERENCE_BATCH
 
 
 def _is_view(call: relax.Call, mod: tvm.IRModule | None) -> bool:

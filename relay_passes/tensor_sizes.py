@@ -9,12 +9,6 @@ from tvm import relax
 from tvm.sym import Analyzer
 
 
-# A size that is a multiple of a symbolic variable (a dynamic batch) is weighed at this value of
-# it, the batch the benchmarks use: where CompressMemory compares its plan with TVM's and where
-# StraightenBindings counts live bytes.
-COMPARE_AT = 64
-
-
 def static_bytes(ty: object) -> int | None:
     """Bytes of a tensor type, or of all fields of a tuple type, with a static shape; else None."""
     if isinstance(ty, relax.TupleType):
@@ -25,8 +19,7 @@ def static_bytes(ty: object) -> int | None:
     dims = ty.shape.values
     if not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
         return None
-    dtype = ty.dtype.dtype
-    return math.prod(int(d) for d in dims) * ((dtype.bits * dtype.lanes + 7) // 8)
+    return math.prod(int(d) for d in dims) * _element_bytes(ty)
 
 
 def bytes_per_unit(ty: object) -> tuple[int, tvm.tirx.Var | None] | None:
@@ -50,8 +43,12 @@ def bytes_per_unit(ty: object) -> tuple[int, tvm.tirx.Var | None] | None:
     if not isinstance(per_unit, tvm.tirx.IntImm) or int(per_unit) <= 0 \
             or not Analyzer().can_prove_equal(elements, per_unit * var):
         return None
+    return int(per_unit) * _element_bytes(ty), var
+
+
+def _element_bytes(ty: relax.TensorType) -> int:
     dtype = ty.dtype.dtype
-    return int(per_unit) * ((dtype.bits * dtype.lanes + 7) // 8), var
+    return (dtype.bits * dtype.lanes + 7) // 8
 
 
 def format_bytes(nbytes: int) -> str:

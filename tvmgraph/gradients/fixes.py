@@ -240,7 +240,6 @@ def variance_grad(
     return [output_grad * grad]
 
 
-
 @register("relax.reshape", fixes_tvm=True)
 def reshape_grad(
     orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder

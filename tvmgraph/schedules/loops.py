@@ -37,24 +37,31 @@ def static_extent(sch: s_tir.Schedule, loop: LoopRV) -> int | None:
     return int(extent) if isinstance(extent, tirx.IntImm) else None
 
 
-# A symbolic size (a dynamic batch) is weighed at this value where a schedule needs a number
-# (work for threads, a tile, panels): the batch a dynamic graph is benchmarked at, so that its
-# kernels at batch 64 are scheduled as the static graph's. Counted as 1, a dynamic batch's
-# batch-norm statistics ran on one core (2x their static time on 2 cores).
-SYMBOLIC_TRIP_COUNT = 64
+# A symbolic size (a dynamic batch) is weighed at this value of its variable wherever a number is
+# needed: by the schedules (work for threads, a tile, panels), so that a dynamic graph's kernels
+# at batch 64 are scheduled as the static graph's (counted as 1, its batch-norm statistics ran on
+# one core), and by the memory passes (live bytes, the plan to beat). The batch the benchmarks use.
+REFERENCE_BATCH = 64
+
+
+def at_reference_batch(size: tirx.PrimExpr) -> int | None:
+    """`size` with every symbolic variable at REFERENCE_BATCH (n * 1024 -> 65536); None when it
+    does not simplify to a constant."""
+    analyzer = Analyzer()
+    for var in tirx.analysis.undefined_vars(size):
+        analyzer.bind(var, tirx.IntImm("int64", REFERENCE_BATCH))  # Relax shape variables are int64
+    value = analyzer.simplify(size)
+    return int(value) if isinstance(value, tirx.IntImm) else None
 
 
 def work_extent(sch: s_tir.Schedule, loop: LoopRV) -> int:
-    """The loop's trip count for estimates: its constant extent, else its extent with every
-    symbolic variable at SYMBOLIC_TRIP_COUNT (n * 1024 -> 65536)."""
+    """The loop's trip count for estimates: its constant extent, else its extent at
+    REFERENCE_BATCH."""
     extent = sch.get(loop).extent
     if isinstance(extent, tirx.IntImm):
         return int(extent)
-    analyzer = Analyzer()
-    for var in tirx.analysis.undefined_vars(extent):
-        analyzer.bind(var, tirx.IntImm("int64", SYMBOLIC_TRIP_COUNT))
-    value = analyzer.simplify(extent)
-    return max(1, int(value)) if isinstance(value, tirx.IntImm) else SYMBOLIC_TRIP_COUNT
+    value = at_reference_batch(extent)
+    return REFERENCE_BATCH if value is None else max(1, value)
 
 
 def iter_kinds(sch: s_tir.Schedule, block: SBlockRV) -> str | None:

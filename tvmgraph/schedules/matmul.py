@@ -167,10 +167,9 @@ def _divides(sch: s_tir.Schedule, loop: LoopRV, factor: int) -> bool:
     return Analyzer().can_prove_equal(tirx.floormod(extent, factor), 0)
 
 
-def enough_panels(s_extent: int | None, j_extent: int | None, tile: Tile, threads: int | None = None) -> bool:
-    """Whether the product has enough B panels to run panel by panel in parallel (see `Matmul`)."""
-    if s_extent is None or j_extent is None:
-        return False
+def enough_panels(s_extent: int, j_extent: int, tile: Tile, threads: int | None = None) -> bool:
+    """Whether the product has enough B panels to run panel by panel in parallel (see `Matmul`;
+    a symbolic extent comes at batch 64, loops.work_extent)."""
     panels = s_extent * ((j_extent + tile.nj - 1) // tile.nj)
     return panels >= PANELS_PER_THREAD * (threads or os.cpu_count() or 1)
 
