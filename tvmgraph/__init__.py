@@ -14,8 +14,11 @@
 import importlib
 from typing import Any
 
+from . import threads
 from .deploy_runtime import load as load
 from .errors import TvmGraphError as TvmGraphError
+
+threads.configure()  # before anything starts TVM's thread pool
 
 __version__ = "0.1.0"
 

@@ -456,23 +456,3 @@ class Settings:
 
 
 settings = Settings()
-
-# TVM's CPU worker threads spin after each parallel kernel before they sleep. With the default
-# spin count they keep both cores busy long after a graph call returns, and eager torch code
-# that runs next (its OpenMP threads) slows down up to 40x (measured: a 70 us eager MLP took
-# 2.5 ms right after a graph call). A short spin keeps consecutive kernels of one graph call on
-# warm threads and lets them sleep between calls. Read by TVM when its thread pool starts, so
-# it is set here, at import; a value the user exported wins.
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "1000")
-# Without TVM_NUM_THREADS, TVM on x86 runs half as many threads as there are logical CPUs (it
-# assumes hyper-threading) and pins the calling thread to one core: on the 2-core Zen 5 test
-# machine every kernel ran on one thread (GEMV 48 us instead of 23 us), and the Python main
-# thread, torch's included, stayed pinned to CPU 0 afterwards. torch's intra-op thread count is
-# its own pick of cores (physical ones on hyper-threaded CPUs); kernels use as many threads.
-def _torch_threads() -> int:
-    import torch
-
-    return max(1, torch.get_num_threads())
-
-
-os.environ.setdefault("TVM_NUM_THREADS", str(_torch_threads()))
