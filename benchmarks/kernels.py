@@ -1,11 +1,12 @@
 """Kernel benchmark: torch eager vs TVM's default build vs TVM with ApplyCPUSchedules.
 
-    python -m benchmarks.kernels [--cases mlp,train,cnn,transformer] [--only NAME,...]
+    python -m benchmarks.kernels [--cases mlp,train,cnn,transformer,mlp_large] [--only NAME,...]
                                  [--rounds 7] [--seconds 0.05] [--no-default]
 
 One line per kernel of the reference workloads (MLP 784-1024-1024-10, MobileNetV2-style CNN
 at 3x32x32 batch 64, 2-layer d=256 transformer at batch 8 x seq 128, and their training-step
-kernels), as the frontend and autodiff produce them. Each kernel is a small Relax function,
+kernels; `mlp_large`, not run by default: 256 x 4096 x 4096 products), as the frontend and
+autodiff produce them. Each kernel is a small Relax function,
 lowered with tvmgraph's default pipeline with and without `ApplyCPUSchedules`. Timings are
 the minimum and median over `rounds` rounds that rotate through the three engines (other jobs
 on the machine shift all three alike); GFLOP/s counts one multiply-add as 2 FLOP and is left
@@ -92,6 +93,11 @@ KERNELS = [
            _matmul_bias_relu, lambda x, w, b: F.relu(x @ w + b), _mm(64, 1024, 1024)),
     Kernel("matmul+bias+relu 1x1024x1024", "mlp", ((1, 1024), (1024, 1024), (1024,)),
            _matmul_bias_relu, lambda x, w, b: F.relu(x @ w + b), _mm(1, 1024, 1024)),
+    # ---- large MLP (3 x 4096, batch 256): B panels of K x 64 floats outgrow the L2 cache ------
+    Kernel("linear+relu 256x4096->4096", "mlp_large", ((256, 4096), (4096, 4096), (4096,)),
+           _linear, lambda x, w, b: F.relu(F.linear(x, w, b)), _mm(256, 4096, 4096)),
+    Kernel("dX = dY W 256x4096 (K=4096)", "mlp_large", ((256, 4096), (4096, 4096)),
+           lambda dy, w: relax.op.matmul(dy, w), lambda dy, w: dy @ w, _mm(256, 4096, 4096)),
     # ---- MLP training step -------------------------------------------------------------------
     Kernel("dW = dY^T X 1024x784 (K=64)", "train", ((64, 1024), (64, 784)),
            lambda dy, x: relax.op.matmul(relax.op.permute_dims(dy), x),

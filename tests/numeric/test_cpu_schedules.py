@@ -182,6 +182,18 @@ def test_matmul_packs_b_panel_by_panel_when_there_are_enough_panels(monkeypatch:
     assert (first_parallel < pack < tiles) is panel_major, text[:3000]
 
 
+@pytest.mark.parametrize("m, packed", [(64, False), (96, True), (256, True)])
+def test_matmul_packs_a_b_contiguous_along_j_that_many_rows_reread(m: int, packed: bool) -> None:
+    """x @ W with W[k, n] read in place by 64 rows; from PACK_REUSED_ROWS (96) rows of x on, each
+    panel of W is first copied contiguous (the large MLP's input gradient: 0.80x the time)."""
+    n, k = 768, 64  # a multiple of every tile width: no padding, which would pack B anyway
+    func = te_matmul(m, n, k, False, False)
+    a, b, bias = torch.randn(m, k), torch.randn(k, n), torch.randn(n)
+    out, scheduled = run_prim_func(func, a, b, bias, out_shape=(m, n))
+    torch.testing.assert_close(out, torch.relu(a @ b + bias), **TOL)
+    assert ('T.sblock("B_' in scheduled.script()) is packed
+
+
 @I.ir_module
 class LinearLayer:
     @R.function
@@ -241,6 +253,16 @@ def test_matrix_vector_rule_leaves_other_products_to_matmul(case: tuple) -> None
     """x @ W with W[k, n] (contiguous along N), or more rows than K / 16: not this rule's."""
     m, n, k, b_trans = case
     assert MatrixVector().apply(te_matmul(m, n, k, False, b_trans), TARGET, False) is None
+
+
+@pytest.mark.parametrize("m, k, taken", [(32, 1024, True), (16, 2048, True), (64, 1024, False),
+                                         (16, 4096, False), (256, 4096, False), (1, 131072, True)])
+def test_matrix_vector_rule_needs_the_rows_of_x_to_fit_in_l2(m: int, k: int, taken: bool) -> None:
+    """Each group of W rows reads all of x: an x of more than MAX_A_BYTES (128 KiB; the large
+    MLP's layers have 4 MiB) goes to the matmul rule, which reads it from L2 once per panel
+    instead of from L3 (2.8x faster there). Batch 1 reads x once whatever its size."""
+    func = te_matmul(m, 32, k, False, True)
+    assert (MatrixVector().apply(func, TARGET, False) is not None) == taken
 
 
 # ---- conv.py ---------------------------------------------------------------------------------

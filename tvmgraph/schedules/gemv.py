@@ -1,8 +1,8 @@
 """`x @ w.T` for a few rows of x (batch 1 to ~64) as dot products that read W in place.
 
 Matches what `matmul.py` matches, `C[S, I, J] += A[S, I, K] * B[S, J, K]`, when both A and B
-are contiguous along K and A has few rows (I <= K / 16): nn.Linear at small batch,
-where B is the weight W[out, in]. The matmul rule would pack W into panels on every call (a
+are contiguous along K and A has few rows (I <= K / 16, and at most 128 KiB of A): nn.Linear
+at small batch, where B is the weight W[out, in]. The matmul rule would pack W into panels on every call (a
 transposing copy of W that costs more than the product itself when I is small: 700 us of
 1270 us for 64 x 1024 x 1024 on one core); this rule reads every row of W straight from
 memory, and at batch 1 reads W exactly once.
@@ -25,6 +25,7 @@ ri * rj * width scalar adds per tile (I * J * width in all), which is why large 
 
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import SBlockRV
@@ -49,6 +50,13 @@ TILES = ((4, 3), (3, 4), (2, 6), (6, 2), (1, 12), (2, 4), (4, 2), (1, 8), (2, 3)
 # packing W for the matmul rule (J * K strided copies). Measured on Zen 5 (N = 256..1024):
 # 0.16-0.3x of the matmul rule's time at I = 1, 0.5-0.8x at I = 16, 0.7-1.2x at I = 32.
 MAX_ROWS_PER_K = 16
+# ... and while A's rows stay in cache: every group of rj rows of W reads all of A, so an A of
+# I * K floats that does not stay in L2 is read from L3 J / rj times. Measured on Zen 5 (1 MiB
+# L2 per core, both cores), this rule's time over the matmul rule's: 0.63 at 16 x 1024 x 1024,
+# 0.92 at 32 x 1024 x 1024 and 0.95 at 16 x 2048 x 2048 (128 KiB of A); 1.15 at
+# 64 x 1024 x 1024, 1.24 at 16 x 4096 x 4096 and 2.9 at 64 x 256 x 1024 (256 KiB); 2.8 at
+# 256 x 4096 x 4096 (4 MiB: the large MLP's layers, 46% of the FMA peak before this limit).
+MAX_A_BYTES = 128 * 1024
 # Below this many multiply-adds the kernel runs on one thread. A batch-1 layer reads its weight
 # at ~75 GB/s on one core (a 1024 x 1024 weight in 48 us); a second thread halves that on an
 # idle machine, but when another process holds the other core, waking TVM's worker thread
@@ -74,6 +82,9 @@ class MatrixVector(ScheduleRule):
             return None
         s_ext, i_ext, j_ext, k_ext = extents
         if s_ext is None or i_ext is None or k_ext is None or i_ext * MAX_ROWS_PER_K > k_ext:
+            return None
+        a_bytes = tvm.DataType(str(stmt.reads[a].source.dtype)).bits // 8
+        if i_ext > 1 and i_ext * k_ext * a_bytes > MAX_A_BYTES:
             return None
         cpu = CPUTarget.from_target(target)
         width = cpu.lanes(str(sch.get(main).writes[0].source.dtype))
