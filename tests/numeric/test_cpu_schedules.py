@@ -398,6 +398,25 @@ def test_weight_gradient_runs_as_implicit_gemm_when_channels_fill_tiles(cin: int
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("batch, blocks", [(2, None), (6, 3)])
+def test_weight_gradient_reads_dy_from_l2_in_blocks_of_images(batch: int, blocks: int | None) -> None:
+    """64 channels on 32x32 images: 256 KiB of dy per image. Up to BLOCK_BYTES (512 KiB: 2
+    images) each tile sums over all of K with its accumulators stored from registers; beyond,
+    the images run in blocks of 2 outside the parallel loop over tiles, so that every tile of a
+    block reads dy from L2 (ResNet-18's 32x32 dW: 4.4 -> 2.7 ms). Both match torch."""
+    x, dy = torch.randn(batch, 64, 32, 32), torch.randn(batch, 64, 32, 32)
+    func = _weight_grad_func(batch, 64, 64, 32)
+    sch = ConvWeightGradient().apply(func, TARGET, False)
+    assert sch is not None
+    loops = [line.strip() for line in sch.mod["main"].script().splitlines() if line.strip().startswith("for ")]
+    serial_around_parallel = [outer for outer, inner in zip(loops, loops[1:])
+                              if "T.parallel(" in inner and " in range(" in outer]
+    assert serial_around_parallel == ([f"for rc_0 in range(T.int64({blocks})):"] if blocks else []), loops
+    got, _ = run_prim_func(func, x, dy, out_shape=(64, 64, 3, 3))
+    want = torch.nn.grad.conv2d_weight(x, (64, 64, 3, 3), dy, padding=1)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
+
+
 def test_weight_gradient_over_a_symbolic_batch_is_scheduled() -> None:
     """A dynamic batch makes dW's reduction over images symbolic: still the implicit GEMM."""
     func = _weight_grad_func(tirx.Var("n", "int64"), 32, 32, 4)

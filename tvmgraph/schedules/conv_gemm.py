@@ -17,28 +17,36 @@ Steps:
   1. Each operand whose row/vector axis is not its last one is copied channel-last first
      (a padding block changes layout; a parameter is copied): the vector loads are contiguous,
      and so are the broadcasts.
-  2. Loops: parallel(vector tiles, row tiles, the other output axes) > K loops > unroll(rows) >
-     unroll(vectors) > vector(lanes). The tile is a small "global" buffer (matmul.py's NOTE),
-     laid out with the vector axis last, then stored to the output after K.
+  2. Loops: K blocks > parallel(vector tiles, row tiles, the other output axes) > the rest of K
+     > unroll(rows) > unroll(vectors) > vector(lanes). The first reduction loop (the batch, for
+     a weight gradient) is cut into blocks of images whose `B` (dy) fits in L2
+     (BLOCK_BYTES), and the blocks run outside the parallel loop: every tile of a block reads
+     the same images from L2. With the batch inside the tiles, as before, each tile streamed
+     all of dy from L3 (ResNet-18's 512-channel dW read its 0.5 MiB dy 12288 times per step).
+     The tiles accumulate into a "global" copy of the output laid out with the vector axis last
+     (LLVM keeps a tile in registers within a block), copied to the output at the end.
 
 Tried and left out: the same form for forward convolutions on 4x4 images (output columns as
 rows) ran no faster than conv.py's schedule (94 vs 110 GFLOP/s, 512 channels); those run as
 im2col + matmul instead (relay_passes/im2col_conv.py). Limits: static channel extents; tiles of
-1 KiB of accumulators or more (8 x 2, 4 x 4) go through TVM's heap workspace and run 10x
-slower, so a tile holds at most 15 vectors where oneDNN's hold 24-28: 45-57% of the FMA peak on
-ResNet-18's dW (Zen 5).
+at most 12 vectors where oneDNN's hold 24-28 (the tile's rows are the kernel's 3 columns):
+64-73% of the FMA peak on ResNet-18's dW on 4x4 to 16x16 images, 50% on its 32x32 ones
+(Zen 5, 2 cores).
 """
 
 from __future__ import annotations
 
 from tvm import s_tir, tirx
-from tvm.s_tir.schedule import SBlockRV
+from tvm.s_tir.schedule import LoopRV, SBlockRV
 
 from .conv import data_producer
-from .loops import vars_in
+from .loops import static_extent, vars_in, work_extent
 
 # The register tile: TILE_ROWS broadcast values x TILE_VECTORS vectors.
 TILE_ROWS, TILE_VECTORS = 4, 2
+# A block of K (whole images) reads at most this much of B, so that it stays in L2 while all
+# tiles use it. Measured on ResNet-18's dW (Zen 5, 1 MiB L2 per core): 256 KiB to 1 MiB within 4%.
+BLOCK_BYTES = 512 * 1024
 
 
 def tile_fits(vector_extent: int, row_extent: int, lanes: int) -> bool:
@@ -86,10 +94,14 @@ def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row
     loops = sch.get_loops(main)
     others = [loops[i] for i in range(len(loops)) if i not in (vector, row, *reduce)]
     reduce_loops = [loops[i] for i in reduce]
+    blocks = _block_first_reduction(sch, reduce_loops, loops[vector])
+    if blocks is not None:
+        reduce_loops = blocks[1:]
+    outermost = blocks[:1] if blocks is not None else []
     vec_outer, vec_inner = sch.split(loops[vector], [None, vectors * lanes])
     vec_unrolled, lane = sch.split(vec_inner, [vectors, lanes])
     row_outer, row_inner = sch.split(loops[row], [None, rows])
-    sch.reorder(vec_outer, row_outer, *others, *reduce_loops, row_inner, vec_unrolled, lane)
+    sch.reorder(*outermost, vec_outer, row_outer, *others, *reduce_loops, row_inner, vec_unrolled, lane)
     outer = sch.fuse(vec_outer, row_outer, *others)
     store = sch.cache_write(main, 0, "global")
     # NOTE: the vector axis last in the tile too: LLVM at -O1 keeps the tile in registers only
@@ -97,9 +109,32 @@ def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row
     written = [r.min for r in sch.get(main).writes[0].region]
     vector_axis = next(i for i, v in enumerate(written) if v.same_as(ivars[vector]))
     _move_axis_last(sch, main, ("write", 0), vector_axis)
-    sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
+    if blocks is None:  # the tile's sums are complete: stored from registers per tile
+        sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
     sch.parallel(outer)
     sch.unroll(row_inner)
     sch.unroll(vec_unrolled)
     sch.vectorize(lane)
-    sch.decompose_reduction(main, reduce_loops[0])
+    sch.decompose_reduction(main, blocks[0] if blocks is not None else reduce_loops[0])
+
+
+def _block_first_reduction(sch: s_tir.Schedule, reduce_loops: list[LoopRV],
+                           vector_loop: LoopRV) -> list[LoopRV] | None:
+    """Split the first reduction loop into (blocks, images per block) so that a block's B,
+    (images x the other reduction extents x the vector axis) floats, is at most BLOCK_BYTES;
+    returns the blocks loop and the reduction loops inside it, or None when all of K is one
+    block (or the batch is symbolic)."""
+    first, *rest = reduce_loops
+    per_image = 4 * work_extent(sch, vector_loop)
+    for loop in rest:
+        per_image *= work_extent(sch, loop)
+    images = static_extent(sch, first)
+    if images is None or images * per_image <= BLOCK_BYTES:
+        return None
+    block = max(1, BLOCK_BYTES // per_image)
+    while images % block:
+        block -= 1
+    if block == 1:
+        return [first, *rest]
+    blocks, inner = sch.split(first, [None, block])
+    return [blocks, inner, *rest]
