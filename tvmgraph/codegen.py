@@ -22,6 +22,7 @@ from tvm import relax
 from tvm.relax import vm_build
 
 from .native_output import to_debug_log
+from .vm_results import with_release_function
 
 
 PARTS_PER_THREAD = 4
@@ -53,10 +54,11 @@ def _parts(tir_mod: tvm.IRModule, jobs: int) -> list[tvm.IRModule]:
 
 
 def build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | None = None) -> relax.VMExecutable:
-    """`tvm.compile(mod, target, relax_pipeline=None)`, with the kernels built in parallel;
-    LLVM's and TVM's C++ warnings go to the debug log (native_output.py)."""
+    """`tvm.compile(mod, target, relax_pipeline=None)`, with the kernels built in parallel and
+    vm_results.RELEASE added; LLVM's and TVM's C++ warnings go to the debug log
+    (native_output.py)."""
     with to_debug_log("codegen"):
-        return _build_executable(mod, target, jobs)
+        return _build_executable(with_release_function(mod), target, jobs)
 
 
 def _build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | None) -> relax.VMExecutable:

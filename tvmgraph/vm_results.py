@@ -1,0 +1,39 @@
+"""The Relax VM keeps the value its last call returned until its next call.
+
+TVM 0.27's VM holds a function's return value (every output of a graph call) after the call
+returns, until the next call of any function of the VM replaces it. A caller that drops a
+graph's outputs before the next call (a serving loop, `benchmarks.memory`) still had them
+allocated during that call: a GPT's 16 MiB of logits counted twice at the inference peak.
+
+So every program carries RELEASE, a function of no arguments that returns an empty tuple, and
+the callers run it once the outputs are in Python's hands (0.3 us). A saved graph from before
+it existed has no RELEASE: `release_function` then returns a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+RELEASE = "tvmgraph_release"
+
+
+def with_release_function(mod: Any) -> Any:
+    """`mod` (a Relax IRModule ready for code generation) with RELEASE added."""
+    import tvm
+    from tvm import relax
+
+    if any(gv.name_hint == RELEASE for gv in mod.get_global_vars()):
+        return mod
+    release = relax.Function([], relax.Tuple([]), relax.TupleType([]))
+    copy = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs, global_infos=mod.global_infos)
+    copy[RELEASE] = release.with_attr("global_symbol", RELEASE)
+    return copy
+
+
+def release_function(vm: Any) -> Callable[[], object]:
+    """The VM's RELEASE, or a no-op for a program compiled without it."""
+    try:
+        return vm[RELEASE]
+    except AttributeError:  # TVM's answer for a function the program does not have
+        return lambda: None
