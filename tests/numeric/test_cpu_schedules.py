@@ -194,6 +194,24 @@ def test_matmul_packs_a_b_contiguous_along_j_that_many_rows_reread(m: int, packe
     assert ('T.sblock("B_' in scheduled.script()) is packed
 
 
+@pytest.mark.parametrize("a_trans, per_tile", [(False, True), (True, False)])
+def test_matmul_pads_a_per_tile_when_its_rows_run_along_k(a_trans: bool, per_tile: bool) -> None:
+    """128 rows and a 6-row tile: A is zero-padded to 132 rows. Rows of A along K (attention's
+    Q, a layer's input) are copied tile by tile inside the parallel loop, a buffer of 6 x K;
+    all of A padded up front stayed in TVM's workspace pool (2 MiB per attention product). A
+    transposed A (dy in a weight gradient) keeps the one copy: per tile it would be gathered."""
+    batch, m, n, k = 4, 128, 128, 64
+    func = te_matmul(m, n, k, a_trans, False, batch)
+    a = torch.randn(batch, k, m) if a_trans else torch.randn(batch, m, k)
+    b, bias = torch.randn(batch, k, n), torch.randn(n)
+    out, scheduled = run_prim_func(func, a, b, bias, out_shape=(batch, m, n))
+    want = torch.relu((a.transpose(1, 2) if a_trans else a) @ b + bias)
+    torch.testing.assert_close(out, want, **TOL)
+    text = scheduled.script()
+    pad = text.index('T.sblock("A_reindex_pad"')
+    assert (text.index("T.parallel(") < pad) is per_tile, text[:4000]
+
+
 @I.ir_module
 class LinearLayer:
     @R.function

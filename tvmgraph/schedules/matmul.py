@@ -11,7 +11,8 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      where J is the innermost axis of the output.
   2. Pick a register tile of `mi` rows by `nvec` vectors (e.g. 6 x 4 x 16 = 24 accumulators,
      or 4 x 3 x 16 for short K, see `choose_tile`) that fits the register file, and zero-pad
-     I and J up to whole tiles (`pad_einsum`).
+     I and J up to whole tiles (`pad_einsum`); a padded A whose rows run along K is copied a
+     tile's rows at a time, right before the tile (`_pad_a_per_tile`).
   3. Pack B into panels B[S, J / nj, K, nj] (nj = nvec * lanes) when B is not already
      contiguous along J, when J needs padding, or when 96 or more rows of A reread each panel
      (PACK_REUSED_ROWS): a panel row is then one contiguous read.
