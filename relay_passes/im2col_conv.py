@@ -29,8 +29,9 @@ Exact up to the order of the sums (the matmul adds the C * kh * kw products in i
 Position: after autodiff (it rewrites the backward pass's convolutions too), before FuseEpilogue;
 CPU targets only. Limits: NCHW/OIHW (IOHW transposed), groups 1, static image sizes (the batch
 may be symbolic), output width below MAX_WIDTH (wider images keep the direct schedule, at
-65-75% of the FMA peak there; except a strided 1x1 transposed convolution, rewritten at any
-width), float32 and float64 results (16-bit inputs with a float32 result: AccumulateFloat32's).
+65-75% of the FMA peak there; except a strided transposed convolution, rewritten at any width:
+TOPI's multiplies the zeros of a dilated dy), float32 and float64 results (16-bit inputs with a
+float32 result: AccumulateFloat32's).
 """
 
 from __future__ import annotations
@@ -131,9 +132,9 @@ class _Rewriter(PyExprMutator):
 
 
 def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
-    """NCHW with `kernel_layout`, groups 1, float32/64, static image and kernel sizes, output
-    rows narrower than a vector, more than MIN_REDUCTION products per output, not a 1x1
-    kernel (a matmul already)."""
+    """NCHW with `kernel_layout`, groups 1, float32/64, static image and kernel sizes, more than
+    MIN_REDUCTION products per output, and either a strided transposed conv or output rows
+    narrower than a vector with a kernel larger than 1x1 (a matmul already)."""
     attrs = call.attrs
     layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout or attrs.data_layout)
     if tuple(map(str, layouts)) != ("NCHW", kernel_layout, "NCHW"):
@@ -153,11 +154,14 @@ def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
     kh, kw = int(weight[2]), int(weight[3])
     if int(data[1]) * kh * kw < MIN_REDUCTION:
         return False
+    if call.op.name == "relax.nn.conv2d_transpose" and _ints(attrs.strides) != [1, 1]:
+        # A strided transposed conv (the input gradient of a strided conv) runs in TOPI on dy
+        # dilated with zeros: 3 of 4 multiply-adds are with zeros at stride 2, whatever the
+        # width or kernel (ResNet-18's 32x32 one: 9.3 ms, 12% of the FMA peak in useful work;
+        # its training step 0.94x as matmul + col2im, which does no wasted work).
+        return True
     if (kh, kw) == (1, 1):
-        # A 1x1 conv is a matmul already, but a strided 1x1 transposed one (the input gradient
-        # of ResNet's downsampling shortcut) leaves 3 of 4 outputs zero: its direct schedule
-        # ran at 60-130 GFLOP/s whatever the width, matmul + col2im does no wasted work.
-        return call.op.name == "relax.nn.conv2d_transpose" and _ints(attrs.strides) != [1, 1]
+        return False  # a 1x1 conv is a matmul already
     return int(out[3]) < MAX_WIDTH
 
 
