@@ -17,21 +17,24 @@ Steps:
   1. Each operand whose row/vector axis is not its last one is copied channel-last first
      (a padding block changes layout; a parameter is copied): the vector loads are contiguous,
      and so are the broadcasts.
-  2. Loops: K blocks > parallel(vector tiles, row tiles, the other output axes) > the rest of K
-     > unroll(rows) > unroll(vectors) > vector(lanes). The first reduction loop (the batch, for
-     a weight gradient) is cut into blocks of images whose `B` (dy) fits in L2
-     (BLOCK_BYTES), and the blocks run outside the parallel loop: every tile of a block reads
-     the same images from L2. With the batch inside the tiles, as before, each tile streamed
-     all of dy from L3 (ResNet-18's 512-channel dW read its 0.5 MiB dy 12288 times per step).
-     The tiles accumulate into a "global" copy of the output laid out with the vector axis last
-     (LLVM keeps a tile in registers within a block), copied to the output at the end.
+  2. Loops: parallel(vector tiles, row tiles, the other output axes) > K loops > unroll(rows)
+     > unroll(vectors) > vector(lanes). The tile is a small "global" buffer (matmul.py's NOTE),
+     laid out with the vector axis last, stored to the output after K.
+  3. When the first reduction loop (the batch, for a weight gradient) reads more than
+     BLOCK_BYTES of B (dy), it is cut into blocks of images that fit, and the blocks run
+     outside the parallel loop: every tile of a block reads the same images from L2. The tiles
+     then accumulate into a channel-last copy of the output, copied to the output at the end.
+     With the whole batch inside each tile, every tile streamed all of dy from L3: ResNet-18's
+     dW on 32x32 images (4 MiB of dy, 192 tiles) took 4.4 ms, now 2.7; on 16x16 4.9, now 3.2.
 
 Tried and left out: the same form for forward convolutions on 4x4 images (output columns as
 rows) ran no faster than conv.py's schedule (94 vs 110 GFLOP/s, 512 channels); those run as
 im2col + matmul instead (relay_passes/im2col_conv.py). Limits: static channel extents; tiles of
 at most 12 vectors where oneDNN's hold 24-28 (the tile's rows are the kernel's 3 columns):
-64-73% of the FMA peak on ResNet-18's dW on 4x4 to 16x16 images, 50% on its 32x32 ones
-(Zen 5, 2 cores).
+ResNet-18's dW runs at 71% of the FMA peak on 32x32 images, 56-57% on 16x16 and 8x8, 48% on
+4x4 (Zen 5, 2 cores, in the training step's profile). Tried: its 4x4 and 8x8 dW as an im2col
+copy of x (one row of windows per pixel of dy) and one matmul: the copy alone took 2.6 ms, and
+the step was no faster.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from .loops import static_extent, vars_in, work_extent
 
 # The register tile: TILE_ROWS broadcast values x TILE_VECTORS vectors.
 TILE_ROWS, TILE_VECTORS = 4, 2
-# A block of K (whole images) reads at most this much of B, so that it stays in L2 while all
-# tiles use it. Measured on ResNet-18's dW (Zen 5, 1 MiB L2 per core): 256 KiB to 1 MiB within 4%.
+# A block of K (whole images) reads at most this much of B, half of Zen 5's 1 MiB L2 per core,
+# so that it stays there while all tiles use it.
 BLOCK_BYTES = 512 * 1024
 
 
