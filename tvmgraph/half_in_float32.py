@@ -10,7 +10,9 @@ once. TVM 0.27 either refuses them in 16 bits or rounds at every step:
 - float16 `acos`, `asin`, `atan`, `atan2`, `acosh`, `asinh` failed to compile (LLVM has no
   float16 intrinsic for them);
 - `grid_sampler` returned float32 for a bfloat16 input, and a batch norm's saved mean and
-  invstd float32 where torch keeps the statistics' dtype.
+  invstd float32 where torch keeps the statistics' dtype;
+- `cumsum` and `cumprod` accumulated in the 16-bit dtype, rounding at every step (a bfloat16
+  cumsum of 20 terms was 1 ulp off torch's, which accumulates in float32).
 Each op of `FLOAT32_OPS` reads its 16-bit float inputs cast to float32, and each result is cast
 to the dtype torch gives it. Found by the 16-bit OpInfo sweeps
 (`TVMGRAPH_TEST_OPINFO=ci:bfloat16`, `ci:float16`) and tested in tests/numeric/test_amp.py.
@@ -33,6 +35,7 @@ FLOAT32_OPS = {
     "adaptive_max_pool2d.default", "adaptive_max_pool3d.default",
     "grid_sampler_2d.default", "grid_sampler_3d.default",
     "acos.default", "asin.default", "atan.default", "atan2.default", "acosh.default", "asinh.default",
+    "cumsum.default", "cumprod.default",
 }
 _HALF = ("float16", "bfloat16")
 

@@ -150,6 +150,8 @@ HALF_OPS = [
     pytest.param(lambda h: F.max_pool2d(h, 3, 2, ceil_mode=True, return_indices=True), id="max_pool2d-indices"),
     pytest.param(lambda h: F.adaptive_max_pool2d(h, 3, return_indices=True), id="adaptive_max_pool2d"),
     pytest.param(lambda h: torch.fmod(h, 0.75), id="fmod"),
+    # accumulated in bfloat16 before (a rounding at every one of 256 steps)
+    pytest.param(lambda h: torch.cumsum(h.reshape(2, -1), 1), id="cumsum"),
     # eager interpolates in bfloat16 steps: a few outputs land two steps from the float32 result
     pytest.param(lambda h: F.grid_sample(h, torch.linspace(-1, 1, 50).reshape(1, 5, 5, 2).expand(2, 5, 5, 2).to(h.dtype),
                                          align_corners=False), id="grid_sample", marks=pytest.mark.tol(atol=5e-2)),
@@ -167,6 +169,16 @@ def test_bfloat16_ops_match_eager(fn, request) -> None:
     for a, e in zip(actual if isinstance(actual, tuple) else (actual,), expected if isinstance(expected, tuple) else (expected,)):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e, **tol)
+
+
+def test_bfloat16_cumprod_accumulates_in_float32() -> None:
+    """Like torch's: a float32 running product rounded once per output (it rounded at each of
+    the 256 steps). The input comes in ready: computed in the graph, 1 + h / 64 would not be
+    rounded to bfloat16 before the product (TVM rounds only what it stores)."""
+    x = (1 + torch.randn(2, 256) / 64).to(torch.bfloat16)
+    actual = ModuleGraph(Fn(lambda t: torch.cumprod(t, 1)))(x)
+    assert actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, torch.cumprod(x, 1), **BF16_OUT_TOL)
 
 
 @pytest.mark.parametrize("op", [torch.acos, torch.asin, torch.atan, torch.acosh, torch.asinh,
