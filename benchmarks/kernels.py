@@ -165,7 +165,9 @@ def _module(kernel: Kernel) -> tvm.IRModule:
 def _build(mod: tvm.IRModule, schedule: bool) -> relax.VirtualMachine:
     """tvmgraph's default llvm pipeline, with or without the CPU schedules."""
     T = relax.transform
-    passes = [T.LegalizeOps(), T.AnnotateTIROpPattern(), T.FoldConstant(), T.FuseOps(),
+    # FuseTransposeMatmul: a graph's x @ w.T reads w in place (FuseEpilogue), with no transpose
+    # kernel of its own.
+    passes = [T.FuseTransposeMatmul(), T.LegalizeOps(), T.AnnotateTIROpPattern(), T.FoldConstant(), T.FuseOps(),
               T.FuseTIR(), *([ApplyCPUSchedules()] if schedule else []),
               T.RewriteDataflowReshape(), T.ToNonDataflow(), T.RemovePurityChecking(),
               T.CallTIRRewrite(), T.StaticPlanBlockMemory(), T.LowerAllocTensor(),
