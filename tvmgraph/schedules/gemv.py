@@ -1,4 +1,4 @@
-"""`x @ w.T` for a few rows of x (batch 1 to ~64) as dot products that read W in place.
+"""`x @ w.T` for a few rows of x (batch 1 to 32 at 1024 features) as dot products that read W in place.
 
 Matches what `matmul.py` matches, `C[S, I, J] += A[S, I, K] * B[S, J, K]`, when both A and B
 are contiguous along K and A has few rows (I <= K / 16, and at most 128 KiB of A): nn.Linear
