@@ -1,11 +1,12 @@
-"""`x @ w.T` for a few rows of x (batch 1 to 32 at 1024 features) as dot products that read W in place.
+"""`x @ w.T` for a few rows of x (batch 1 to 32 at 1024 features) as dot products that read
+W in place.
 
 Matches what `matmul.py` matches, `C[S, I, J] += A[S, I, K] * B[S, J, K]`, when both A and B
 are contiguous along K and A has few rows (I <= K / 16, and at most 128 KiB of A): nn.Linear
-at small batch, where B is the weight W[out, in]. The matmul rule would pack W into panels on every call (a
-transposing copy of W that costs more than the product itself when I is small: 700 us of
-1270 us for 64 x 1024 x 1024 on one core); this rule reads every row of W straight from
-memory, and at batch 1 reads W exactly once.
+at small batch, where B is the weight W[out, in]. The matmul rule would pack W into panels on
+every call (a transposing copy of W that costs more than the product itself when I is small:
+700 us of 1270 us for 64 x 1024 x 1024 on one core); this rule reads every row of W straight
+from memory, and at batch 1 reads W exactly once.
 
 Schedule, with `width` floats per vector (16 on AVX-512; the largest power of two dividing K):
   * a register tile of `ri` rows of A by `rj` rows of B (see TILES): each step over K loads
@@ -33,10 +34,10 @@ from tvm.target import Target
 
 from .cpu_target import CPUTarget
 from .fallback import schedule_remaining
-from .loops import vars_in
 from .matmul import (
     ACCUMULATOR_SCOPE,
     canonicalize,
+    contiguous_along_reduction,
     fuse_epilogue,
     prepare_matmul,
     producer_of,
@@ -75,7 +76,7 @@ class MatrixVector(ScheduleRule):
             return None
         sch, main, (a, b) = prepared
         stmt = sch.get(main)
-        if not all(_contiguous_along_reduction(stmt, x) for x in (a, b)):
+        if not all(contiguous_along_reduction(stmt, x) for x in (a, b)):
             return None
         extents = canonicalize(sch, main, a, b)
         if extents is None:
@@ -99,15 +100,6 @@ class MatrixVector(ScheduleRule):
         _schedule(sch, main, ri, rj, width, parallel)
         schedule_remaining(sch, cpu)
         return sch
-
-
-def _contiguous_along_reduction(stmt: s_tir.SBlock, operand: int) -> bool:
-    """The operand's innermost index is a reduction iterator alone (its rows run along K)."""
-    last = stmt.reads[operand].region[-1].min
-    if not isinstance(last, tirx.Var):
-        return False
-    reduce = {iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
-    return vars_in(last) <= reduce and last in reduce
 
 
 def _schedule(sch: s_tir.Schedule, main: SBlockRV, ri: int, rj: int, width: int,

@@ -214,6 +214,7 @@ class Matmul(ScheduleRule):
         if prepared is None:
             return None
         sch, main, (a, b) = prepared
+        a_rows_along_k = contiguous_along_reduction(sch.get(main), a)
         extents = canonicalize(sch, main, a, b)
         if extents is None:
             return None
@@ -242,7 +243,7 @@ class Matmul(ScheduleRule):
         if panel_major:
             sch.compute_at(packed, outer, preserve_unit_loops=True)
             _schedule_pack(sch, packed, tile, parallel=False)
-        if padded_a is not None and _rows_contiguous(sch, padded_a):
+        if padded_a is not None and a_rows_along_k:
             _pad_a_per_tile(sch, padded_a, tile_loop, tile)
         schedule_remaining(sch, cpu)
         return sch
@@ -292,6 +293,15 @@ def matmul_operands(stmt: s_tir.SBlock) -> tuple[int, int] | None:
     if uses[0] == uses[1]:
         return None  # both (a batch axis) or neither
     return (1, 0) if uses[0] else (0, 1)
+
+
+def contiguous_along_reduction(stmt: s_tir.SBlock, operand: int) -> bool:
+    """The operand's innermost index is a reduction iterator alone (its rows run along K)."""
+    last = stmt.reads[operand].region[-1].min
+    if not isinstance(last, tirx.Var):
+        return False
+    reduce = {iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
+    return vars_in(last) <= reduce and last in reduce
 
 
 def _region_vars(region: TensorRegion) -> set[tirx.Var]:
@@ -424,18 +434,6 @@ def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int) -> SBlockRV | None:
         return producer
     sch.compute_inline(producer)
     return None
-
-
-def _rows_contiguous(sch: s_tir.Schedule, padded: SBlockRV) -> bool:
-    """Whether the padding copy of A[S, I, K] reads rows of A contiguous along K (x, not a
-    transposed dy in a weight gradient, whose per-tile copy would gather along K)."""
-    stmt = sch.get(padded)
-    *_, i_var, k_var = (iv.var for iv in stmt.iter_vars)
-    source = next((r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)), None)
-    if source is None:
-        return False
-    last = vars_in(source.region[-1].min)
-    return k_var in last and i_var not in last
 
 
 def _pad_a_per_tile(sch: s_tir.Schedule, padded: SBlockRV, tile_loop: LoopRV, tile: Tile) -> None:
