@@ -23,7 +23,7 @@ import numpy as np
 
 from .artifact_format import ArtifactFormatError, read_document, verify_files
 from .errors import SavedGraphError, SavedGraphInputError
-from .vm_results import release_function
+from .vm_results import releasing
 
 logger = logging.getLogger("tvmgraph.deploy")
 
@@ -162,7 +162,7 @@ class SavedGraph:
     """
 
     __slots__ = ("path", "manifest", "name", "program", "inputs", "outputs", "_args", "_outs", "_dev",
-                 "_sources", "_mutations", "_num_user_outputs", "_has_loss", "_state", "_vm", "_entry", "_release",
+                 "_sources", "_mutations", "_num_user_outputs", "_has_loss", "_state", "_vm", "_entry",
                  "_training", "_optimizer_state", "_hypers", "_steps")
 
     def __init__(self, path: Path, manifest: dict[str, Any], files: Mapping[str, bytes], device: Any):
@@ -196,8 +196,7 @@ class SavedGraph:
             raise _refuse(path, manifest["parameters"], f"has no tensor {missing[0]!r}", "Save the graph again.")
         lib = tvm.runtime.load_module(str(path / manifest["library"]))  # native code runs from here on
         self._vm = VirtualMachine(lib, self._dev)
-        self._entry = self._vm[manifest["entry"]]
-        self._release = release_function(self._vm)
+        self._entry = releasing(self._vm, manifest["entry"])
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}" for s in self.inputs)
@@ -218,7 +217,6 @@ class SavedGraph:
         rng = [self._seed()] if any(k == "rng" for k, _ in self._sources) else []
         state = [self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant")]
         results = self._entry(*flat, *rng, *state, *self._optimizer_inputs())
-        self._release()  # the VM's own reference to the results (vm_results.py)
         n_mut, n_user = len(self._mutations), self._num_user_outputs
         for (kind, target), value in zip(self._mutations, results[:n_mut]):
             if kind == "user":

@@ -27,7 +27,7 @@ from . import lower as lowering
 from .debug import logger
 from .binding import TensorBinder
 from .compiled_program import CompiledProgram, entry_name
-from .vm_results import release_function
+from .vm_results import releasing
 from .config import CompileOptions, GraphConfig, settings
 from .errors import DeviceMismatchError, StaleGraphError, UnsupportedOptionError
 from .index_guard import IndexGuard
@@ -190,7 +190,7 @@ class CompiledGraph:
     optimizers), with everything needed to call it with torch tensors. Made by
     `CompiledProgram.bind`, for a program just compiled or read from the compiled cache."""
 
-    __slots__ = ("traced", "plan", "program", "device", "binder", "training", "_lowered", "_entry", "_release",
+    __slots__ = ("traced", "plan", "program", "device", "binder", "training", "_lowered", "_entry",
                  "_num_mutations", "_num_user_outputs", "_has_rng", "_index_guard", "_accumulation", "data_parallel")
 
     def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, program: CompiledProgram,
@@ -206,8 +206,7 @@ class CompiledGraph:
         self.data_parallel: DataParallel | None = None  # set by the graph in a process group
         self._lowered = lowered
         vm = relax.VirtualMachine(program.library, tvm_device(device), memory_cfg=settings.vm_allocator)
-        self._entry: Callable = vm[self.entry_name]
-        self._release = release_function(vm)
+        self._entry: Callable = releasing(vm, self.entry_name)
         self._accumulation = None
         if train_layout is not None and train_layout.split:
             positions = update_positions(plan, updated) if updated is not plan else None
@@ -280,7 +279,6 @@ class CompiledGraph:
         except Exception:  # the VM raises plain errors; say which tensor is at fault
             self._diagnose(state)
             raise
-        self._release()  # the VM's own reference to the results (vm_results.py)
         n_mut, n_user = self._num_mutations, self._num_user_outputs
         if n_mut:
             self._write_back(flat_inputs, state, results[:n_mut])

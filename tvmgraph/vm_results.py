@@ -6,8 +6,9 @@ graph's outputs before the next call (a serving loop, `benchmarks.memory`) still
 allocated during that call: a GPT's 16 MiB of logits counted twice at the inference peak.
 
 So every program carries RELEASE, a function of no arguments that returns an empty tuple, and
-the callers run it once the outputs are in Python's hands (0.3 us). A saved graph from before
-it existed has no RELEASE: `release_function` then returns a no-op.
+callers take a program's functions through `releasing`, which runs RELEASE after each call,
+once the outputs are in Python's hands (0.3 us). A saved graph from before it existed has no
+RELEASE: its functions are called as they are.
 """
 
 from __future__ import annotations
@@ -31,9 +32,17 @@ def with_release_function(mod: Any) -> Any:
     return copy
 
 
-def release_function(vm: Any) -> Callable[[], object]:
-    """The VM's RELEASE, or a no-op for a program compiled without it."""
+def releasing(vm: Any, name: str) -> Callable[..., Any]:
+    """`vm[name]`, followed on every call by the VM's RELEASE (if the program has one)."""
+    function = vm[name]
     try:
-        return vm[RELEASE]
+        release = vm[RELEASE]
     except AttributeError:  # TVM's answer for a function the program does not have
-        return lambda: None
+        return function
+
+    def call(*args: Any) -> Any:
+        result = function(*args)
+        release()
+        return result
+
+    return call

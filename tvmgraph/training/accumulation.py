@@ -44,7 +44,7 @@ from tvm import relax
 
 from ..errors import ConfigError, MicroBatchError
 from ..inputs import runnable_all
-from ..vm_results import release_function
+from ..vm_results import releasing
 from .plan import TrainingPlan
 from . import loss_scale
 from .train_step import TrainStepLayout, declare_updates, differentiate_main, finish_module, \
@@ -154,12 +154,11 @@ class Accumulation:
     """Runs one call of a compiled entry as its micro-batches, then the update; in a data-parallel
     graph the gradients are summed over the ranks in between (data_parallel.py)."""
 
-    __slots__ = ("steps", "apply_update", "release", "positions")
+    __slots__ = ("steps", "apply_update", "positions")
 
     def __init__(self, vm: relax.VirtualMachine, steps: int, positions: list[int] | None = None):
         self.steps = steps
-        self.apply_update = vm[APPLY_UPDATE]
-        self.release = release_function(vm)
+        self.apply_update = releasing(vm, APPLY_UPDATE)
         self.positions = positions  # ZeRO: this rank's parameters among all trained ones
 
     def run(self, compiled: CompiledGraph, flat_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -189,7 +188,6 @@ class Accumulation:
         passed, copied = runnable_all(params, thorough=False)
         passed_extra, _ = runnable_all(extra, thorough=False)
         results = self.apply_update(*passed, *grads, *passed_extra)
-        self.release()
         training.write_back(results, {id(params[i]) for i in copied})
 
 
