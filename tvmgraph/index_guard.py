@@ -3,7 +3,8 @@
 An out-of-range index makes eager torch raise IndexError; a compiled kernel has no such check
 and reads (or writes) outside its buffer: wrong numbers at best, SIGSEGV at worst. So at
 trace time `IndexGuard.of` follows every index operand of an indexing op (embedding,
-index_select, gather, scatter, take, `x[idx]`, cross-entropy / nll-loss labels) back through
+index_select, gather, scatter, take, `x[idx]`, cross-entropy / nll-loss labels, one_hot's
+classes, whose in-graph assertion lower.py drops) back through
 value-preserving ops (views, casts, `where(y != ignore_index, y, 0)`, ...) to the user inputs
 it comes from, and records the range the op accepts; each call then takes one `aminmax` of each
 such input and raises `IndexOutOfRangeError` (an IndexError) naming the graph, the input and
@@ -83,6 +84,10 @@ def _index_operands(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, int, i
         size = _size(args[0])
         if size is not None:
             yield args[1], -size, size, None
+    elif key == "one_hot.default":
+        classes = args[1] if len(args) > 1 else node.kwargs.get("num_classes", -1)
+        if isinstance(classes, int) and classes > 0:
+            yield args[0], 0, classes, None
     elif key in _CLASS_LOSSES:
         val = args[0].meta.get("val")
         ignore_at = _CLASS_LOSSES[key]

@@ -111,7 +111,25 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         devices = [n.meta["val"].device for n in exported.graph.nodes
                    if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         with math_attention(devices):
-            return exported.run_decompositions(table)
+            decomposed = exported.run_decompositions(table)
+    _drop_runtime_asserts(decomposed)
+    return decomposed
+
+
+def _drop_runtime_asserts(exported: torch.export.ExportedProgram) -> None:
+    """Remove `_assert_async` (one_hot's decomposition checks its classes with it) and what
+    only fed it. The importer makes a program holding one impure, with no dataflow block:
+    Relax autodiff then refuses it and FuseOps fuses nothing. The check is kept on the torch
+    side: IndexGuard tests one_hot's classes before each call when they come from an input;
+    a class computed in the graph out of range gives a row of zeros (eager raises)."""
+    graph = exported.graph_module.graph
+    asserts = [n for n in graph.nodes if n.op == "call_function"
+               and n.target in (_aten._assert_async.default, _aten._assert_async.msg)]
+    for node in asserts:
+        graph.erase_node(node)
+    if asserts:
+        graph.eliminate_dead_code()
+        exported.graph_module.recompile()
 
 
 def op_key(node: torch.fx.Node) -> str:

@@ -34,6 +34,11 @@ class Scatter(nn.Module):
         return torch.zeros(3, 5).scatter(1, index, x)
 
 
+class OneHot(nn.Module):
+    def forward(self, x, classes):
+        return x * nn.functional.one_hot(classes, 4)
+
+
 class Items(nn.Module):
     """x[idx] and torch.take: torch counts negative indices from the end."""
 
@@ -50,6 +55,8 @@ CASES = {
                         "aten.gather"),
     "index_select": (IndexSelect(), (torch.randn(3, 4), torch.tensor([[2, 0]])), 1, [[3, 0]], "aten.index_select"),
     "scatter": (Scatter(), (torch.randn(3, 1), torch.tensor([[4], [0], [2]])), 1, [[5], [0], [2]], "aten.scatter"),
+    "one_hot": (OneHot(), (torch.randn(3, 4), torch.tensor([0, 3, 1])), 1, [0, 4, 1], "aten.one_hot"),
+    "one_hot_negative": (OneHot(), (torch.randn(3, 4), torch.tensor([0, 3, 1])), 1, [0, -1, 1], "aten.one_hot"),
     "index_tensor": (Items(), (torch.randn(4, 3), torch.tensor([0, 3])), 1, [0, 4], "aten.index"),
     "index_tensor_negative": (Items(), (torch.randn(4, 3), torch.tensor([0, -4])), 1, [0, -5], "aten.index"),
 }
@@ -167,3 +174,41 @@ def test_indices_computed_in_graph_stay_inside_the_tensor():
     weight = model.emb.weight.detach()
     assert_close(emb.detach(), weight[torch.tensor([[9, 1], [0, 2]])])
     assert_close(gathered, torch.tensor([[0.01], [-3.0]]))
+
+
+def test_one_hot_targets_train_like_eager_and_are_checked():
+    """torch decomposes one_hot with a runtime assertion, which made the program impure: Relax
+    autodiff refused it ("now only support one dataflow block"). The assertion is dropped from
+    the program and checked on the torch side: steps match eager, and a class out of range
+    raises before the step."""
+    model = nn.Linear(4, 3)
+    reference = copy.deepcopy(model)
+
+    def loss_fn(out, y):
+        return nn.functional.mse_loss(out, nn.functional.one_hot(y, 3).to(out.dtype))
+
+    graph = TrainGraph(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(6, 4), torch.tensor([0, 2, 1, 2, 0, 1])
+    for _ in range(3):
+        loss = graph(x, y)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert_close(loss, ref_loss.detach())
+        assert_close(model.weight.detach(), reference.weight.detach())
+    with pytest.raises(IndexOutOfRangeError, match=r"input 'y' holds 3 at \[1\], out of range for aten\.one_hot "
+                                                   r"from build\(\) itself: valid values are 0\.\.2"):
+        graph(x, torch.tensor([0, 3, 1, 2, 0, 1]))
+    assert graph.step == 3
+
+
+class OneHotOfArgmax(nn.Module):
+    def forward(self, x):
+        return nn.functional.one_hot(x.argmax(1), 5) * x.max(1, keepdim=True).values
+
+
+def test_one_hot_of_a_computed_class_matches_eager():
+    x = torch.randn(7, 5)
+    assert_close(ModuleGraph(OneHotOfArgmax())(x), OneHotOfArgmax()(x))
