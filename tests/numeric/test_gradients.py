@@ -382,6 +382,10 @@ FIXED_GRADIENTS = [
     conv_case("dilation2", (1, 2, 7, 7), (3, 2, 3, 3), padding=2, dilation=2),
     # dw's conv keeps only the kernel's window: end padding dropped, then data cropped
     conv_case("1x1-stride2-crops-data", (1, 3, 8, 8), (4, 3, 1, 1), stride=2),
+    # a strided 1x1 kernel: dw reads every s-th pixel (copied first), odd sizes and unequal strides
+    conv_case("1x1-stride2-odd-input", (2, 3, 9, 7), (4, 3, 1, 1), stride=2),
+    conv_case("1x1-stride3x2", (2, 3, 8, 7), (4, 3, 1, 1), stride=(3, 2)),
+    conv_case("1x1-stride2-pad1", (1, 3, 6, 6), (4, 3, 1, 1), stride=2, padding=1),
     conv_case("stride3-dilation2", (1, 2, 11, 10), (3, 2, 3, 3), stride=3, padding=2, dilation=2),
     conv_case("dilation2-stride2-depthwise", (1, 2, 8, 8), (2, 1, 3, 3), stride=2, padding=1,
               dilation=2, groups=2),
