@@ -42,6 +42,8 @@ from collections.abc import Callable
 import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
 
 from relay_passes import graph_functions, report_counts
 from relay_passes.rebind import rebind
@@ -167,26 +169,49 @@ def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
 
 def _col2im(cols: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: list[int],
             dilation: list[int], in_hw: tuple[int, int], out_shape: tuple) -> te.Tensor:
-    """dx[n, c, iy, ix] = sum over the kernel's offsets (ky, kx) that reach (iy, ix) from a
-    pixel (y, x) of dy (iy = y * s + ky * d - p) of cols[n, (c, ky, kx), (y, x)]."""
+    """dx[n, c, iy, ix] = the sum of cols[n, (c, ky, kx), (y, x)] over the kernel offsets
+    (ky, kx) and pixels (y, x) of dy with iy = y * s + ky * d - p (and the same along x).
+
+    Written as a scatter: each plane of dx (one image, one channel) is zeroed, then each kernel
+    offset adds its plane of cols to the pixels it reaches, over ranges of (y, x) computed here
+    so that no test is left in the loops. The plane of dx stays in L1 while its offsets add up.
+    The gather form (each pixel of dx testing all offsets for the ones that reach it, a
+    division and a stride test each) vectorized into gathers and ran at 13-30% of the memory
+    bandwidth on ResNet-18's strided input gradients."""
     kh, kw = kernel
     hi, wi = in_hw
+    _, channels, ho, wo = out_shape
+    plane, taps = ho * wo, hi * wi
 
-    def value(image, channel, iy, ix):  # noqa: ANN001, ANN202  (te index variables)
-        total = tirx.const(0, cols.dtype)
-        for ky in range(kh):
-            for kx in range(kw):
-                ty = iy + padding[0] - ky * dilation[0]
-                tx = ix + padding[1] - kx * dilation[1]
-                y, x = ty // strides[0], tx // strides[1]
-                reached = tirx.all(ty >= 0, tx >= 0, y < hi, x < wi,
-                                   ty % strides[0] == 0, tx % strides[1] == 0)
-                row = channel * (kh * kw) + ky * kw + kx
-                total = total + tirx.if_then_else(reached, cols[image, row, y * wi + x],
-                                                  tirx.const(0, cols.dtype))
-        return total
+    def reached(size: int, out: int, k: int, axis: int) -> tuple[int, int]:
+        """The range of dy's pixels along `axis` whose offset k lands inside dx (0 <= . < out)."""
+        shift = k * dilation[axis] - padding[axis]
+        low = max(0, -(shift // strides[axis]))  # ceil(-shift / s)
+        high = min(size, (out - 1 - shift) // strides[axis] + 1)
+        return low, max(low, high)
 
-    return te.compute(out_shape, value, name="col2im")
+    def scatter(ins: list[tirx.Buffer], outs: list[tirx.Buffer]) -> tirx.Stmt:
+        src, dst = T.buffer_proxy(ins[0]), T.buffer_proxy(outs[0])
+        with IRBuilder() as ib:
+            with T.parallel(0, out_shape[0] * channels) as nc:  # one plane of dx: image, channel
+                with T.seq_scope():
+                    with T.serial(0, plane) as i:
+                        dst[nc * plane + i] = tirx.const(0, cols.dtype)
+                    for ky in range(kh):
+                        y0, y1 = reached(hi, ho, ky, 0)
+                        for kx in range(kw):
+                            x0, x1 = reached(wi, wo, kx, 1)
+                            if y0 == y1 or x0 == x1:
+                                continue
+                            row = (nc * (kh * kw) + ky * kw + kx) * taps
+                            with T.serial(y0, y1) as y:
+                                with T.serial(x0, x1) as x:
+                                    at = nc * plane + (y * strides[0] + ky * dilation[0] - padding[0]) * wo \
+                                        + x * strides[1] + kx * dilation[1] - padding[1]
+                                    dst[at] = dst[at] + src[row + y * wi + x]
+        return ib.get()
+
+    return te.extern([out_shape], [cols], scatter, dtype=[str(cols.dtype)], name="col2im")
 
 
 @tvm.transform.module_pass(opt_level=0, name="Im2colConv")
