@@ -21,7 +21,13 @@ convolution (a conv's input gradient) goes the other way round:
 
 every pixel of dy times the whole kernel (the transpose is read in place by the matmul), then
 each output pixel adds up the at most kh * kw products that land on it: no multiply by the
-zeros a strided transposed convolution inserts. The copies are kh * kw times the smaller image:
+zeros a strided transposed convolution inserts. A weight gradient (autodiff's conv of x read
+as CNHW with dy read as IOHW) on small images is one matmul over the batch's pixels:
+
+    cols = im2col(x)                         # [C, kh, kw, N, Ho, Wo]: the batch inside
+    dw = R.reshape(R.matmul(R.reshape(R.permute_dims(dy, [1, 0, 2, 3]), [F, N * Ho * Wo]),
+                            R.permute_dims(R.reshape(cols, [C * kh * kw, N * Ho * Wo]))),
+                   [F, C, kh, kw]) The copies are kh * kw times the smaller image:
 ResNet-18's largest is 9.4 MiB, live only until the next kernel has read it.
 
 Exact up to the order of the sums (the matmul adds the C * kh * kw products in its own order).
@@ -61,10 +67,10 @@ def _ints(values: object) -> list[int]:
 
 
 def _im2col(x: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: list[int],
-            dilation: list[int], out_hw: tuple[int, int]) -> te.Tensor:
+            dilation: list[int], out_hw: tuple[int, int], batch_inside: bool = False) -> te.Tensor:
     """cols[n, c, ky, kx, y, x] = x_pad[n, c, y * s + ky * d, x * s + kx * d]: each (c, ky, kx)
-    a shifted copy of the plane."""
-    _, _, h, w = x.shape
+    a shifted copy of the plane; laid out [c, ky, kx, n, y, x] with `batch_inside`."""
+    n, channels, h, w = x.shape
     kh, kw = kernel
     ho, wo = out_hw
 
@@ -74,7 +80,10 @@ def _im2col(x: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: 
         inside = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
         return tirx.if_then_else(inside, x[image, channel, iy, ix], tirx.const(0, x.dtype))
 
-    return te.compute((x.shape[0], x.shape[1], kh, kw, ho, wo), value, name="im2col")
+    if batch_inside:
+        return te.compute((channels, kh, kw, n, ho, wo),
+                          lambda c, ky, kx, i, y, col: value(i, c, ky, kx, y, col), name="im2col")
+    return te.compute((n, channels, kh, kw, ho, wo), value, name="im2col")
 
 
 @mutator
@@ -92,6 +101,9 @@ class _Rewriter(PyExprMutator):
         if name == "relax.nn.conv2d" and _worth_it(call, "OIHW"):
             self.counts["conv2d as im2col + matmul"] += 1
             return self._im2col_matmul(call)
+        if name == "relax.nn.conv2d" and _weight_grad_worth_it(call):
+            self.counts["weight gradient as im2col + matmul"] += 1
+            return self._weight_grad_matmul(call)
         if name == "relax.nn.conv2d_transpose" and _worth_it(call, "IOHW"):
             self.counts["conv2d_transpose as matmul + col2im"] += 1
             return self._matmul_col2im(call)
@@ -117,6 +129,28 @@ class _Rewriter(PyExprMutator):
         product = bb.emit(relax.op.matmul(weight, rows, out_dtype=str(call.ty.dtype)))
         return relax.op.reshape(product, [batch, f, ho, wo])
 
+    def _weight_grad_matmul(self, call: relax.Call) -> relax.Expr:
+        """dw = conv2d(x as CNHW, dy as IOHW) (autodiff's weight gradient): the windows of x
+        laid out [C, kh, kw, N, Ho, Wo] (im2col with the batch inside), and one matmul of dy's
+        channels with them over the batch's pixels."""
+        bb = self.builder_
+        attrs = call.attrs
+        data, dy = call.args
+        batch, f, ho, wo = dy.ty.shape.values
+        _, c, kh, kw = _ints(call.ty.shape.values)  # CNHW: (F, C, kh, kw)
+        # autodiff's conv: strides = the forward dilation, dilation = the forward stride
+        cols = bb.emit_te(_im2col, data, (kh, kw), _ints(attrs.dilation), _ints(attrs.padding)[:2],
+                          _ints(attrs.strides), (int(ho), int(wo)), True, primfunc_name_hint="im2col")
+        gv = bb.lookup_binding(cols).args[0]
+        bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OPAQUE))
+        pixels = batch * ho * wo
+        windows = bb.emit(relax.op.reshape(cols, [c * kh * kw, pixels]))
+        dy_rows = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(dy, [1, 0, 2, 3])), [f, pixels]))
+        # [F, pixels] @ [pixels, C * kh * kw]: the windows' transpose is read in place
+        product = bb.emit(relax.op.matmul(dy_rows, bb.emit(relax.op.permute_dims(windows, [1, 0])),
+                                          out_dtype=str(call.ty.dtype)))
+        return relax.op.reshape(product, [f, c, kh, kw])
+
     def _matmul_col2im(self, call: relax.Call) -> relax.Expr:
         """conv2d_transpose(dy, w): every pixel of dy times the kernel (one matmul, w read in
         place), then each output pixel sums the products that land on it (col2im)."""
@@ -134,26 +168,52 @@ class _Rewriter(PyExprMutator):
                           primfunc_name_hint="col2im")
 
 
-def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
-    """NCHW with `kernel_layout`, groups 1, float32/64, static image and kernel sizes, more than
-    MIN_REDUCTION products per output, and either a strided transposed conv or output rows
-    narrower than a vector with a kernel larger than 1x1 (a matmul already)."""
+def _static_shapes(call: relax.Call, layouts: tuple[str, str, str]) -> list | None:
+    """The (data, kernel, output) dims of a groups-1 conv in `layouts` whose sizes are static
+    but for the batch (dim 0 of data and output in NCHW, dim 0 of both operands for a weight
+    gradient) and whose dtypes a float32/64 matmul can take; None otherwise."""
     attrs = call.attrs
-    layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout or attrs.data_layout)
-    if tuple(map(str, layouts)) != ("NCHW", kernel_layout, "NCHW"):
-        return False
+    found = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout or attrs.data_layout)
+    if tuple(map(str, found)) != layouts or int(attrs.groups) != 1:
+        return None
     shapes = [getattr(e.ty, "shape", None) for e in (*call.args, call)]
-    if any(s is None for s in shapes) or int(attrs.groups) != 1:
-        return False
-    data, weight, out = (s.values for s in shapes)
-    if not all(isinstance(d, tirx.IntImm) for d in (*data[1:], *weight, *out[1:])):
-        return False
+    if any(s is None for s in shapes):
+        return None
+    dims = [list(s.values) for s in shapes]
+    batch_at = [0, 0, None] if layouts[0] == "CNHW" else [0, None, 0]
+    if not all(isinstance(d, tirx.IntImm) for ds, skip in zip(dims, batch_at)
+               for i, d in enumerate(ds) if i != skip):
+        return None
     dtype = str(call.ty.dtype)
     # A 16-bit conv comes here with a float32 result (AccumulateFloat32 ran): its matmul then
     # sums in float32 as well. 16-bit results would sum in 16 bits: left as they are.
     inputs = {"float32": ("float32", "bfloat16", "float16"), "float64": ("float64",)}.get(dtype, ())
     if any(str(a.ty.dtype) not in inputs for a in call.args):
+        return None
+    return dims
+
+
+def _weight_grad_worth_it(call: relax.Call) -> bool:
+    """A weight gradient (CNHW / IOHW) of a kernel larger than 1x1 on images narrower than a
+    vector. conv_gemm.py's tiles of the kernel's 3 columns ran those at 47-54% of the FMA peak
+    (ResNet-18's 4x4 and 8x8 layers); as one matmul with an im2col copy, 66-79%: training step
+    -3.2% (A/B, 2026-11-26). On 16x16 images it gained nothing measurable."""
+    dims = _static_shapes(call, ("CNHW", "IOHW", "CNHW"))
+    if dims is None:
         return False
+    _, dy, out = dims
+    return (int(out[2]), int(out[3])) != (1, 1) and int(dy[3]) < MAX_WIDTH
+
+
+def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
+    """NCHW with `kernel_layout`, groups 1, float32/64, static image and kernel sizes, more than
+    MIN_REDUCTION products per output, and either a strided conv or output rows narrower than a
+    vector with a kernel larger than 1x1 (a matmul already)."""
+    attrs = call.attrs
+    dims = _static_shapes(call, ("NCHW", kernel_layout, "NCHW"))
+    if dims is None:
+        return False
+    data, weight, out = dims
     kh, kw = int(weight[2]), int(weight[3])
     if int(data[1]) * kh * kw < MIN_REDUCTION:
         return False

@@ -31,10 +31,11 @@ Tried and left out: the same form for forward convolutions on 4x4 images (output
 rows) ran no faster than conv.py's schedule (94 vs 110 GFLOP/s, 512 channels); those run as
 im2col + matmul instead (relay_passes/im2col_conv.py). Limits: static channel extents; tiles of
 at most 12 vectors where oneDNN's hold 24-28 (the tile's rows are the kernel's 3 columns):
-ResNet-18's dW runs at 71% of the FMA peak on 32x32 images, 56-57% on 16x16 and 8x8, 48% on
-4x4 (Zen 5, 2 cores, in the training step's profile). Tried: its 4x4 and 8x8 dW as an im2col
-copy of x (one row of windows per pixel of dy) and one matmul: the copy alone took 2.6 ms, and
-the step was no faster.
+ResNet-18's dW runs at 71% of the FMA peak on 32x32 images, 56-57% on 16x16 (Zen 5, 2 cores,
+in the training step's profile). On 4x4 and 8x8 images (47-54% here) the weight gradients run
+as an im2col copy with the batch inside and one matmul instead, at 66-79%
+(relay_passes/im2col_conv.py); an earlier try of that form laid the windows out one row per
+pixel of dy, and that copy alone took 2.6 ms.
 """
 
 from __future__ import annotations
