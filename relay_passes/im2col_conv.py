@@ -194,15 +194,17 @@ def _static_shapes(call: relax.Call, layouts: tuple[str, str, str]) -> list | No
 
 
 def _weight_grad_worth_it(call: relax.Call) -> bool:
-    """A weight gradient (CNHW / IOHW) of a kernel larger than 1x1 on images narrower than a
-    vector. conv_gemm.py's tiles of the kernel's 3 columns ran those at 47-54% of the FMA peak
-    (ResNet-18's 4x4 and 8x8 layers); as one matmul with an im2col copy, 66-79%: training step
-    -3.2% (A/B, 2026-11-26). On 16x16 images it gained nothing measurable."""
+    """A weight gradient (CNHW / IOHW) on images narrower than a vector, of a strided conv
+    (dilated here), or of a 1x1 kernel. conv_gemm.py's tiles of the kernel's 3 columns ran the
+    first at 47-54% of the FMA peak (ResNet-18's 4x4 and 8x8 layers), the dilated ones at 39%
+    and the 1x1 ones at 11-19%; as one matmul with an im2col copy, 61-79%: training step -3.2%
+    (A/B, 2026-11-26). On 16x16 images, stride 1, it gained nothing measurable."""
     dims = _static_shapes(call, ("CNHW", "IOHW", "CNHW"))
     if dims is None:
         return False
     _, dy, out = dims
-    return (int(out[2]), int(out[3])) != (1, 1) and int(dy[3]) < MAX_WIDTH
+    one_by_one = (int(out[2]), int(out[3])) == (1, 1)
+    return one_by_one or _ints(call.attrs.dilation) != [1, 1] or int(dy[3]) < MAX_WIDTH
 
 
 def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
