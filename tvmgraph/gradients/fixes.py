@@ -19,6 +19,7 @@ Each is registered above TVM's level (``fixes_tvm=True``); the reason is in its 
 
 from __future__ import annotations
 
+import tvm
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
@@ -163,9 +164,11 @@ def concat_grad(
     legalization rejects ("split_indices must be sorted"). One strided_slice per part has
     neither problem.
     """
-    axis = int(orig_call.attrs.axis) % len(shape_of(orig_var))
+    axis = int(orig_call.attrs.axis) % len(dims_of(orig_var))  # other axes may be symbolic
     parts, offset = [], 0
     for field in orig_call.args[0].ty.fields:
+        if field.shape is None or not isinstance(field.shape[axis], tvm.tirx.IntImm):
+            raise NotImplementedError(f"the gradient of concat needs the sizes along its axis, got {field}")
         size = int(field.shape[axis])
         parts.append(op.strided_slice(output_grad, [axis], [offset], [offset + size]))
         offset += size

@@ -9,7 +9,9 @@ With a symbolic dim, Gradient copies the forward bindings into the backward pass
    makes each such shape a parameter of `main` before, `bind_shapes` puts it back into
    `main_adjoint` after; a `broadcast_to` of a tensor to the shape it has (attention's `expand`)
    is dropped instead, since the copy of a broadcast to a shape parameter has no static shape
-   and the gradients of what reads it fail;
+   and the gradients of what reads it fail; and a broadcast of a [1, d...] tensor over the
+   batch (a ViT's class token, `cls.expand(n, -1, -1)`) becomes a product with ones of shape
+   [n, 1, ...] sliced from an input, whose type keeps n;
 2. would run the forward pass twice: `bind_shapes` merges the copies (common subexpressions);
    attention that RecomputeAttention marks for recomputation is then kept instead;
 3. builds the gradients' shapes with the forward program's symbolic variables, other objects
@@ -35,9 +37,9 @@ def lift_shapes(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[str]]:
     """`mod` whose `main` takes each symbolic shape argument of a call as a new last parameter;
     the names of those parameters."""
     main = mod["main"]
-    lifter = _ShapeLifter()
+    lifter = _ShapeLifter(main.params)
     body = lifter.visit_expr(main.body)
-    if not lifter.params:
+    if tvm_ffi.structural_equal(body, main.body, map_free_vars=True):
         return mod, []
     mod = mod.clone()
     mod["main"] = relax.Function([*main.params, *lifter.params], body, main.ret_ty, main.is_pure, main.attrs)
@@ -46,8 +48,9 @@ def lift_shapes(mod: tvm.IRModule) -> tuple[tvm.IRModule, list[str]]:
 
 @mutator
 class _ShapeLifter(PyExprMutator):
-    def __init__(self) -> None:
+    def __init__(self, inputs: list[relax.Var]) -> None:
         super().__init__()
+        self.inputs = inputs
         self.params: list[relax.Var] = []
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -64,6 +67,11 @@ class _ShapeLifter(PyExprMutator):
             # attention's `expand` to the shape its input has: with the shape lifted, autodiff's
             # copy of it would have no static shape, nor would the matmul that reads it.
             return call.args[0]
+        ones = self._batch_of_ones(call)
+        if ones is not None:
+            # A ViT's class token expanded over the batch: x * ones of shape [n, 1, ...] has
+            # the batch in its type, where the copy of a broadcast to a shape parameter has none.
+            return relax.op.multiply(call.args[0], ones)
         args = []
         for arg in call.args:
             if _symbolic_shape(arg):
@@ -72,6 +80,36 @@ class _ShapeLifter(PyExprMutator):
                 arg = param
             args.append(arg)
         return relax.Call(call.op, args, call.attrs, call.ty_args)
+
+
+    def _batch_of_ones(self, call: relax.Call) -> relax.Expr | None:
+        """For `broadcast_to(x, [n, d...])` with x of shape [1, d...] and n the dim 0 of an
+        input of `main`: ones of shape [n, 1, ...] (x's dtype), sliced from that input."""
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.broadcast_to"):
+            return None
+        x, shape = call.args
+        if not (isinstance(x.ty, relax.TensorType) and isinstance(x.ty.shape, relax.ShapeExpr)):
+            return None
+        dims, target = list(x.ty.shape.values), list(shape.values)
+        if len(dims) != len(target) or not isinstance(dims[0], tvm.tirx.IntImm) or int(dims[0]) != 1 \
+                or not all(tvm_ffi.structural_equal(a, b) for a, b in zip(dims[1:], target[1:])):
+            return None
+        source = next((p for p in self.inputs if isinstance(p.ty, relax.TensorType)
+                       and isinstance(p.ty.shape, relax.ShapeExpr) and len(p.ty.shape.values) >= 1
+                       and tvm_ffi.structural_equal(p.ty.shape.values[0], target[0])), None)
+        if source is None:
+            return None
+        rank = len(source.ty.shape.values)
+        column = source
+        if rank > 1:
+            column = self.builder_.emit(relax.op.strided_slice(source, list(range(1, rank)), [0] * (rank - 1),
+                                                               [1] * (rank - 1)))
+        ones = self.builder_.emit(relax.op.ones_like(column, str(x.ty.dtype)))
+        if rank > len(target):
+            ones = self.builder_.emit(relax.op.squeeze(ones, list(range(len(target), rank))))
+        for axis in range(rank, len(target)):
+            ones = self.builder_.emit(relax.op.expand_dims(ones, axis))
+        return ones
 
 
 def _identity_broadcast(call: relax.Call) -> bool:
