@@ -81,6 +81,8 @@ def dims_of(expr: relax.Expr) -> list[int | tvm.tirx.PrimExpr]:
     """The shape of a tensor-typed expression: ints, and a symbolic dim (a dynamic batch) as
     it is, for gradients that only pass the shape on to Relax ops (broadcast, reshape, zeros)."""
     shape = expr.ty.shape
+    if isinstance(shape, relax.Var) and getattr(shape.ty, "values", None) is not None:
+        shape = shape.ty.values  # a shape parameter (training/symbolic_shapes.py): its dims
     if shape is None:
         raise NotImplementedError(f"tvmgraph.gradients need known shapes, got {expr.ty}")
     return [int(dim) if isinstance(dim, tvm.tirx.IntImm) else dim for dim in shape]
