@@ -119,22 +119,30 @@ def test_negative_indices_in_training_match_eager():
         assert_close(model.table.detach(), reference.table.detach())
 
 
-def test_cross_entropy_labels_out_of_range_in_training():
-    """A label >= the number of classes raises before the step (parameters untouched); labels
-    equal to ignore_index are accepted and train as in eager."""
-    model = nn.Linear(4, 5)
+def _trains_like_eager(loss_fn, classes: int, x: torch.Tensor, y: torch.Tensor, steps: int):
+    """A Linear(4, classes) trained `steps` SGD-momentum steps as a graph and in eager: the
+    losses and weights agree after each; returns (model, graph)."""
+    model = nn.Linear(4, classes)
     reference = copy.deepcopy(model)
-    loss_fn = nn.CrossEntropyLoss(ignore_index=-1)
     graph = TrainGraph(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    x, y = torch.randn(6, 4), torch.tensor([0, 4, -1, 2, -1, 3])
-    for _ in range(2):
+    for _ in range(steps):
         loss = graph(x, y)
         ref_opt.zero_grad()
         ref_loss = loss_fn(reference(x), y)
         ref_loss.backward()
         ref_opt.step()
         assert_close(loss, ref_loss.detach())
+        assert_close(model.weight.detach(), reference.weight.detach())
+    return model, graph
+
+
+def test_cross_entropy_labels_out_of_range_in_training():
+    """A label >= the number of classes raises before the step (parameters untouched); labels
+    equal to ignore_index are accepted and train as in eager."""
+    x = torch.randn(6, 4)
+    model, graph = _trains_like_eager(nn.CrossEntropyLoss(ignore_index=-1), 5, x,
+                                      torch.tensor([0, 4, -1, 2, -1, 3]), steps=2)
     before = model.weight.detach().clone()
     for labels in ([0, 5, -1, 2, -1, 3], [0, 1, -2, 2, -1, 3]):
         with pytest.raises(IndexOutOfRangeError, match=r"input 'y' holds .* aten\.cross_entropy_loss .*"
@@ -181,23 +189,11 @@ def test_one_hot_targets_train_like_eager_and_are_checked():
     autodiff refused it ("now only support one dataflow block"). The assertion is dropped from
     the program and checked on the torch side: steps match eager, and a class out of range
     raises before the step."""
-    model = nn.Linear(4, 3)
-    reference = copy.deepcopy(model)
-
     def loss_fn(out, y):
         return nn.functional.mse_loss(out, nn.functional.one_hot(y, 3).to(out.dtype))
 
-    graph = TrainGraph(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    x, y = torch.randn(6, 4), torch.tensor([0, 2, 1, 2, 0, 1])
-    for _ in range(3):
-        loss = graph(x, y)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        assert_close(loss, ref_loss.detach())
-        assert_close(model.weight.detach(), reference.weight.detach())
+    x = torch.randn(6, 4)
+    _, graph = _trains_like_eager(loss_fn, 3, x, torch.tensor([0, 2, 1, 2, 0, 1]), steps=3)
     with pytest.raises(IndexOutOfRangeError, match=r"input 'y' holds 3 at \[1\], out of range for aten\.one_hot "
                                                    r"from build\(\) itself: valid values are 0\.\.2"):
         graph(x, torch.tensor([0, 3, 1, 2, 0, 1]))
