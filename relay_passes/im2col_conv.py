@@ -22,13 +22,16 @@ convolution (a conv's input gradient) goes the other way round:
 every pixel of dy times the whole kernel (the transpose is read in place by the matmul), then
 each output pixel adds up the at most kh * kw products that land on it: no multiply by the
 zeros a strided transposed convolution inserts. A weight gradient (autodiff's conv of x read
-as CNHW with dy read as IOHW) on small images is one matmul over the batch's pixels:
+as CNHW with dy read as IOHW) is one matmul over the batch's pixels:
 
     cols = im2col(x)                         # [C, kh, kw, N, Ho, Wo]: the batch inside
     dw = R.reshape(R.matmul(R.reshape(R.permute_dims(dy, [1, 0, 2, 3]), [F, N * Ho * Wo]),
                             R.permute_dims(R.reshape(cols, [C * kh * kw, N * Ho * Wo]))),
-                   [F, C, kh, kw]) The copies are kh * kw times the smaller image:
-ResNet-18's largest is 9.4 MiB, live only until the next kernel has read it.
+                   [F, C, kh, kw])
+
+when its images are narrower than a vector, its conv strided or its kernel 1x1. The copies are kh * kw
+times the smaller image: ResNet-18's largest is 9.4 MiB, live only until the next kernel has
+read it.
 
 Exact up to the order of the sums (the matmul adds the C * kh * kw products in its own order).
 
