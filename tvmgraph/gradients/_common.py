@@ -83,7 +83,7 @@ def dims_of(expr: relax.Expr) -> list[int | tvm.tirx.PrimExpr]:
     shape = expr.ty.shape
     if isinstance(shape, relax.Var) and getattr(shape.ty, "values", None) is not None:
         shape = shape.ty.values  # a shape parameter (training/symbolic_shapes.py): its dims
-    if shape is None:
+    if shape is None or isinstance(shape, relax.Var):
         raise NotImplementedError(f"tvmgraph.gradients need known shapes, got {expr.ty}")
     return [int(dim) if isinstance(dim, tvm.tirx.IntImm) else dim for dim in shape]
 
