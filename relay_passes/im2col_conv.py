@@ -29,9 +29,9 @@ as CNHW with dy read as IOHW) is one matmul over the batch's pixels:
                             R.permute_dims(R.reshape(cols, [C * kh * kw, N * Ho * Wo]))),
                    [F, C, kh, kw])
 
-when its images are narrower than a vector, its conv strided or its kernel 1x1. The copies are kh * kw
-times the smaller image: ResNet-18's largest is 9.4 MiB, live only until the next kernel has
-read it.
+when its images are narrower than a vector, its conv strided or its kernel 1x1. The copies
+are kh * kw times the smaller image: ResNet-18's largest is 9.4 MiB, live only until the next
+kernel has read it.
 
 Exact up to the order of the sums (the matmul adds the C * kh * kw products in its own order).
 
@@ -112,6 +112,19 @@ class _Rewriter(PyExprMutator):
             return self._matmul_col2im(call)
         return call
 
+    def _emit_im2col(self, data: relax.Expr, kernel: tuple[int, int], strides: list[int],
+                     padding: list[int], dilation: list[int], out_hw: tuple[int, int],
+                     batch_inside: bool = False) -> relax.Var:
+        """Emit `_im2col` as its own kernel."""
+        bb = self.builder_
+        cols = bb.emit_te(_im2col, data, kernel, strides, padding, dilation, out_hw, batch_inside,
+                          primfunc_name_hint="im2col")
+        # NOTE: opaque, so that FuseOps leaves the reshape after it out of it (a reshape inside
+        # the copy divides every index; alone it is a free view).
+        gv = bb.lookup_binding(cols).args[0]
+        bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OPAQUE))
+        return cols
+
     def _im2col_matmul(self, call: relax.Call) -> relax.Expr:
         """conv2d(x, w): the shifted planes of x (im2col), then one matmul with w read in place."""
         bb = self.builder_
@@ -119,12 +132,8 @@ class _Rewriter(PyExprMutator):
         data, weight = call.args
         batch, f, ho, wo = call.ty.shape.values
         _, c, kh, kw = _ints(weight.ty.shape.values)
-        cols = bb.emit_te(_im2col, data, (kh, kw), _ints(attrs.strides), _ints(attrs.padding)[:2],
-                          _ints(attrs.dilation), (int(ho), int(wo)), primfunc_name_hint="im2col")
-        # NOTE: opaque, so that FuseOps leaves the reshape below out of it (a reshape inside
-        # the copy divides every index; alone it is a free view).
-        gv = bb.lookup_binding(cols).args[0]
-        bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OPAQUE))
+        cols = self._emit_im2col(data, (kh, kw), _ints(attrs.strides), _ints(attrs.padding)[:2],
+                                 _ints(attrs.dilation), (int(ho), int(wo)))
         k = c * kh * kw
         rows = bb.emit(relax.op.reshape(cols, [batch, k, ho * wo]))
         weight = bb.emit(relax.op.reshape(weight, [f, k]))
@@ -142,10 +151,8 @@ class _Rewriter(PyExprMutator):
         batch, f, ho, wo = dy.ty.shape.values
         _, c, kh, kw = _ints(call.ty.shape.values)  # CNHW: (F, C, kh, kw)
         # autodiff's conv: strides = the forward dilation, dilation = the forward stride
-        cols = bb.emit_te(_im2col, data, (kh, kw), _ints(attrs.dilation), _ints(attrs.padding)[:2],
-                          _ints(attrs.strides), (int(ho), int(wo)), True, primfunc_name_hint="im2col")
-        gv = bb.lookup_binding(cols).args[0]
-        bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OPAQUE))
+        cols = self._emit_im2col(data, (kh, kw), _ints(attrs.dilation), _ints(attrs.padding)[:2],
+                                 _ints(attrs.strides), (int(ho), int(wo)), batch_inside=True)
         pixels = batch * ho * wo
         windows = bb.emit(relax.op.reshape(cols, [c * kh * kw, pixels]))
         dy_rows = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(dy, [1, 0, 2, 3])), [f, pixels]))

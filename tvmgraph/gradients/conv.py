@@ -101,10 +101,9 @@ def conv_weight_grad(
     rank = len(strides)
     _, _, transposed_kernel, channels_first = _LAYOUTS[rank]
     batch, channels, *size = dims_of(data)
-    data, size, strides = _strided_taps_only(data, size, dims_of(output_grad)[2:], weight_shape[2:],
-                                             strides, padding)
-    data, size, padding = _window_only(data, size, dims_of(output_grad)[2:], weight_shape[2:],
-                                       strides, padding, dilation)
+    grad_size = dims_of(output_grad)[2:]
+    data, size, strides = _strided_taps_only(data, size, grad_size, weight_shape[2:], strides, padding)
+    data, size, padding = _window_only(data, size, grad_size, weight_shape[2:], strides, padding, dilation)
     if groups != 1:
         data = op.reshape(data, (batch, groups, channels // groups, *size))
         data = op.permute_dims(data, [1, 0, *range(2, rank + 3)])
@@ -115,8 +114,7 @@ def conv_weight_grad(
     )
     full = [
         (n + pb + pe - (g - 1) * s - 1) // d + 1
-        for n, pb, pe, g, s, d in zip(size, padding[:rank], padding[rank:],
-                                      dims_of(output_grad)[2:], strides, dilation)
+        for n, pb, pe, g, s, d in zip(size, padding[:rank], padding[rank:], grad_size, strides, dilation)
     ]
     return _crop(grad, full, weight_shape)
 

@@ -81,7 +81,6 @@ class _ShapeLifter(PyExprMutator):
             args.append(arg)
         return relax.Call(call.op, args, call.attrs, call.ty_args)
 
-
     def _batch_of_ones(self, call: relax.Call) -> relax.Expr | None:
         """For `broadcast_to(x, [n, d...])` with x of shape [1, d...] and n the dim 0 of an
         input of `main`: ones of shape [n, 1, ...] (x's dtype), sliced from that input."""
