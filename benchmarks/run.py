@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
             if report is not None:
                 print(f"{'':<12} {'':<9} tuned with {report.trials} trials in {report.seconds / 60:.1f} min, "
                       f"{sum(k.use_tuned for k in report.kernels)} kernel(s) from the log", flush=True)
+                if args.device == "cuda":  # no FMA peak measured: the report's kernel table
+                    print(report.table(), flush=True)
                 for k in report.kernels:
                     if k.flops >= 1e8 and k.default_us and fma_peak:
                         best = min(k.default_us, k.tuned_us or k.default_us)

@@ -106,9 +106,12 @@ def _fit(name: str, width: int) -> str:
 
 
 class _Recorder:
-    """The VM instrument: adds up the time of every call, by the symbol the VM calls."""
+    """The VM instrument: adds up the time of every call, by the symbol the VM calls. On a GPU
+    (`sync`: the device's synchronize) it waits for the device before and after each call, which
+    otherwise only queues a kernel: the time is then the kernel's, not its launch's."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Any = None) -> None:
+        self.sync = sync
         self.runs: list[dict[str, list[float]]] = []
         self.bytes: dict[str, int] = {}
         self.args: dict[str, list[Any]] = {}  # each kernel's arguments' shapes (ints for scalars)
@@ -122,8 +125,12 @@ class _Recorder:
             if not self.bytes.get(symbol):  # counted once: the same call has the same arguments
                 self.bytes[symbol] = sum(_nbytes(a) for a in args)
                 self.args[symbol] = [_shape_of(a) for a in args]
+            if self.sync is not None:
+                self.sync()
             self._started = time.perf_counter()
         else:
+            if self.sync is not None:
+                self.sync()
             self.runs[-1][symbol].append(time.perf_counter() - self._started)
         return 0  # VMInstrumentReturnKind.NO_OP: run the call as usual
 
@@ -206,9 +213,12 @@ def profile_graph(graph: Graph, args: tuple, repeat: int = 5, limits: Limits | N
         for _ in range(repeat):
             start = time.perf_counter()
             graph(*args)
+            if compiled.device.type == "cuda":
+                torch.cuda.synchronize(compiled.device)
             calls.append(time.perf_counter() - start)
-        recorder = _Recorder()
-        vm = relax.VirtualMachine(compiled.lib, tvm_device(compiled.device), memory_cfg=settings.vm_allocator)
+        device = tvm_device(compiled.device)
+        recorder = _Recorder(sync=device.sync if compiled.device.type != "cpu" else None)
+        vm = relax.VirtualMachine(compiled.lib, device, memory_cfg=settings.vm_allocator)
         vm.set_instrument(recorder)
         plain = compiled._entry
         compiled._entry = vm[compiled.entry_name]

@@ -85,6 +85,29 @@ def test_cnn_training_with_batch_norm_matches_eager() -> None:
             assert_close(buffer, dict(reference.named_buffers())[name], **STEP_TOL)
 
 
+def test_depthwise_and_pointwise_weight_gradients_match_eager() -> None:
+    """Weight gradients summed over 16 * 32 * 32 pixels with few weights each (depthwise 3x3,
+    1x1, a 3x3 stem): one thread block per weight, warp-shuffle sums (LongReduction)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.ReLU(),
+                          nn.Conv2d(32, 64, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(64, 10)).to(CUDA)
+    x, y = torch.randn(16, 3, 32, 32, device=CUDA), torch.randint(0, 10, (16,), device=CUDA)
+    _train_side_by_side(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), x, y, steps=3)
+
+
+def test_profile_times_the_kernels_on_the_gpu() -> None:
+    """graph.profile on CUDA waits for each kernel: the kernels' times add up to at least most
+    of a call that the GPU's work dominates (a launch alone takes microseconds; unsynchronized,
+    the table timed launches). No upper bound: each wait adds its own microseconds, which
+    outweigh a small graph's kernels (an H100 ran a batch of 256 in 0.4 ms; 3x was too tight)."""
+    graph = ModuleGraph(SmallCNN().to(CUDA).eval())
+    profile = graph.profile(torch.randn(1024, 3, 32, 32, device=CUDA))
+    assert profile.limits is None and profile.kernels
+    assert profile.kernel_seconds >= 0.5 * profile.call_seconds, profile.table()
+
+
 def test_float16_amp_with_grad_scaler_matches_eager() -> None:
     """torch.autocast's CUDA default (float16) and dynamic loss scaling inside the step: losses
     and scales step for step against eager autocast + GradScaler, an overflow skipped by both.

@@ -23,10 +23,14 @@ logger = logging.getLogger(__name__)
 
 
 def default_gpu_rules() -> list[ScheduleRule]:
-    """dlight's GPU rules in the order tvmgraph has always used them."""
+    """dlight's GPU rules, with tvmgraph's for long sums (convolution weight gradients, batch
+    statistics) before them and for short sums (depthwise taps) before GeneralReduction."""
     from tvm.s_tir import dlight as dl
 
-    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    from .gpu_long_reduction import LongReduction, ShortReduction
+
+    return [LongReduction(), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), ShortReduction(),
+            dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmgraph.ApplyGPUSchedules")
