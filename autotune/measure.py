@@ -26,6 +26,14 @@ import tvm
 
 BUILD_TIMEOUT_S = 120.0  # a 2-core machine under load builds a big kernel in tens of seconds
 RUN_TIMEOUT_S = 60.0
+# MetaSchedule's first candidates include schedules hundreds of times slower than the default
+# one: on the CNN's training step a batch-norm gradient that runs 1.4 ms by default had
+# candidates of 3.2 s and of more than 15 s, each run 4 times (a warm-up, 3 repeats of at least
+# 50 ms) under a 60 s timeout. Once the defaults are known (`runner(..., slowest_default_s)`),
+# a candidate slower than HOPELESS x the slowest kernel's default is timed once, not repeated,
+# and one slower than GIVE_UP x it is stopped (at least MIN_TIMEOUT_S, for loading the module
+# and filling its arguments): none of them can replace a default.
+HOPELESS, GIVE_UP, MIN_TIMEOUT_S = 10.0, 100.0, 5.0
 
 
 @dataclass(frozen=True)
@@ -60,17 +68,43 @@ def builder(workers: int | None = None):
     return ms.builder.LocalBuilder(max_workers=workers, timeout_sec=BUILD_TIMEOUT_S, f_build=build_candidate)
 
 
-def runner(rpc: RPCTarget | None = None):
+def runner(rpc: RPCTarget | None = None, slowest_default_s: float | None = None):
     """Each candidate runs at least 50 ms of repeats (short kernels vary a lot on a shared
-    machine), 3 times; the record keeps the 3 means."""
+    machine), 3 times; the record keeps the 3 means. With `slowest_default_s` (the slowest
+    default schedule among the kernels tuned), hopeless candidates are cut short on this
+    machine (see HOPELESS)."""
     from tvm.s_tir import meta_schedule as ms
 
     evaluator = ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=50, enable_cpu_cache_flush=False)
+    timeout, run_evaluator = RUN_TIMEOUT_S, None
+    if slowest_default_s:
+        timeout = min(RUN_TIMEOUT_S, max(MIN_TIMEOUT_S, GIVE_UP * slowest_default_s))
+        run_evaluator = CappedEvaluator(HOPELESS * slowest_default_s)
     if rpc is None:
-        return ms.runner.LocalRunner(timeout_sec=RUN_TIMEOUT_S, evaluator_config=evaluator)
+        return ms.runner.LocalRunner(timeout_sec=timeout, evaluator_config=evaluator, f_run_evaluator=run_evaluator)
+    # NOTE: over RPC the candidate runs on another machine, whose speed the defaults measured
+    # here do not tell: no cap there.
     config = ms.runner.RPCConfig(tracker_host=rpc.host, tracker_port=rpc.port, tracker_key=rpc.key,
                                  session_timeout_sec=RUN_TIMEOUT_S)
     return ms.runner.RPCRunner(rpc_config=config, evaluator_config=evaluator)
+
+
+@dataclass(frozen=True)
+class CappedEvaluator:
+    """MetaSchedule's run evaluator (it runs in the runner's worker process), except that a
+    candidate whose first run takes longer than `cap_s` is reported at that time, unrepeated."""
+
+    cap_s: float
+
+    def __call__(self, rt_mod, device, evaluator_config, repeated_args) -> list[float]:
+        from tvm.s_tir.meta_schedule.runner.utils import run_evaluator_common
+
+        once = rt_mod.time_evaluator(func_name=rt_mod.entry_name, dev=device, number=1, repeat=1)
+        device.sync()
+        first = float(once(*repeated_args[0]).mean)
+        if first > self.cap_s:
+            return [first] * evaluator_config.repeat
+        return run_evaluator_common(rt_mod, device, evaluator_config, repeated_args)
 
 
 def measure_seconds(mods: list[tvm.IRModule], target: tvm.target.Target, build, run) -> list[float | None]:
@@ -122,6 +156,20 @@ def search_space(target: tvm.target.Target):
     return ms.space_generator.PostOrderApply(sch_rules=ms.schedule_rule.ScheduleRule.create(kind),
                                              postprocs=ms.postproc.Postproc.create(kind),
                                              mutator_probs=ms.mutator.Mutator.create(kind))
+
+
+# MetaSchedule's evolutionary search by default evolves 512 schedules for 4 generations before
+# each round of TRIALS_PER_ROUND (16) measurements: 10-41 s per round of a CNN training step's
+# fused kernels on 2 cores, 1.5-6 s with these (tuning measures 16 of them per round anyway).
+POPULATION, MIN_UNMEASURED, GENERATIONS = 128, 32, 2
+
+
+def search_strategy():
+    """MetaSchedule's evolutionary search, with a population sized for a few cores."""
+    from tvm.s_tir import meta_schedule as ms
+
+    return ms.search_strategy.EvolutionarySearch(population_size=POPULATION, init_min_unmeasured=MIN_UNMEASURED,
+                                                 genetic_num_iters=GENERATIONS)
 
 
 @contextlib.contextmanager

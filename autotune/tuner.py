@@ -82,6 +82,8 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
         kernel.default_s = seconds
     chosen = worth_tuning(kernels)
     budget = trials if trials is not None else TRIALS_PER_KERNEL * len(chosen)
+    defaults = [k.default_s for k in chosen if k.default_s]
+    run = measure.runner(rpc, max(defaults)) if defaults else run  # hopeless candidates cut short
 
     history: list[tuple[int, float]] = []
     with log.lock():
@@ -184,7 +186,7 @@ def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, bui
     threads = os.cpu_count() or 1
     with measure.without_tensor_intrin():
         contexts = [ms.TuneContext(mod=k.mod, target=target, space_generator=measure.search_space(target),
-                                   search_strategy="evolutionary", task_name=k.name, logger=quiet,
+                                   search_strategy=measure.search_strategy(), task_name=k.name, logger=quiet,
                                    num_threads=threads).clone() for k in kernels]
     deadline = time.monotonic() + 60 * minutes if minutes else None
     watcher = _progress_callback(kernels, logged_s, trials, deadline, progress, history)

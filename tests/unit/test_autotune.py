@@ -328,3 +328,46 @@ def test_an_accumulating_graph_is_tuned_at_its_micro_batch() -> None:
     assert lowered.entry == "accumulate_grads"
     assert [tuple(a.shape) for a in args] == [(8, 8), (8,)]
     assert [tuple(int(d) for d in p.ty.shape) for p in lowered.mod["accumulate_grads"].params[:2]] == [(8, 8), (8,)]
+
+
+def _scaled_copy():
+    """A small kernel, built for this CPU: b = a * 2 over 2^16 floats."""
+    from tvm import te
+
+    a = te.placeholder((1 << 16,), name="a")
+    func = te.create_prim_func([a, te.compute(a.shape, lambda i: a[i] * 2.0, name="b")])
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                       target=target_for(torch.device("cpu")))
+
+
+def test_a_hopeless_candidate_runs_once_and_the_runner_gives_up_early() -> None:
+    """Once the defaults are measured, the runner stops waiting at 100x the slowest default
+    (5 s at least) and times a candidate slower than 10x it once instead of 4 times."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from autotune import measure
+
+    plain, capped = measure.runner(), measure.runner(slowest_default_s=0.002)
+    assert plain.timeout_sec == measure.RUN_TIMEOUT_S and capped.timeout_sec == measure.MIN_TIMEOUT_S
+    assert measure.runner(slowest_default_s=0.2).timeout_sec == 20.0
+    evaluator = capped.f_run_evaluator
+    assert isinstance(evaluator, measure.CappedEvaluator) and evaluator.cap_s == pytest.approx(0.02)
+
+    lib = _scaled_copy().mod
+    lib.entry_name = "main"  # what MetaSchedule's worker sets on the module it loads
+    dev = tvm.cpu()
+    args = [[tvm.runtime.tensor(torch.randn(1 << 16).numpy(), dev), tvm.runtime.empty((1 << 16,), "float32", dev)]]
+    config = ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=20)
+    calls = []
+    timer = lib.time_evaluator
+
+    def counting_time_evaluator(*a, **k):
+        calls.append(k.get("repeat", a[3] if len(a) > 3 else None))
+        return timer(*a, **k)
+
+    lib.time_evaluator = counting_time_evaluator
+    fast = measure.CappedEvaluator(cap_s=10.0)(lib, dev, config, args)
+    assert calls == [1, 3] and len(fast) == 3  # one timing run, then the full evaluation
+    calls.clear()
+    slow = measure.CappedEvaluator(cap_s=0.0)(lib, dev, config, args)
+    assert calls == [1] and len(slow) == 3 and len(set(slow)) == 1  # the one run, reported 3 times
