@@ -72,21 +72,21 @@ def runner(rpc: RPCTarget | None = None, slowest_default_s: float | None = None)
     """Each candidate runs at least 50 ms of repeats (short kernels vary a lot on a shared
     machine), 3 times; the record keeps the 3 means. With `slowest_default_s` (the slowest
     default schedule among the kernels tuned), hopeless candidates are cut short on this
-    machine (see HOPELESS)."""
+    machine (see HOPELESS); over RPC it is ignored."""
     from tvm.s_tir import meta_schedule as ms
 
     evaluator = ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=50, enable_cpu_cache_flush=False)
-    timeout, run_evaluator = RUN_TIMEOUT_S, None
-    if slowest_default_s:
-        timeout = min(RUN_TIMEOUT_S, max(MIN_TIMEOUT_S, GIVE_UP * slowest_default_s))
-        run_evaluator = CappedEvaluator(HOPELESS * slowest_default_s)
-    if rpc is None:
-        return ms.runner.LocalRunner(timeout_sec=timeout, evaluator_config=evaluator, f_run_evaluator=run_evaluator)
-    # NOTE: over RPC the candidate runs on another machine, whose speed the defaults measured
-    # here do not tell: no cap there.
-    config = ms.runner.RPCConfig(tracker_host=rpc.host, tracker_port=rpc.port, tracker_key=rpc.key,
-                                 session_timeout_sec=RUN_TIMEOUT_S)
-    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=evaluator)
+    if rpc is not None:
+        # NOTE: over RPC the candidate runs on another machine, whose speed the defaults measured
+        # here do not tell: no cap there.
+        config = ms.runner.RPCConfig(tracker_host=rpc.host, tracker_port=rpc.port, tracker_key=rpc.key,
+                                     session_timeout_sec=RUN_TIMEOUT_S)
+        return ms.runner.RPCRunner(rpc_config=config, evaluator_config=evaluator)
+    if not slowest_default_s:
+        return ms.runner.LocalRunner(timeout_sec=RUN_TIMEOUT_S, evaluator_config=evaluator)
+    return ms.runner.LocalRunner(timeout_sec=min(RUN_TIMEOUT_S, max(MIN_TIMEOUT_S, GIVE_UP * slowest_default_s)),
+                                 evaluator_config=evaluator,
+                                 f_run_evaluator=CappedEvaluator(HOPELESS * slowest_default_s))
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
     chosen = worth_tuning(kernels)
     budget = trials if trials is not None else TRIALS_PER_KERNEL * len(chosen)
     defaults = [k.default_s for k in chosen if k.default_s]
-    run = measure.runner(rpc, max(defaults)) if defaults else run  # hopeless candidates cut short
+    if defaults and rpc is None:  # hopeless candidates cut short (measure.HOPELESS)
+        run = measure.runner(None, max(defaults))
 
     history: list[tuple[int, float]] = []
     with log.lock():

@@ -129,12 +129,12 @@ def _schedule(sch: s_tir.Schedule, infos, plans) -> None:
         if plan == "long":
             _block_per_output(sch, info)
             continue
-        thread = _thread_per_output(sch, info)
+        thread, taps = _thread_per_output(sch, info)
         if plan == "short" and i + 1 < len(infos) and plans[i + 1] == "spatial" \
                 and _fuse_consumer(sch, info, infos[i + 1], thread, infos):
             fused_into.add(i + 1)
         if plan == "short":  # the sum's zero-initialization out of its loop over the taps
-            sch.decompose_reduction(info.block_rv, sch.get_loops(info.block_rv)[-len(_reduction_iters(info))])
+            sch.decompose_reduction(info.block_rv, taps[0])
 
 
 def _plan(info) -> str | None:
@@ -144,13 +144,19 @@ def _plan(info) -> str | None:
         return None
     if "R" not in kinds:
         return "spatial"
-    outputs = math.prod(int(it.dom) for it in info.iters if it.kind == "S")
-    terms = math.prod(int(it.dom) for it in info.iters if it.kind == "R")
+    outputs, terms = _extents(info)
     if (outputs <= MAX_OUTPUTS and terms >= MIN_REDUCTION) or (outputs <= FEW_OUTPUTS and terms >= SHORTEST_SPLIT):
         return "long"
     if terms <= MAX_SHORT:
         return "short"
     return None
+
+
+def _extents(info) -> tuple[int, int]:
+    """(outputs, terms of each sum) of a block with static extents."""
+    outputs = math.prod(int(it.dom) for it in info.iters if it.kind == "S")
+    terms = math.prod(int(it.dom) for it in info.iters if it.kind == "R")
+    return outputs, terms
 
 
 def _split_loops(sch: s_tir.Schedule, info):
@@ -166,17 +172,16 @@ def _block_per_output(sch: s_tir.Schedule, info) -> None:
     spatial, reduction = _split_loops(sch, info)
     sch.reorder(*spatial, *reduction)
     output = sch.fuse(*spatial) if spatial else sch.add_unit_loop(block)
-    serial, lane = sch.split(sch.fuse(*reduction), [None, threads_per_sum(info)])
+    serial, lane = sch.split(sch.fuse(*reduction), [None, _threads_per_sum(info)])
     sch.reorder(output, lane, serial)
     sch.bind(output, "blockIdx.x")
     sch.bind(lane, "threadIdx.x")
 
 
-def threads_per_sum(info) -> int:
+def _threads_per_sum(info) -> int:
     """A block's threads for one split sum: a power of two, 32 up to MAX_THREADS with at least
     4 terms each (up to FEWEST_OUTPUTS_THREADS below FEWEST_OUTPUTS outputs)."""
-    outputs = math.prod(int(it.dom) for it in info.iters if it.kind == "S")
-    terms = math.prod(int(it.dom) for it in info.iters if it.kind == "R")
+    outputs, terms = _extents(info)
     cap = FEWEST_OUTPUTS_THREADS if outputs < FEWEST_OUTPUTS else MAX_THREADS
     threads = 32
     while threads * 2 <= cap and threads * 2 * 4 <= terms:
@@ -185,7 +190,8 @@ def threads_per_sum(info) -> int:
 
 
 def _thread_per_output(sch: s_tir.Schedule, info):
-    """dlight's Fallback for one block; returns the loop bound to threadIdx.x."""
+    """dlight's Fallback for one block; returns the loop bound to threadIdx.x and the block's
+    reduction loops (inside it)."""
     block = info.block_rv
     spatial, reduction = _split_loops(sch, info)
     sch.reorder(*spatial, *reduction)
@@ -193,11 +199,7 @@ def _thread_per_output(sch: s_tir.Schedule, info):
     grid, thread = sch.split(output, [None, SPATIAL_THREADS])
     sch.bind(grid, "blockIdx.x")
     sch.bind(thread, "threadIdx.x")
-    return thread
-
-
-def _reduction_iters(info) -> list:
-    return [it for it in info.iters if it.kind == "R"]
+    return thread, reduction
 
 
 def _fuse_consumer(sch: s_tir.Schedule, producer, consumer, thread, infos) -> bool:
