@@ -58,12 +58,13 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
     """A function running one inference call or training step of `model` with `engine`."""
     model = copy.deepcopy(model).to(DEVICE)
     loss_fn = case.loss_fn()
+    if engine in ("tvmgraph", "tuned"):
+        graph = make_graph(mode, case, model)
+        inputs = tuple(t.to(DEVICE) for t in case.inputs())
+        _tuning(graph, engine, case, mode, inputs[:1] if mode == "infer" else inputs)
+        return (lambda x, y: graph(x)) if mode == "infer" else graph
     if mode == "infer":
         model.eval()
-        if engine in ("tvmgraph", "tuned"):
-            graph = _InferGraph(model)
-            _tuning(graph, engine, case, mode, (case.inputs()[0].to(DEVICE),))
-            return lambda x, y: graph(x)
         fn = torch.compile(model) if engine == "compile" else model
 
         def infer(x, y):
@@ -75,13 +76,6 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     amp = mode == "train_amp"
-    if engine in ("tvmgraph", "tuned"):
-        graph = _TrainGraph(model, loss_fn, optimizer)
-        if amp:
-            graph.config.enable_amp(True)
-            graph.set_grad_scaler(torch.amp.GradScaler(DEVICE))
-        _tuning(graph, engine, case, mode, tuple(t.to(DEVICE) for t in case.inputs()))
-        return graph
     fn = torch.compile(model) if engine == "compile" else model
     scaler = torch.amp.GradScaler(DEVICE, enabled=amp)  # disabled: scale() and step() are plain
 
@@ -95,6 +89,19 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
         return loss
 
     return train
+
+
+def make_graph(mode: str, case: Case, model: nn.Module) -> tvmgraph.nn.Graph:
+    """tvmgraph's graph of `model` (on DEVICE, used as it is) for `mode`: inference, or a
+    training step with SGD momentum (bfloat16/float16 AMP with a grad scaler for train_amp)."""
+    if mode == "infer":
+        return _InferGraph(model.eval())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    graph = _TrainGraph(model.train(), case.loss_fn(), optimizer)
+    if mode == "train_amp":
+        graph.config.enable_amp(True)
+        graph.set_grad_scaler(torch.amp.GradScaler(DEVICE))
+    return graph
 
 
 def _tuning(graph: tvmgraph.nn.Graph, engine: str, case: Case, mode: str, example_args: tuple) -> None:

@@ -21,17 +21,11 @@ def graph_for(case_name: str, mode: str, device: str):
     """The case's untuned inference or training graph and its inputs, on `device`."""
     case = CASES[case_name]
     torch.manual_seed(0)
-    model = case.make_model().to(device)
-    x, y = (t.to(device) for t in case.inputs())
-    if mode == "infer":
-        graph = engines._InferGraph(model.eval())
-        args = (x,)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=engines.LR, momentum=engines.MOMENTUM)
-        graph = engines._TrainGraph(model.train(), case.loss_fn(), optimizer)
-        args = (x, y)
+    engines.DEVICE = device
+    graph = engines.make_graph(mode, case, case.make_model().to(device))
     graph.config.enable_tuning(False)
-    return graph, args
+    x, y = (t.to(device) for t in case.inputs())
+    return graph, ((x,) if mode == "infer" else (x, y))
 
 
 def main() -> None:
