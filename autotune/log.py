@@ -289,6 +289,12 @@ def best_seconds(records: list[Any]) -> float:
     return min((_seconds(r) for r in records), default=float("inf"))
 
 
+def best_record(records: list[Any]) -> Any | None:
+    """The record with the shortest mean time (the one compiles apply); None if all failed."""
+    best = min(records, key=_seconds, default=None)
+    return best if best is not None and math.isfinite(_seconds(best)) else None
+
+
 def _json_lines(path: Path) -> tuple[list[Any], int]:
     """The JSON documents of a file, one per line, and how many lines were not JSON."""
     if not path.exists():

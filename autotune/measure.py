@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import statistics
 import sys
 import types
@@ -107,8 +108,10 @@ class CappedEvaluator:
         return run_evaluator_common(rt_mod, device, evaluator_config, repeated_args)
 
 
-def measure_seconds(mods: list[tvm.IRModule], target: tvm.target.Target, build, run) -> list[float | None]:
-    """The median run time of each module's `main` (None where it failed to build or run)."""
+def measure_seconds(mods: list[tvm.IRModule], target: tvm.target.Target, build, run,
+                    rounds: int = 1) -> list[float | None]:
+    """The median run time of each module's `main` (None where it failed to build or run).
+    Each is built once and run `rounds` times, the modules taking turns (a round runs each)."""
     from tvm.s_tir import meta_schedule as ms
 
     built = build.build([ms.builder.BuilderInput(mod, target) for mod in mods])
@@ -119,12 +122,18 @@ def measure_seconds(mods: list[tvm.IRModule], target: tvm.target.Target, build, 
             device = "cuda" if target.kind.name == "cuda" else "cpu"
             inputs.append(ms.runner.RunnerInput(result.artifact_path, device, args))
             where.append(i)
-    times: list[float | None] = [None] * len(mods)
-    for i, future in zip(where, run.run(inputs)):
-        result = future.result()
-        if result.error_msg is None and result.run_secs:
-            times[i] = statistics.median(float(s) for s in result.run_secs)
-    return times
+    samples: list[list[float]] = [[] for _ in mods]
+    try:
+        for _ in range(rounds):
+            for i, future in zip(where, run.run(inputs)):
+                result = future.result()
+                if result.error_msg is None and result.run_secs:
+                    samples[i].append(statistics.median(float(s) for s in result.run_secs))
+    finally:
+        for result in built:  # each artifact sits in a temporary directory of its own
+            if result.error_msg is None:
+                shutil.rmtree(os.path.dirname(result.artifact_path), ignore_errors=True)
+    return [statistics.median(s) if s else None for s in samples]
 
 
 # What MetaSchedule's CUDA rules read from a target; a plain {"kind": "cuda", "arch": ...} lacks

@@ -5,7 +5,8 @@
     3. tune the kernels that take most of that time: evolutionary search guided by the XGBoost
        cost model, every measured candidate appended to the log. Trials already in the log
        count, so a run that was killed continues where it stopped;
-    4. per kernel, the tuned schedule is used only where it measured faster than the default;
+    4. per kernel, the tuned schedule is used only where it measured faster than the default,
+       the two timed again side by side first;
     5. the whole program is timed with and without the tuned kernels; if tuned is slower, the
        log is disabled and compiles keep the default schedules.
 Compiles of any graph with the same name and target then apply the log (autotune/apply.py).
@@ -25,14 +26,15 @@ from typing import Any
 import numpy as np
 import torch
 import tvm
-from tvm import relax
+from tvm import relax, s_tir
 
 from tvmgraph.errors import ConfigError, TuningError
 
 from . import measure
-from .log import Choices, KernelChoice, TuningLog, best_seconds, check_log_name
+from .log import Choices, KernelChoice, TuningLog, best_record, best_seconds, check_log_name
 from .measure import RPCTarget
 from .report import TuningReport
+from .rounds import RoundByRound
 from .tasks import Kernel, extract_kernels, worth_tuning
 
 logger = logging.getLogger("tvmgraph.autotune")
@@ -40,6 +42,7 @@ logger = logging.getLogger("tvmgraph.autotune")
 TRIALS_PER_KERNEL = 32   # the default budget: enough for the search to beat a default schedule
 TRIALS_PER_ROUND = 16    # candidates measured per kernel per round
 FASTER = 0.98            # a tuned kernel must beat the default by 2% (timing noise) to be used
+RETIME_ROUNDS = 3        # side-by-side timings of a default and its tuned rival before choosing
 
 
 def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: float | None = None,
@@ -54,8 +57,8 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
     that long. `name`: the log's graph name (default: graph.config's, else the Graph subclass's
     name); given, the graph also compiles with that log from now on
     (`graph.config.enable_tuning(name=name)`). `log_dir`: a tuning root other than
-    $TVMGRAPH_CACHE_DIR/tuning. `rpc`: measure on a remote device through a TVM RPC tracker. `check_graph`: time the whole program with and
-    without the tuned kernels (local targets). `eager`: also time build() in eager PyTorch.
+    $TVMGRAPH_CACHE_DIR/tuning. `rpc`: measure on a remote device through a TVM RPC tracker.
+    `check_graph`: time the whole program with and without the tuned kernels (local targets). `eager`: also time build() in eager PyTorch.
     """
     started = time.monotonic()
     lowered, options, device, args = _lowered(graph, example_args)
@@ -98,7 +101,8 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
         if remaining > 0 and chosen:
             measured = _search(chosen, measured_target, database, build, run, remaining, minutes, progress, history,
                                [best_seconds(done[k.workload]) for k in chosen])
-        choices = _choose(kernels, chosen, database)
+        retimed = _retime(chosen, database, measured_target, build, run)
+        choices = _choose(kernels, chosen, database, retimed)
         if check_graph and rpc is None:
             choices.graph_untuned_ms, choices.graph_tuned_ms = _time_graph(lowered, tvm_target, options, log, choices)
             choices.enabled = bool(choices.graph_tuned_ms <= choices.graph_untuned_ms)
@@ -171,10 +175,6 @@ def _records(database: Any, kernel: Kernel) -> list[Any]:
     return list(database.get_top_k(database.commit_workload(kernel.mod), 1 << 30))
 
 
-class _OutOfTime(Exception):
-    pass
-
-
 def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, build: Any, run: Any,
             trials: int, minutes: float | None, progress: bool, history: list[tuple[int, float]],
             logged_s: list[float]) -> int:
@@ -189,69 +189,73 @@ def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, bui
         contexts = [ms.TuneContext(mod=k.mod, target=target, space_generator=measure.search_space(target),
                                    search_strategy=measure.search_strategy(), task_name=k.name, logger=quiet,
                                    num_threads=threads).clone() for k in kernels]
-    deadline = time.monotonic() + 60 * minutes if minutes else None
-    watcher = _progress_callback(kernels, logged_s, trials, deadline, progress, history)
-    callbacks = [*ms.measure_callback.MeasureCallback.create("default"), watcher]
-    cost_model = ms.cost_model.XGBModel(num_tuning_cores=threads)
-    with tempfile.TemporaryDirectory(prefix="tvmgraph-tune-") as work_dir:
-        try:
+    bar = _progress_bar(trials) if progress else None
+
+    def on_round(measured: int, estimate_us: float) -> None:
+        history.append((measured, estimate_us))
+        if bar is not None:
+            bar.set_postfix_str(f"tuned kernels {estimate_us:.0f} µs", refresh=False)
+            bar.update(measured - bar.n)
+
+    scheduler = RoundByRound([k.calls for k in kernels],
+                             [min(k.default_s or math.inf, logged) for k, logged in zip(kernels, logged_s)],
+                             deadline=time.monotonic() + 60 * minutes if minutes else None, on_round=on_round)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tvmgraph-tune-") as work_dir:
             ms.tune_tasks(tasks=contexts, task_weights=[float(k.calls) for k in kernels], work_dir=work_dir,
                           max_trials_global=trials, num_trials_per_iter=TRIALS_PER_ROUND, builder=build,
-                          runner=run, database=database, cost_model=cost_model, measure_callbacks=callbacks)
-        except Exception:
-            if not watcher.out_of_time:  # the time budget stops the search by raising in the callback
-                raise
-        finally:
-            watcher.close()
-    return watcher.measured
+                          runner=run, database=database, cost_model=ms.cost_model.XGBModel(num_tuning_cores=threads),
+                          measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"),
+                                             scheduler.measure_callback()],
+                          task_scheduler=scheduler)
+    finally:
+        if bar is not None:
+            bar.close()
+    return scheduler.measured
 
 
-def _progress_callback(kernels, logged_s, trials, deadline, show, history):
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.ir.utils import derived_object
+def _progress_bar(trials: int):
+    from tqdm import tqdm
 
-    @derived_object
-    class Progress(ms.measure_callback.PyMeasureCallback):
-        """Counts trials, tracks the best latency per kernel, draws the bar, enforces `minutes`."""
-
-        def __init__(self) -> None:
-            self.measured = 0
-            self.out_of_time = False
-            self.best = [min(k.default_s or math.inf, logged) for k, logged in zip(kernels, logged_s)]
-            self.bar = None
-            if show:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=trials, unit="trial", desc="tuning", dynamic_ncols=True)
-
-        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
-            for result in runner_results:
-                if result.error_msg is None and result.run_secs:
-                    self.best[task_id] = min(self.best[task_id], statistics.mean(float(s) for s in result.run_secs))
-            self.measured += len(measure_candidates)
-            estimate = sum(k.calls * b for k, b in zip(kernels, self.best) if math.isfinite(b)) * 1e6
-            history.append((self.measured, estimate))
-            if self.bar is not None:
-                self.bar.update(len(measure_candidates))
-                self.bar.set_postfix_str(f"tuned kernels {estimate:.0f} µs")
-            if deadline is not None and time.monotonic() > deadline:
-                self.out_of_time = True
-                raise _OutOfTime("the tuning time budget is spent")
-
-        def close(self) -> None:
-            if self.bar is not None:
-                self.bar.close()
-
-    return Progress()
+    return tqdm(total=trials, unit="trial", desc="tuning", dynamic_ncols=True)
 
 
 # ---- 4. per kernel: tuned or default ----
 
-def _choose(kernels: list[Kernel], chosen: list[Kernel], database: Any) -> Choices:
+def _retime(chosen: list[Kernel], database: Any, target: tvm.target.Target, build: Any,
+            run: Any) -> dict[str, float]:
+    """Time the default and the best tuned schedule of each kernel whose tuned one looked
+    faster, side by side, RETIME_ROUNDS times; updates its `default_s`, returns the tuned
+    times by workload. The defaults were timed once, minutes before the search ended, and on a
+    shared machine one kernel's time moved up to 3x between runs (the CNN's multiply84: 560 µs
+    in one tune, 1589 µs in the next): a default timed slow once could lose to a schedule no
+    faster than it."""
+    rivals = []
+    for k in chosen:
+        record = best_record(_records(database, k))
+        if record is not None and k.default_s is not None and best_seconds([record]) < FASTER * k.default_s:
+            schedule = s_tir.Schedule(k.mod)
+            record.trace.apply_to_schedule(schedule, remove_postproc=False)
+            rivals.append((k, schedule.mod))
+    if not rivals:
+        return {}
+    times = measure.measure_seconds([m for k, tuned in rivals for m in (k.default, tuned)], target, build, run,
+                                    rounds=RETIME_ROUNDS)
+    retimed = {}
+    for (k, _), default_s, tuned_s in zip(rivals, times[0::2], times[1::2]):
+        k.default_s = default_s if default_s is not None else k.default_s
+        retimed[k.workload] = tuned_s if tuned_s is not None else math.inf
+    return retimed
+
+
+def _choose(kernels: list[Kernel], chosen: list[Kernel], database: Any,
+            retimed: dict[str, float] | None = None) -> Choices:
+    """Per kernel: its tuned schedule where that measured FASTER than the default (`retimed`:
+    tuned times measured beside the default, in place of the search's)."""
     result = []
     for k in chosen:
         records = _records(database, k)
-        tuned = best_seconds(records)
+        tuned = (retimed or {}).get(k.workload, best_seconds(records))
         tuned_s = tuned if math.isfinite(tuned) else None
         use = tuned_s is not None and (k.default_s is None or tuned_s < FASTER * k.default_s)
         result.append(KernelChoice(k.workload, k.name, k.flops, k.calls,

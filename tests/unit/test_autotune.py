@@ -230,6 +230,31 @@ def test_a_tuned_schedule_is_used_only_where_it_measured_faster() -> None:
     assert tuner.FASTER < 1
 
 
+def test_a_tuned_schedule_is_retimed_beside_the_default_before_it_is_chosen() -> None:
+    """A default timed slow once (here: claimed 1 s) must not lose to a record that claims to be
+    fast (1 ns): both are timed again, side by side, and the choice follows those times."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from autotune import measure, tuner
+    from tests.tuning_logs import sampled_record
+
+    graph, args = mlp()
+    kernel = max(kernels_of(graph, args, CPU), key=lambda k: k.flops)
+    kernel.default_s = 1.0
+    database = ms.database.MemoryDatabase()
+    database.commit_workload(kernel.mod)
+    database.commit_tuning_record(sampled_record(kernel, CPU, 1e-9))
+    assert _choose([kernel], [kernel], database).kernels[0].use_tuned  # on the claimed times
+
+    target = measure.tuning_target(CPU)
+    retimed = tuner._retime([kernel], database, target, measure.builder(), measure.runner())
+    assert 1e-7 < kernel.default_s < 0.1 and 1e-7 < retimed[kernel.workload] < 1.0  # real times now
+    choice = _choose([kernel], [kernel], database, retimed).kernels[0]
+    assert choice.default_us == pytest.approx(kernel.default_s * 1e6)
+    assert choice.tuned_us == pytest.approx(retimed[kernel.workload] * 1e6)
+    assert choice.use_tuned == (retimed[kernel.workload] < tuner.FASTER * kernel.default_s)
+
+
 def test_a_log_disabled_by_the_graph_check_applies_nothing(tmp_path: Path) -> None:
     graph, args = mlp()
     log = write_log(graph, args, "TunedMLP", CPU, tmp_path)
