@@ -216,7 +216,7 @@ class TuningLog:
             try:
                 index, body = doc
                 workload = workload_docs[index]
-                shash, seconds = workload[0], _mean(body[1])
+                shash, seconds = workload[0], mean_seconds(body[1])
             except Exception:  # noqa: BLE001  (any damage: the line is dropped)
                 bad += 1
                 continue
@@ -276,10 +276,11 @@ class TuningLog:
 
 def _seconds(record: Any) -> float:
     """A record's mean run time; failed builds and runs count as never faster."""
-    return _mean(record.run_secs)
+    return mean_seconds(record.run_secs)
 
 
-def _mean(run_secs: Any) -> float:
+def mean_seconds(run_secs: Any) -> float:
+    """A candidate's mean run time; inf where it failed (MetaSchedule records 1e10 s)."""
     secs = [float(s) for s in (run_secs or [])]
     mean = sum(secs) / len(secs) if secs else math.inf
     return math.inf if mean >= FAILED_RUN_S else mean

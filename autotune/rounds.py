@@ -16,22 +16,16 @@ picks none, which ends the search cleanly.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from .log import mean_seconds
+
 BETTER = 0.98       # a round counts as progress when it beats the kernel's best by 2% (timing noise)
 STALE_FACTOR = 0.5  # a kernel's priority is halved for each round in a row without progress
-
-
-def mean_seconds(result: ms.runner.RunnerResult) -> float:
-    """A measured candidate's time; inf where it failed."""
-    if result.error_msg is None and result.run_secs:
-        return statistics.mean(float(s) for s in result.run_secs)
-    return math.inf
 
 
 @derived_object
@@ -50,7 +44,6 @@ class RoundByRound(ms.task_scheduler.PyTaskScheduler):
         self.rounds = [0] * len(self.calls)
         self.stale = [0] * len(self.calls)
         self.measured = 0
-        self.out_of_time = False
         self._in_flight: int | None = None
 
     def next_task_id(self) -> int:
@@ -61,7 +54,6 @@ class RoundByRound(ms.task_scheduler.PyTaskScheduler):
                 self.join_running_task(self._in_flight)  # calls measure_callback(), as every join does
             self._in_flight = None
         if self.deadline is not None and time.monotonic() > self.deadline:
-            self.out_of_time = True
             return -1
         open_tasks = [i for i, task in enumerate(tasks) if not task.is_terminated]
         if not open_tasks:
@@ -82,7 +74,8 @@ class RoundByRound(ms.task_scheduler.PyTaskScheduler):
         return share * STALE_FACTOR ** self.stale[i]
 
     def record(self, i: int, results: Sequence[ms.runner.RunnerResult]) -> None:
-        fastest = min((mean_seconds(r) for r in results), default=math.inf)
+        fastest = min((mean_seconds(r.run_secs) if r.error_msg is None else math.inf for r in results),
+                      default=math.inf)
         self.stale[i] = 0 if fastest < BETTER * self.best_s[i] else self.stale[i] + 1
         self.best_s[i] = min(self.best_s[i], fastest)
         self.measured += len(results)

@@ -58,7 +58,8 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
     name); given, the graph also compiles with that log from now on
     (`graph.config.enable_tuning(name=name)`). `log_dir`: a tuning root other than
     $TVMGRAPH_CACHE_DIR/tuning. `rpc`: measure on a remote device through a TVM RPC tracker.
-    `check_graph`: time the whole program with and without the tuned kernels (local targets). `eager`: also time build() in eager PyTorch.
+    `check_graph`: time the whole program with and without the tuned kernels (local targets).
+    `eager`: also time build() in eager PyTorch.
     """
     started = time.monotonic()
     lowered, options, device, args = _lowered(graph, example_args)
