@@ -1,7 +1,8 @@
 """What the CPU schedule rules need to know about an llvm target.
 
-A rule asks three questions of the target: how many float lanes fit in one vector register,
-how many vector registers there are (this bounds a matmul's register tile), and whether the
+A rule asks four questions of the target: how many float lanes fit in one vector register,
+how many vector registers there are (this bounds a matmul's register tile), from how many rows
+of A a matmul copies a B it could read in place (measured per core family), and whether the
 target is a CPU at all. Everything else (cache sizes, thread count) is left to the rules'
 fixed, measured tile sizes.
 """
@@ -15,6 +16,20 @@ from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
 
+# A matmul's B that is contiguous along J (x @ W, dY @ W) is read in place, K rows of a panel a
+# whole row of B apart, unless this many rows of A reread each panel; then each panel is first
+# copied contiguous (schedules/matmul.py). Where the copy pays depends on the core's caches:
+# - Zen 5 (both cores), packed time over in place: 0.80 at 256 x 4096 x 4096 (the large MLP's
+#   input gradient), 0.81 at 96 x 2048 x 2048, 0.92 at 256 x 1024 x 1024; but 1.15 at
+#   64 x 1024 x 1024 and 1.19 at 64 x 4096 x 4096, where fewer tiles share the copy.
+# - Intel Sapphire Rapids (2 vCPUs; LLVM sees `rocketlake`): the MLP's input gradient
+#   64 x 1024 x 1024 took 1316 us in place and 697 us packed (its training step 4.32 -> 3.64 ms);
+#   a lone 16-row product ran faster in place, a 32-row one faster packed. Other x86 CPUs
+#   (LLVM names other than znver*) get this threshold too: it is the one measured off Zen.
+PACK_REUSED_ROWS_ZEN = 96
+PACK_REUSED_ROWS = 32
+
+
 @dataclass(frozen=True)
 class CPUTarget:
     """Vector facts of one llvm target, for one element type.
@@ -25,15 +40,20 @@ class CPUTarget:
 
     vector_bits: int
     num_vector_registers: int
+    pack_reused_rows: int = PACK_REUSED_ROWS
 
     @staticmethod
     def from_target(target: Target) -> CPUTarget:
-        """Read the vector width off `target`; 128-bit SSE when the target names no CPU."""
+        """Read the vector width off `target` (128-bit SSE when the target names no CPU), and
+        the packing threshold off its CPU name."""
         bits = llvm_get_vector_width(target)
         if bits <= 0:
             bits = 128
+        mcpu = str(target.attrs.get("mcpu", ""))
+        pack_reused_rows = PACK_REUSED_ROWS_ZEN if mcpu.startswith("znver") else PACK_REUSED_ROWS
         # AVX-512 doubles the register file as well as its width; AVX2 and SSE have 16.
-        return CPUTarget(vector_bits=bits, num_vector_registers=32 if bits >= 512 else 16)
+        return CPUTarget(vector_bits=bits, num_vector_registers=32 if bits >= 512 else 16,
+                         pack_reused_rows=pack_reused_rows)
 
     def lanes(self, dtype: str) -> int:
         """How many `dtype` elements one vector register holds (at least 1)."""

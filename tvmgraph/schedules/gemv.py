@@ -58,12 +58,14 @@ MAX_ROWS_PER_K = 16
 # 64 x 1024 x 1024, 1.24 at 16 x 4096 x 4096 and 2.9 at 64 x 256 x 1024 (256 KiB); 2.8 at
 # 256 x 4096 x 4096 (4 MiB: the large MLP's layers, 46% of the FMA peak before this limit).
 MAX_A_BYTES = 128 * 1024
-# Below this many multiply-adds the kernel runs on one thread. A batch-1 layer reads its weight
-# at ~75 GB/s on one core (a 1024 x 1024 weight in 48 us); a second thread halves that on an
-# idle machine, but when another process holds the other core, waking TVM's worker thread
-# costs more than the whole kernel (measured: the batch-1 MLP 0.10 ms on one thread, 0.06 to
-# 0.19 ms on two).
-MIN_PARALLEL_MACS = 1 << 22
+# Below this many multiply-adds the kernel runs on one thread: waking TVM's worker costs more
+# than a small product (the MLP's 1024 x 10 head). Above it both cores read W: a batch-1 layer
+# reads its weight at ~75 GB/s on one Zen 5 core (a 1024 x 1024 weight in 48 us), about 30 GB/s
+# on one Sapphire Rapids core. Measured on an idle machine, the batch-1 MLP 784-1024-1024-10:
+# Zen 5 0.10 ms on one thread, 0.06 on two; Sapphire Rapids 0.197 -> 0.189 ms when its two
+# large layers (0.8 and 1 M multiply-adds) went from one thread to two (this limit was 4 M; a
+# busy neighbour on the other core made two threads 0.19 ms on Zen 5).
+MIN_PARALLEL_MACS = 1 << 18
 
 
 class MatrixVector(ScheduleRule):

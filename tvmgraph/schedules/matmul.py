@@ -14,8 +14,8 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      I and J up to whole tiles (`pad_einsum`); a padded A whose rows run along K is copied a
      tile's rows at a time, right before the tile (`_pad_a_per_tile`).
   3. Pack B into panels B[S, J / nj, K, nj] (nj = nvec * lanes) when B is not already
-     contiguous along J, when J needs padding, or when 96 or more rows of A reread each panel
-     (PACK_REUSED_ROWS): a panel row is then one contiguous read.
+     contiguous along J, when J needs padding, or when enough rows of A reread each panel
+     (CPUTarget.pack_reused_rows: 96 on Zen, 32 on Intel): a panel row is then one contiguous read.
   4. Loops: parallel(S, J/nj) > [pack this panel] > I/mi > K > unroll(mi) > unroll(nvec) >
      vector(lanes) when there are at least PANELS_PER_THREAD panels per thread: each panel is
      packed right before its tiles read it (still in cache), into a workspace of one panel per
@@ -147,14 +147,6 @@ def choose_tile(
     return best[1]
 
 
-# A B contiguous along J is still packed when this many rows of A reread each panel: in place, a
-# panel is K rows of nj floats a whole row of B apart (16 KiB for J = 4096, which a few cache
-# sets hold), reread from L3 by every tile. Measured on Zen 5 (both cores), packed time over in
-# place: 0.80 at 256 x 4096 x 4096 (the large MLP's input gradient), 0.81 at 96 x 2048 x 2048,
-# 0.92 at 256 x 1024 x 1024; but 1.15 at 64 x 1024 x 1024 and 1.19 at 64 x 4096 x 4096, where
-# fewer tiles share the copy. Whole training steps: large MLP 0.95, GPT 0.97, CNN inference
-# 0.96, the rest of the suite within 1%.
-PACK_REUSED_ROWS = 96
 
 
 # Packing per panel needs this many panels per thread to keep every thread busy (S x J/nj
@@ -236,7 +228,7 @@ class Matmul(ScheduleRule):
         if pad_i or pad_j:
             sch.pad_einsum(main, [1, tile.mi if pad_i else 1, tile.nj if pad_j else 1, 1])
         padded_a = _prepare_a(sch, main, a)
-        pack = pad_j or not b_contiguous or i_at >= PACK_REUSED_ROWS
+        pack = pad_j or not b_contiguous or i_at >= cpu.pack_reused_rows
         panel_major = pack and enough_panels(s_at, j_at, tile)
         packed = _prepare_b(sch, main, b, tile, pack, schedule=not panel_major)
         outer, tile_loop = _tile_main(sch, main, tile, panel_major)
