@@ -235,6 +235,13 @@ NEW_GRADIENTS = [
     # index.py
     OpCase("gather_elements-repeats", lambda x, i: op.gather_elements(x, i, 1),
            lambda x, i: torch.gather(x, 1, i), with_indices((4, 5), (4, 7), 5)),
+    # one index per row (cross-entropy's pick): a select instead of a scatter
+    OpCase("gather_elements-one-per-row", lambda x, i: op.gather_elements(x, i, 1),
+           lambda x, i: torch.gather(x, 1, i), with_indices((6, 5), (6, 1), 5)),
+    OpCase("gather_elements-one-per-column-3d", lambda x, i: op.gather_elements(x, i, 1),
+           lambda x, i: torch.gather(x, 1, i), with_indices((2, 4, 3), (2, 1, 3), 4)),
+    OpCase("gather_elements-one-per-row-fewer-rows", lambda x, i: op.gather_elements(x, i, 1),
+           lambda x, i: torch.gather(x, 1, i), with_indices((6, 5), (4, 1), 5)),
     OpCase("index_tensor-repeats", lambda x, i: op.index_tensor(x, [i]),
            lambda x, i: x[i], with_indices((5, 3), (7,), 5)),
     OpCase("index_tensor-two-indices", lambda x, i, j: op.index_tensor(x, [i, j]),
@@ -627,3 +634,23 @@ def test_bfloat16_gelu_gradient_computes_in_float32(approximate: str) -> None:
     xt = x.clone().requires_grad_()
     (F.gelu(xt.bfloat16(), approximate=approximate) * w).float().sum().backward()
     torch.testing.assert_close(torch.from_dlpack(dx), xt.grad, rtol=2**-8, atol=1e-4)
+
+
+def test_cross_entropy_gradient_selects_instead_of_scattering() -> None:
+    """Cross-entropy picks one logit per row (gather_elements with one index per row); its
+    gradient is an element-wise select, with no zero tensor of the logits' size and no scatter
+    (the GPT's training step peaked at its loss with both: 122 MiB planned, 106 without)."""
+    import torch
+    from torch import nn
+
+    from tests.conftest import TrainGraph
+    from tvmgraph import entry
+
+    model = nn.Linear(6, 5)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    traced = graph.trace(torch.randn(4, 6), torch.tensor([0, 3, 1, 4]))
+    st = graph._tvmgraph
+    plan = entry.training_plan(st.name, st.optimizers, traced, graph.named_parameters, graph.config)
+    text = traced.lower(plan).mod.script()
+    assert "gather_elements" in text
+    assert "scatter_elements" not in text and "R.zeros(R.shape([4, 5])" not in text

@@ -20,13 +20,42 @@ def gather_elements_grad(
 ) -> list[relax.Expr]:
     """``y[..., i, ...] = x[..., idx[..., i, ...], ...]`` along ``axis``.
 
-    ``dx = scatter_elements(zeros_like(x), idx, dy, axis, reduction="add")``.
+    ``dx = scatter_elements(zeros_like(x), idx, dy, axis, reduction="add")``; with one index
+    per row (idx of x's shape but 1 along ``axis``: cross-entropy's pick of each row's label)
+    ``dx = where(arange == idx, dy, 0)``, an element-wise select that fuses with its consumer,
+    where the scatter needed a zero tensor of x's size and its own output (the GPT's step: two
+    16 MiB tensors at its memory peak, the loss).
     """
     x, indices = orig_call.args
-    zeros = op.zeros(dims_of(x), dtype_of(x))
     axis = int(orig_call.attrs.axis)
+    x_shape, index_shape = dims_of(x), dims_of(indices)
+    if _one_index_per_row(x_shape, index_shape, axis):
+        return [_select_rows(x_shape, indices, output_grad, axis), grad_op.no_grad(indices)]
+    zeros = op.zeros(x_shape, dtype_of(x))
     x_grad = op.scatter_elements(zeros, indices, output_grad, axis=axis, reduction="add")
     return [x_grad, grad_op.no_grad(indices)]
+
+
+def _one_index_per_row(x_shape: list, index_shape: list, axis: int) -> bool:
+    """Static shapes (a dynamic batch keeps the scatter), idx 1 long along `axis` and x's size
+    on every other axis."""
+    if not all(isinstance(d, int) for d in (*x_shape, *index_shape)) or len(x_shape) != len(index_shape):
+        return False
+    axis %= len(x_shape)
+    return index_shape[axis] == 1 and all(a == b for d, (a, b) in enumerate(zip(x_shape, index_shape))
+                                          if d != axis)
+
+
+def _select_rows(x_shape: list, indices: relax.Expr, output_grad: relax.Expr, axis: int) -> relax.Expr:
+    """dy where the position along `axis` is the row's index, else 0 (a negative index counts
+    from the end, as scatter_elements takes it)."""
+    axis %= len(x_shape)
+    size = x_shape[axis]
+    index_dtype = dtype_of(indices)
+    index = op.where(op.less(indices, relax.const(0, index_dtype)), indices + relax.const(size, index_dtype), indices)
+    positions = op.reshape(op.arange(0, size, 1, index_dtype), [size if d == axis else 1 for d in range(len(x_shape))])
+    zero = relax.const(0, dtype_of(output_grad))
+    return op.where(op.equal(positions, index), output_grad, zero)
 
 
 @register("relax.index_tensor")
