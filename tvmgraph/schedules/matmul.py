@@ -147,8 +147,6 @@ def choose_tile(
     return best[1]
 
 
-
-
 # Packing per panel needs this many panels per thread to keep every thread busy (S x J/nj
 # parallel iterations of unequal cost at the edges); with fewer, B is packed whole first.
 PANELS_PER_THREAD = 4
