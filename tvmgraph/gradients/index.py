@@ -27,8 +27,8 @@ def gather_elements_grad(
     16 MiB tensors at its memory peak, the loss).
     """
     x, indices = orig_call.args
-    axis = int(orig_call.attrs.axis)
     x_shape, index_shape = dims_of(x), dims_of(indices)
+    axis = int(orig_call.attrs.axis) % max(len(x_shape), 1)
     if _one_index_per_row(x_shape, index_shape, axis):
         return [_select_rows(x_shape, indices, output_grad, axis), grad_op.no_grad(indices)]
     zeros = op.zeros(x_shape, dtype_of(x))
@@ -41,7 +41,6 @@ def _one_index_per_row(x_shape: list, index_shape: list, axis: int) -> bool:
     on every other axis."""
     if not all(isinstance(d, int) for d in (*x_shape, *index_shape)) or len(x_shape) != len(index_shape):
         return False
-    axis %= len(x_shape)
     return index_shape[axis] == 1 and all(a == b for d, (a, b) in enumerate(zip(x_shape, index_shape))
                                           if d != axis)
 
@@ -49,7 +48,6 @@ def _one_index_per_row(x_shape: list, index_shape: list, axis: int) -> bool:
 def _select_rows(x_shape: list, indices: relax.Expr, output_grad: relax.Expr, axis: int) -> relax.Expr:
     """dy where the position along `axis` is the row's index, else 0 (a negative index counts
     from the end, as scatter_elements takes it)."""
-    axis %= len(x_shape)
     size = x_shape[axis]
     index_dtype = dtype_of(indices)
     index = op.where(op.less(indices, relax.const(0, index_dtype)), indices + relax.const(size, index_dtype), indices)
