@@ -212,6 +212,11 @@ def _static_size(x: relax.Expr, axis: int) -> int | None:
     return int(size) if isinstance(size, tvm.tirx.IntImm) else None
 
 
+def _is_empty(x: relax.Expr) -> bool:
+    """Whether `x` has a static zero among its dimensions."""
+    return any(isinstance(d, tvm.tirx.IntImm) and int(d) == 0 for d in x.ty.shape)
+
+
 def _clamped(bb: relax.BlockBuilder, index: relax.Expr, size: int | None) -> relax.Expr:
     """`index` clamped into `0..size - 1` (left as it is for a symbolic size)."""
     return index if size is None else bb.emit(relax.op.clip(index, 0, size - 1))
@@ -416,14 +421,21 @@ def clamped_index(stock: str) -> Converter:
         stock_convert = getattr(importer, stock)
         if len(node.args) < 3 or not isinstance(node.args[2], torch.fx.Node):
             return stock_convert(node)
-        x, index_node = importer.env[node.args[0]], node.args[2]
-        size = _static_size(x, int(node.args[1]) % max(len(x.ty.shape), 1))
-        index = importer.env[index_node]
-        importer.env[index_node] = _clamped(importer.block_builder, index, size)
+        bb = importer.block_builder
+        x, index = importer.env[node.args[0]], importer.env[node.args[2]]
+        if _is_empty(index):  # torch allows any integer type and rank here; TOPI neither
+            return x if stock != "_gather" else bb.emit(relax.op.zeros(index.ty.shape, x.ty.dtype.dtype))
+        saved = {arg: importer.env[arg] for arg in node.args if isinstance(arg, torch.fx.Node)}
+        scalar = len(x.ty.shape) == 0  # TOPI's kernels need an axis: run them on shape [1]
+        if scalar:
+            importer.env.update({arg: bb.emit(relax.op.reshape(v, [1])) for arg, v in saved.items()})
+        size = _static_size(importer.env[node.args[0]], int(node.args[1]) % max(len(x.ty.shape), 1))
+        importer.env[node.args[2]] = _clamped(bb, importer.env[node.args[2]], size)
         try:
-            return stock_convert(node)
+            out = stock_convert(node)
         finally:
-            importer.env[index_node] = index
+            importer.env.update(saved)
+        return bb.emit(relax.op.reshape(out, [])) if scalar else out
 
     return convert
 

@@ -304,12 +304,14 @@ def mode(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
     dim = int(_arg(node, 1, "dim", -1)) % x.ty.ndim
     n = _static_shape(x, "mode")[dim]
-    pairs = bb.emit(op.equal(op.expand_dims(x, dim + 1), op.expand_dims(x, dim)))
+    ordered = bb.emit(op.astype(x, "uint8")) if _dtype(x) == "bool" else x  # TVM: no min or == of bool
+    dtype = _dtype(ordered)
+    pairs = bb.emit(op.equal(op.expand_dims(ordered, dim + 1), op.expand_dims(ordered, dim)))
     counts = bb.emit(op.sum(op.astype(pairs, "int64"), [dim + 1]))
     best = bb.emit(op.equal(counts, op.max(counts, [dim], keepdims=True)))
-    value = bb.emit(op.min(op.where(best, x, relax.const(_lowest(_dtype(x), False), _dtype(x))), [dim], keepdims=True))
+    value = bb.emit(op.min(op.where(best, ordered, relax.const(_lowest(dtype, False), dtype)), [dim], keepdims=True))
     positions = relax.const(np.arange(n).reshape([n] + [1] * (x.ty.ndim - dim - 1)), "int64")
-    at_value = bb.emit(op.logical_and(best, op.equal(x, value)))
+    at_value = bb.emit(op.logical_and(best, op.equal(ordered, value)))
     index = bb.emit(op.max(op.where(at_value, positions, relax.const(-1, "int64")), [dim], keepdims=True))
     return _pick(bb, x, index, dim, keepdim)
 
@@ -427,7 +429,13 @@ def scatter_reduce(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
         reduce, include_self = "sum", True
     else:
         reduce, include_self = str(node.args[4]), bool(_arg(node, 5, "include_self", True))
-    out = _scatter_reduce(bb, x, dim, index, src, reduce, include_self)
+    if _dtype(x) == "bool":  # TVM's scatter kernels take no bool: or (and) is max (min) of 0/1
+        x, src = (bb.emit(op.astype(v, "uint8")) for v in (x, src))
+        reduce = {"sum": "amax", "prod": "amin"}.get(reduce, reduce)
+        out = bb.emit(op.not_equal(_scatter_reduce(bb, x, dim, index, src, reduce, include_self),
+                                   relax.const(0, "uint8")))
+    else:
+        out = _scatter_reduce(bb, x, dim, index, src, reduce, include_self)
     return bb.emit(op.reshape(out, [])) if squeezed else out
 
 

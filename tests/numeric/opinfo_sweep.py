@@ -353,7 +353,33 @@ def _forward(graph_cls: type, cases: list[Case]) -> dict[str, tuple[str, str]]:
     for c in cases:
         got, at = outputs[at:at + len(c.expected)], at + len(c.expected)
         results[c.id] = compare(got, c.expected, TOLERANCES)
+        if results[c.id][0] == "mismatch" and _picks_tied_values(c, got):
+            results[c.id] = ("ok", "")
     return results
+
+
+# Ops whose index output torch leaves unspecified among equal values ("the indices of ties may
+# be any"), with the position of `dim` among their arguments after the input: bfloat16 and
+# integer samples tie often. Their indices are checked by what they pick instead.
+TIED_INDEX_DIM = {"sort": 0, "topk": 1, "kthvalue": 1, "mode": 0, "median": 0, "nanmedian": 0}
+
+
+def _picks_tied_values(case: Case, got: list[torch.Tensor]) -> bool:
+    """For an op of TIED_INDEX_DIM (a stable sort excluded): whether the values output matches
+    eager's and the indices output picks exactly those values out of the input."""
+    position = TIED_INDEX_DIM.get(case.op.name)
+    x, args, kwargs = pytree.tree_unflatten(case.leaves, case.spec)
+    if position is None or len(got) != 2 or kwargs.get("stable") or not isinstance(x, torch.Tensor):
+        return False
+    values, indices = got
+    if compare([values], case.expected[:1], TOLERANCES)[0] != "ok" or indices.dtype != torch.int64:
+        return False
+    dim = kwargs.get("dim", args[position] if len(args) > position else -1)
+    if x.dim() == 0:
+        return bool((indices == 0).all())
+    picks = indices if indices.dim() == x.dim() else indices.unsqueeze(dim)
+    picked = x.gather(dim, picks).reshape(values.shape)
+    return torch.equal(picked.nan_to_num(), values.nan_to_num())
 
 
 def _gradient(graph_cls: type, cases: list[Case]) -> dict[str, tuple[str, str]]:

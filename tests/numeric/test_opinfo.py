@@ -98,3 +98,23 @@ def test_classify_separates_tvmgraph_errors_from_bugs() -> None:
         "raw", "CompileError: InternalError: boom")
     assert sweep.classify(errors.ExecutionError("x"))[0] == "raw"
     assert sweep.classify(ValueError("x")) == ("raw", "ValueError: x")
+
+
+def test_tied_indices_are_checked_by_the_values_they_pick() -> None:
+    """topk/sort/kthvalue/mode leave the index among equal values unspecified: other indices of
+    the same values pass, indices of other values do not, and a stable sort's must be eager's."""
+    from torch.testing._internal.common_methods_invocations import SampleInput, op_db
+
+    ops = {op.name: op for op in op_db if op.name in ("topk", "sort") and not op.variant_test_name}
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 5.0]])
+    topk = sweep.prepare(ops["topk"], torch.float32, 0, SampleInput(x, args=(2, 1)))
+    values, indices = topk.expected
+    other = torch.tensor([[2, 1], [3, 0]]) if indices[1, 1] != 0 else torch.tensor([[2, 1], [3, 1]])
+    assert sweep.compare([values, other], topk.expected, sweep.TOLERANCES)[0] == "mismatch"
+    assert sweep._picks_tied_values(topk, [values, other])
+    assert not sweep._picks_tied_values(topk, [values, torch.tensor([[2, 3], [3, 0]])])  # picks 0.0
+    assert not sweep._picks_tied_values(topk, [values + 1, other])
+    stable = sweep.prepare(ops["sort"], torch.float32, 0, SampleInput(x, kwargs={"dim": 1, "stable": True}))
+    swapped = stable.expected[1].clone()
+    swapped[0, 2:] = swapped[0, 2:].flip(0)  # the two 3.0s the other way round
+    assert not sweep._picks_tied_values(stable, [stable.expected[0], swapped])

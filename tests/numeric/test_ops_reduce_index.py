@@ -164,6 +164,21 @@ def larger_sources(x, src, index):
             torch.masked_scatter(x, x > 0, src))
 
 
+def odd_scatters(x, b, scalar, empty_index, empty_wide):
+    """What OpInfo's all-dtype samples found: empty indices of any integer type and rank (a
+    TVM error before), 0-d scatter and gather (TVM's kernels need an axis), mode and scatters
+    of bool (TVM has no bool min, == or scatter kernel)."""
+    zero = torch.zeros((), dtype=torch.int64)
+    return (
+        torch.gather(x[0], 0, empty_index), torch.gather(x[0], 0, empty_wide),
+        torch.scatter(x, 1, empty_index[None], 1.0),
+        torch.scatter(scalar, 0, zero, x[0, 0]), torch.scatter(scalar, 0, zero, 2.5), torch.gather(scalar, 0, zero),
+        *torch.mode(b, 1), *torch.mode(b[0], 0, keepdim=True),
+        torch.scatter_add(b, 1, _index(), b[:, :6]), torch.scatter_reduce(b, 1, _index(), b[:, :6], "prod"),
+        torch.scatter_reduce(b, 0, _index()[:2, :4] % 3, b[1:, :4], "amin", include_self=False),
+    )
+
+
 def _scatter_inputs():
     return (torch.randn(3, 6), torch.randn(3, 6), _index(), torch.rand(3, 6) > 0.5)
 
@@ -184,6 +199,8 @@ BATCHES = {
     "sorts": (sorts, _sort_inputs),
     "scatters": (scatters, _scatter_inputs),
     "scatter_ties": (scatter_ties, lambda: (_small_integers(), _small_integers())),
+    "odd_scatters": (odd_scatters, lambda: (torch.randn(3, 6), torch.rand(3, 8) > 0.5, torch.tensor(1.5),
+                                            torch.zeros(0, dtype=torch.uint8), torch.zeros(2, 0, dtype=torch.uint8))),
     "larger_sources": (larger_sources, lambda: (torch.randn(3, 6), torch.randn(4, 7), _index())),
     "scatter_into_view": (scatter_into_view, lambda: (torch.randn(4, 6), torch.randn(2, 3))),
     "views": (views, lambda: (torch.randn(4, 6), torch.randn(2, 4))),
