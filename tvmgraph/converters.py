@@ -326,6 +326,10 @@ def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
         # 1-D: TVM logs a line for every index tensor of more dims
         full.append(bb.emit(relax.op.reshape(bb.emit(relax.op.broadcast_to(index, out_shape)), [-1])))
     values = bb.emit(relax.op.reshape(bb.emit(relax.op.broadcast_to(values, out_shape)), [-1]))
+    if accumulate and x.ty.dtype.dtype == "bool":  # TVM accumulates no bool; a sum of them != 0 is their or
+        x, values = (bb.emit(relax.op.astype(v, "int32")) for v in (x, values))
+        summed = bb.emit(relax.op.index_put(x, relax.Tuple(full), values, True))
+        return bb.emit(relax.op.not_equal(summed, relax.const(0, "int32")))
     return bb.emit(relax.op.index_put(x, relax.Tuple(full), values, accumulate))
 
 
@@ -425,17 +429,12 @@ def clamped_index(stock: str) -> Converter:
         x, index = importer.env[node.args[0]], importer.env[node.args[2]]
         if _is_empty(index):  # torch allows any integer type and rank here; TOPI neither
             return x if stock != "_gather" else bb.emit(relax.op.zeros(index.ty.shape, x.ty.dtype.dtype))
-        saved = {arg: importer.env[arg] for arg in node.args if isinstance(arg, torch.fx.Node)}
-        scalar = len(x.ty.shape) == 0  # TOPI's kernels need an axis: run them on shape [1]
-        if scalar:
-            importer.env.update({arg: bb.emit(relax.op.reshape(v, [1])) for arg, v in saved.items()})
-        size = _static_size(importer.env[node.args[0]], int(node.args[1]) % max(len(x.ty.shape), 1))
-        importer.env[node.args[2]] = _clamped(bb, importer.env[node.args[2]], size)
+        size = _static_size(x, int(node.args[1]) % max(len(x.ty.shape), 1))
+        importer.env[node.args[2]] = _clamped(bb, index, size)
         try:
-            out = stock_convert(node)
+            return stock_convert(node)
         finally:
-            importer.env.update(saved)
-        return bb.emit(relax.op.reshape(out, [])) if scalar else out
+            importer.env[node.args[2]] = index
 
     return convert
 

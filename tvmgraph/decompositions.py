@@ -14,6 +14,12 @@ derivative by zero.
   `stop_gradient` (value `loss + (p - stop(p)) * stop(dp)`, exactly the loss).
 - `std`, `std_mean` of a constant slice: eager's gradient is 0 there; `sqrt(var)` gave NaN.
 - `sinc` at 0: eager's gradient is 0; `sin(pi x) / (pi x)` gave NaN.
+
+And one gives eager's values but another gradient:
+- `index_fill` with a tensor value: torch's decomposition copies the value into every slice
+  the index lists, so a slice listed twice counted twice in the value's gradient (eager's
+  counts each filled slice once: -10.4 came out about 0.3 for an index with two repeats). Here the
+  fill is a `where` over a mask of the listed slices.
 """
 
 from __future__ import annotations
@@ -90,10 +96,25 @@ def sinc(x: torch.Tensor) -> torch.Tensor:
     return torch.where(zero, 1.0, torch.sin(scaled) / scaled)
 
 
+def index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tensor | float) -> torch.Tensor:
+    """x with the slices along `dim` that `index` lists (negative from the end) set to value."""
+    size = x.shape[dim] if x.ndim else 1
+    index = index.reshape(-1)
+    index = torch.where(index < 0, index + size, index)
+    listed = (torch.arange(size, device=x.device)[:, None] == index[None, :]).any(1)
+    shape = [1] * x.ndim
+    if x.ndim:
+        shape[dim] = size
+    value = value.to(x.dtype) if isinstance(value, torch.Tensor) else torch.scalar_tensor(value, dtype=x.dtype)
+    return torch.where(listed.reshape(shape), value, x)
+
+
 FIXED = {
     aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
     aten.binary_cross_entropy.default: binary_cross_entropy,
     aten.std.correction: std,
     aten.std_mean.correction: std_mean,
     aten.sinc.default: sinc,
+    aten.index_fill.int_Tensor: index_fill,
+    aten.index_fill.int_Scalar: index_fill,
 }

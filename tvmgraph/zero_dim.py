@@ -15,11 +15,12 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 
 from .converter_wrapping import Converter, converter_for, per_result, traced_results, with_inputs, wrap_ops
 
-# Seen failing on a 0-d input (each is tested in tests/numeric/test_silent_ops.py).
+# Seen failing on a 0-d input (tested in tests/numeric/test_silent_ops.py; scatter in
+# test_ops_reduce_index.py).
 DIM_OPS = {
     "_softmax.default", "_log_softmax.default", "_safe_softmax.default", "cumsum.default",
     "cumprod.default", "mean.dim", "var.correction", "var_mean.correction", "prod.dim_int",
-    "any.dim", "any.dims", "gather.default",
+    "any.dim", "any.dims", "gather.default", "scatter.src", "scatter.value",
 }
 
 

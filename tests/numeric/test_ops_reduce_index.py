@@ -167,7 +167,7 @@ def larger_sources(x, src, index):
 def odd_scatters(x, b, scalar, empty_index, empty_wide):
     """What OpInfo's all-dtype samples found: empty indices of any integer type and rank (a
     TVM error before), 0-d scatter and gather (TVM's kernels need an axis), mode and scatters
-    of bool (TVM has no bool min, == or scatter kernel)."""
+    and index_add of bool (TVM has no bool min, == or scatter kernel)."""
     zero = torch.zeros((), dtype=torch.int64)
     return (
         torch.gather(x[0], 0, empty_index), torch.gather(x[0], 0, empty_wide),
@@ -176,6 +176,7 @@ def odd_scatters(x, b, scalar, empty_index, empty_wide):
         *torch.mode(b, 1), *torch.mode(b[0], 0, keepdim=True),
         torch.scatter_add(b, 1, _index(), b[:, :6]), torch.scatter_reduce(b, 1, _index(), b[:, :6], "prod"),
         torch.scatter_reduce(b, 0, _index()[:2, :4] % 3, b[1:, :4], "amin", include_self=False),
+        torch.index_add(b, 1, torch.tensor([0, 2, 2]), b[:, :3]),
     )
 
 

@@ -383,6 +383,12 @@ GRADIENTS = [
     # index_put with fewer indices than dims failed to compile
     pytest.param(lambda x: torch.zeros(2, 6).index_put((torch.tensor([0, 0, 1]),), x[[0, 0, 1]] * 2.0, accumulate=True),
                  _edges, id="index_put-accumulate-rows"),
+    # index_fill's value counted a slice the index lists twice twice (torch's decomposition)
+    pytest.param(lambda x: torch.index_fill(x, 1, torch.tensor([0, 2, 2, 5, 0]), x[1, 3]), _edges,
+                 id="index_fill-repeated_index-tensor_value"),
+    pytest.param(lambda x: torch.index_fill(x, 0, torch.tensor([1, 0, 1]), x[0, 1] * 2.0), _edges,
+                 id="index_fill-dim0"),
+    pytest.param(lambda x: torch.index_fill(x, -1, torch.tensor([1, -2, 1]), -3.5), _edges, id="index_fill-scalar"),
 ]
 
 
