@@ -74,6 +74,7 @@ class CompileOptions:
     cpu_schedules: bool = True
     fast_math: bool = True
     llvm_opt_level: int = 1
+    kernel_checks: bool = False  # each CPU kernel checks its arguments (codegen.build_executable)
     tuning: bool = True
     tuning_name: str | None = None  # the tuning log's graph name; None: the Graph subclass's name
     dynamic_batch: bool = False
@@ -330,7 +331,8 @@ class GraphConfig:
                 straighten_algorithm=self.straighten_algorithm != "Disable",
                 compress_memory=self.compress_memory, recompute_attention=self.recompute_attention,
                 cpu_schedules=settings.cpu_schedules, fast_math=settings.fast_math,
-                llvm_opt_level=settings.llvm_opt_level, tuning=self.tuning and settings.tuning,
+                llvm_opt_level=settings.llvm_opt_level, kernel_checks=settings.kernel_checks,
+                tuning=self.tuning and settings.tuning,
                 tuning_name=self.tuning_name, activation_checkpointing=self.activation_checkpointing,
                 dynamic_batch=self.dynamic_batch, pipeline_stages=self.pipeline_stages,
             )
@@ -394,7 +396,7 @@ def _env_path(name: str, default: Path) -> Path:
 # Every TVMGRAPH_* variable tvmgraph reads; any other one is most likely a typo and is reported.
 KNOWN_VARIABLES = ("TVMGRAPH_CACHE_DIR", "TVMGRAPH_VM_ALLOCATOR", "TVMGRAPH_CPU_SCHEDULES", "TVMGRAPH_FAST_MATH",
                    "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE", "TVMGRAPH_CACHE_MAX_BYTES",
-                   "TVMGRAPH_CHECK_PASSES", "TVMGRAPH_TUNING")
+                   "TVMGRAPH_CHECK_PASSES", "TVMGRAPH_TUNING", "TVMGRAPH_KERNEL_CHECKS")
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -430,6 +432,9 @@ class Settings:
     # LLVM's optimization level for CPU kernels (0-3). The kernels reach LLVM already tiled,
     # unrolled and vectorized by tvmgraph's schedules; see docs/pipeline.md for the measurements.
     llvm_opt_level: int = field(default_factory=lambda: _env_int("TVMGRAPH_LLVM_OPT_LEVEL", 1, 0, 3))
+    # CPU kernels that check their arguments on every call (codegen.build_executable): off for
+    # the programs a graph runs, which get checked tensors only; saved deployments keep them.
+    kernel_checks: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_KERNEL_CHECKS", False))
     # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
     compile_cache: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_COMPILE_CACHE", True))
     # Size limit of the compiled cache in bytes (default 2 GiB); least recently used entries go first.

@@ -15,6 +15,7 @@ directory that loads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -95,7 +96,9 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
     device = traced.signature.leaves[0].device if traced.signature.leaves else torch.device("cpu")
     tvm_target, needs = resolve_target(obj.name, target, arch, device, traced.signature.options)
     tuning = tuning_log_for(type(obj).__name__, traced.signature.options, tvm_target)
-    compiled = lowered.compile(tvm_target, traced.signature.options, PIPELINE, tuning=tuning)
+    # A saved program may be run by other code than tvmgraph's: its kernels keep their checks.
+    options = dataclasses.replace(traced.signature.options, kernel_checks=True)
+    compiled = lowered.compile(tvm_target, options, PIPELINE, tuning=tuning)
     binder = TensorBinder(lowered.signature.inputs, modules, lowered.signature.constants)
     state = {s.target: t for s, t in zip(binder.sources, binder.tensors()) if s.kind != "constant"}
     state.update(optimizer_state)

@@ -3,8 +3,10 @@ tensor fit.
 
 TVM hands every tensor argument to a kernel as a bare pointer with two promises:
 
-- compact row-major strides. The kernel's argument check (tirx `ArgBinder::BindDLTensor`)
-  rejects other strides with "expected to be compact array" (a ValueError, no crash);
+- compact row-major strides. A kernel built with its argument checks (tirx
+  `ArgBinder::BindDLTensor`: saved programs, `TVMGRAPH_KERNEL_CHECKS=1`) rejects other strides
+  with "expected to be compact array" (a ValueError); the kernels a graph runs have no checks
+  (codegen.build_executable) and would read such a tensor wrongly;
 - a data pointer aligned to the buffer's `data_alignment`, 64 bytes by default
   (`kAllocAlignment`). Nothing checks it: the binder marks the pointer with
   `storage_alignment`, LLVM turns that into an alignment assumption, and the vector loads

@@ -28,7 +28,7 @@ from .debug import logger
 from .binding import TensorBinder
 from .compiled_program import CompiledProgram, entry_name
 from .vm_results import releasing
-from .config import CompileOptions, GraphConfig, settings
+from .config import CompileOptions, GraphConfig, compile_options, settings
 from .errors import DeviceMismatchError, StaleGraphError, UnsupportedOptionError
 from .index_guard import IndexGuard
 from .inputs import runnable_all
@@ -165,7 +165,8 @@ class LoweredGraph:
 
         def attempt(check: bool) -> tuple[tvm.IRModule, relax.VMExecutable]:
             optimized = get_pipeline(target, config, pipeline, report, graph, check, tuning)(self.mod)
-            return optimized, codegen.build_executable(optimized, target)
+            return optimized, codegen.build_executable(optimized, target,
+                                                       kernel_checks=compile_options(config).kernel_checks)
 
         if settings.check_passes if checks is None else checks:
             return attempt(True)
