@@ -419,7 +419,8 @@ def _as_dtype(bb: relax.BlockBuilder, x: relax.Expr, dtype: str) -> relax.Expr:
 
 def clamped_index(stock: str) -> Converter:
     """The stock converter of `op(x, dim, index, ...)` (gather, scatter), its index clamped
-    into `x` first: TOPI's gather and scatter kernels do not check their indices."""
+    into `x` first: TOPI's gather and scatter kernels do not check their indices. An empty
+    index reads nothing and writes nothing: gather gives zeros of its shape, scatter `x`."""
 
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         stock_convert = getattr(importer, stock)

@@ -18,8 +18,8 @@ derivative by zero.
 And one gives eager's values but another gradient:
 - `index_fill` with a tensor value: torch's decomposition copies the value into every slice
   the index lists, so a slice listed twice counted twice in the value's gradient (eager's
-  counts each filled slice once: -10.4 came out about 0.3 for an index with two repeats). Here the
-  fill is a `where` over a mask of the listed slices.
+  counts each filled slice once: -10.4 came out about 0.3 for an index with two repeats).
+  Here the fill is a `where` over a mask of the listed slices.
 """
 
 from __future__ import annotations

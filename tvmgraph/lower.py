@@ -41,7 +41,7 @@ from torch.export.graph_signature import (
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters, decompositions, half_in_float32, type_promotion, zero_dim
+from . import converters, decompositions, empty_results, half_in_float32, type_promotion, zero_dim
 from .errors import TraceError, UnsupportedOpError
 from .trace import math_attention
 
@@ -318,6 +318,7 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     convert_map = dict(converters.CONVERTERS, **{"native_dropout.default": converters.dropout(seed, salts)})
     convert_map = zero_dim.with_zero_dim(type_promotion.with_promotion(half_in_float32.with_float32(convert_map)))
     convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
+    convert_map = empty_results.with_empty_results(convert_map)
     importer = ExportedProgramImporter()
     mod = importer.from_exported_program(exported, keep_params_as_input=False, unwrap_unit_return_tuple=False,
                                          no_bind_return_tuple=True, custom_convert_map=convert_map)

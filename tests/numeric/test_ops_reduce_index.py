@@ -180,6 +180,13 @@ def odd_scatters(x, b, scalar, empty_index, empty_wide):
     )
 
 
+def empties(e, rows):
+    """Ops on empty tensors (tvmgraph/empty_results.py): cumprod of one crashed the process,
+    argsort and take failed inside TVM."""
+    return (torch.cumprod(e, 0), torch.argsort(e), torch.take(e, torch.zeros(0, dtype=torch.int64)),
+            torch.cumsum(rows, 1), *torch.sort(rows, 0), torch.softmax(rows, 1), rows.sum(0))
+
+
 def _scatter_inputs():
     return (torch.randn(3, 6), torch.randn(3, 6), _index(), torch.rand(3, 6) > 0.5)
 
@@ -200,6 +207,7 @@ BATCHES = {
     "sorts": (sorts, _sort_inputs),
     "scatters": (scatters, _scatter_inputs),
     "scatter_ties": (scatter_ties, lambda: (_small_integers(), _small_integers())),
+    "empties": (empties, lambda: (torch.zeros(0), torch.zeros(0, 3))),
     "odd_scatters": (odd_scatters, lambda: (torch.randn(3, 6), torch.rand(3, 8) > 0.5, torch.tensor(1.5),
                                             torch.zeros(0, dtype=torch.uint8), torch.zeros(2, 0, dtype=torch.uint8))),
     "larger_sources": (larger_sources, lambda: (torch.randn(3, 6), torch.randn(4, 7), _index())),
