@@ -419,8 +419,9 @@ def _as_dtype(bb: relax.BlockBuilder, x: relax.Expr, dtype: str) -> relax.Expr:
 
 def clamped_index(stock: str) -> Converter:
     """The stock converter of `op(x, dim, index, ...)` (gather, scatter), its index clamped
-    into `x` first: TOPI's gather and scatter kernels do not check their indices. An empty
-    index reads nothing and writes nothing: gather gives zeros of its shape, scatter `x`."""
+    into `x` first: TOPI's gather and scatter kernels do not check their indices. A scatter
+    with an empty index writes nothing: it gives `x` (a gather's result is then empty, and
+    empty_results.py makes it zeros before this runs)."""
 
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         stock_convert = getattr(importer, stock)
@@ -429,7 +430,7 @@ def clamped_index(stock: str) -> Converter:
         bb = importer.block_builder
         x, index = importer.env[node.args[0]], importer.env[node.args[2]]
         if _is_empty(index):  # torch allows any integer type and rank here; TOPI neither
-            return x if stock != "_gather" else bb.emit(relax.op.zeros(index.ty.shape, x.ty.dtype.dtype))
+            return x
         size = _static_size(x, int(node.args[1]) % max(len(x.ty.shape), 1))
         importer.env[node.args[2]] = _clamped(bb, index, size)
         try:
