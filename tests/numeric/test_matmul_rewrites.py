@@ -121,3 +121,46 @@ def test_passes_report_at_debug_level_1(caplog: pytest.LogCaptureFixture) -> Non
     assert "SimplifyBroadcastMatmul: " in text and "matmul of broadcast" in text
     assert "SimplifyPower: " in text and "x ** 2" in text
     assert "FuseEpilogue: " in text and "matmul/conv kernel(s) with their epilogues" in text
+
+
+class LinearOnRowsReshapedBack(nn.Module):
+    """nn.Linear on flattened rows, reshaped back and activated, with the product before the
+    reshape read too: the product's kernel has two results of different shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x.reshape(-1, 16))
+        return nn.functional.gelu(h.reshape(x.shape[0], x.shape[1], 64)), h * 2
+
+
+class ConvFlattenedAndKept(nn.Module):
+    """A convolution whose output is flattened and activated, and also read as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv(x)
+        return torch.relu(y.reshape(x.shape[0], -1)), y * 2
+
+
+@pytest.mark.parametrize("make,shape", [(LinearOnRowsReshapedBack, (2, 5, 16)), (ConvFlattenedAndKept, (2, 3, 6, 6))],
+                         ids=["linear_rows", "conv_flatten"])
+def test_an_epilogue_reading_the_product_reshaped_is_right(make, shape) -> None:
+    """The epilogue that reads the product through a reshape runs after the whole product, not
+    per register tile: per tile, TVM's region for an index like (i * 5 + j) % 10 covered the
+    wrong elements, and most of the activated output was never written (NaN or 1e34 where
+    eager gives numbers; the 10 x 64 product's tiles are 6 rows, its reshape groups 5). The
+    convolution, whose flattening TVM happened to cover right, checks conv.py's same rule."""
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        expected = model(x)
+    out = ModuleGraph(model)(x)
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

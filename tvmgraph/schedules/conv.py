@@ -37,6 +37,7 @@ from .loops import (
     inline_spatial_blocks,
     is_spatial,
     iter_kinds,
+    reads_at_its_own_indices,
     root_blocks,
     static_extent,
     vars_in,
@@ -269,7 +270,8 @@ def _finish(
         try:
             sch.reverse_compute_inline(consumer)
         except s_tir.ScheduleError:
-            sch.reverse_compute_at(consumer, tile_loop, preserve_unit_loops=True)
+            if reads_at_its_own_indices(sch, consumer, [store]):  # else after all tiles
+                sch.reverse_compute_at(consumer, tile_loop, preserve_unit_loops=True)
     sch.parallel(outer)
     for loop in unrolled:
         sch.unroll(loop)

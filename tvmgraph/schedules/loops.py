@@ -110,6 +110,25 @@ def is_scheduled(sch: s_tir.Schedule, block: SBlockRV) -> bool:
     return any(sch.get(loop).kind not in plain for loop in sch.get_loops(block))
 
 
+def reads_at_its_own_indices(sch: s_tir.Schedule, block: SBlockRV, producers: list[SBlockRV]) -> bool:
+    """Whether `block` reads every buffer that `producers` write at plain block variables (in
+    any order): then `reverse_compute_at` of it into a tile of the producers covers the
+    elements the tile computed. An index such as `(i * 5 + j) % 10` (a reshape of the product)
+    it covered wrongly, and most of the output was never written (a Linear on flattened rows,
+    reshaped back, with the pre-reshape value also a result of the kernel)."""
+    written = [region.buffer for p in producers for region in sch.get(p).writes]
+    stmt = sch.get(block)
+    own = [iv.var for iv in stmt.iter_vars]
+    for region in stmt.reads:
+        if not any(region.buffer.same_as(b) for b in written):
+            continue
+        for axis in region.region:
+            if not (isinstance(axis.min, tirx.Var) and any(axis.min.same_as(v) for v in own)
+                    and isinstance(axis.extent, tirx.IntImm) and axis.extent.value == 1):
+                return False
+    return True
+
+
 def inline_spatial_blocks(
     sch: s_tir.Schedule, keep: tuple[SBlockRV, ...] = (), into_reductions: bool = False
 ) -> None:

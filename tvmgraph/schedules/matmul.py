@@ -58,6 +58,7 @@ from .loops import (
     inline_spatial_blocks,
     is_spatial,
     parallelize,
+    reads_at_its_own_indices,
     root_blocks,
     static_extent,
     vars_in,
@@ -505,7 +506,8 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile,
 
 
 def fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: int) -> None:
-    """Inline the consumers of the accumulator into its store; compute the rest per tile."""
+    """Inline the consumers of the accumulator into its store; compute the rest per tile
+    where they read what the tile computed at its own indices, else after the whole product."""
     changed = True
     while changed:
         changed = False
@@ -517,8 +519,10 @@ def fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: in
             changed = True
             break
     rest = _transitive_consumers(sch, store)
-    for block in rest:
-        sch.reverse_compute_at(block, outer, preserve_unit_loops=True)
+    # Per tile only where each block reads the tile's own elements (else after all tiles).
+    if all(reads_at_its_own_indices(sch, block, [store, *rest]) for block in rest):
+        for block in rest:
+            sch.reverse_compute_at(block, outer, preserve_unit_loops=True)
     for block in [store, *rest]:
         inner = sch.get_loops(block)[-1]
         extent = static_extent(sch, inner)
