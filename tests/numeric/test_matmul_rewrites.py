@@ -148,9 +148,11 @@ class ConvFlattenedAndKept(nn.Module):
         return torch.relu(y.reshape(x.shape[0], -1)), y * 2
 
 
-@pytest.mark.parametrize("make,shape", [(LinearOnRowsReshapedBack, (2, 5, 16)), (ConvFlattenedAndKept, (2, 3, 6, 6))],
+@pytest.mark.parametrize("make,shape,rule", [(LinearOnRowsReshapedBack, (2, 5, 16), "Matmul"),
+                                             (ConvFlattenedAndKept, (2, 3, 6, 6), "Conv2d")],
                          ids=["linear_rows", "conv_flatten"])
-def test_an_epilogue_reading_the_product_reshaped_is_right(make, shape) -> None:
+def test_an_epilogue_reading_the_product_reshaped_is_right(make, shape, rule: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
     """The epilogue that reads the product through a reshape runs after the whole product, not
     per register tile: per tile, TVM's region for an index like (i * 5 + j) % 10 covered the
     wrong elements, and most of the activated output was never written (NaN or 1e34 where
@@ -161,6 +163,10 @@ def test_an_epilogue_reading_the_product_reshaped_is_right(make, shape) -> None:
     x = torch.randn(*shape)
     with torch.no_grad():
         expected = model(x)
-    out = ModuleGraph(model)(x)
+    with caplog.at_level(logging.DEBUG, logger="tvmgraph.schedules.apply"):
+        out = ModuleGraph(model)(x)
     for got, want in zip(out, expected):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The product's own rule scheduled it (a rule that raises falls back to another, right but
+    # slow: how the first version of this fix passed, with an AttributeError in every such kernel).
+    assert f"{rule} 1" in caplog.text and "failed" not in caplog.text, caplog.text
