@@ -47,6 +47,35 @@ def rebound(binding: relax.Binding, substitute: Substitute) -> relax.Binding:
     return relax.VarBinding(var, value)
 
 
+def cut_block(bindings: list[relax.Binding], cuts: list[int]) -> list[relax.BindingBlock]:
+    """`bindings` as dataflow blocks that start at each position of `cuts` (with a boundary
+    block between each two); a dataflow variable read after the block that binds it becomes a
+    block output (a non-dataflow `Var`)."""
+    bounds = sorted({c for c in cuts if 0 < c < len(bindings)})
+    starts, ends = [0, *bounds], [*bounds, len(bindings)]
+    block_of = {b.var: k for k, (lo, hi) in enumerate(zip(starts, ends)) for b in bindings[lo:hi]}
+    outputs = {}
+    for k, (lo, hi) in enumerate(zip(starts, ends)):
+        for b in bindings[lo:hi]:
+            for v in vars_in(b.value):
+                if isinstance(v, relax.DataflowVar) and block_of.get(v, k) < k and v not in outputs:
+                    outputs[v] = relax.Var(v.name, v.ty)
+    substitute = Substitute(outputs)
+    blocks: list[relax.BindingBlock] = []
+    for lo, hi in zip(starts, ends):
+        if blocks:
+            blocks.append(_block_boundary())
+        blocks.append(relax.DataflowBlock([rebound(b, substitute) for b in bindings[lo:hi]]))
+    return blocks
+
+
+def _block_boundary() -> relax.BindingBlock:
+    """A binding block between two dataflow blocks: Relax's normalizer merges adjacent dataflow
+    blocks, and with them the cut. This one binds an empty tuple that nothing reads, which
+    FuseTIR removes (the fusion passes before it work within each block)."""
+    return relax.BindingBlock([relax.VarBinding(relax.Var("block_boundary", relax.TupleType([])), relax.Tuple([]))])
+
+
 def rewrite_dataflow_blocks(mod: tvm.IRModule, rewrite) -> tuple[tvm.IRModule, list[str]]:
     """`mod` with each dataflow block of its graph functions replaced by `rewrite(block)`, a list
     of blocks (`[block]` for no change), and normalized; and the names of the functions that
@@ -76,6 +105,10 @@ class Acyclic:
     (their group is one call). Bindings are numbered in program order: a plain binding before
     `low` cannot reach the match, where `low` is the first member of the match or of any
     earlier group straddling it, so the search stops there.
+
+    It also refuses a group whose members lie in more than one dataflow block (SeparateBackward
+    and RecomputeLateReads cut functions into several): FuseOpsByPattern builds such a group but
+    then fails (`Check failed: defined_vars_.count(var.get())`).
     """
 
     def __init__(self, mod: tvm.IRModule) -> None:
@@ -83,14 +116,18 @@ class Acyclic:
         self.position: dict[relax.Var, int] = {}  # filled at the first match (most patterns match none)
         self.reads: dict[relax.Var, list[relax.Var]] = {}
         self.group_of: dict[relax.Var, frozenset[relax.Var]] = {}
+        self.block_of: dict[relax.Var, int] = {}
 
     def _number_bindings(self) -> None:
+        blocks = 0
         for _, func in self.mod.functions_items():
             if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
                 for block in func.body.blocks:
+                    blocks += 1
                     for binding in block.bindings:
                         self.position[binding.var] = len(self.position)
                         self.reads[binding.var] = _reads(binding.value)
+                        self.block_of[binding.var] = blocks
 
     def __call__(self, context: PatternCheckContext) -> bool:
         if not self.position:
@@ -99,6 +136,8 @@ class Acyclic:
         for var in list(members):  # a match that takes in an earlier group merges with it
             members |= self.group_of.get(var, frozenset())
         if not members <= self.position.keys():
+            return False
+        if len({self.block_of[v] for v in members}) > 1:
             return False
         if self._reaches_itself(members):
             return False

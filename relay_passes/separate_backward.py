@@ -31,21 +31,55 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from .bindings import Substitute, backward_start, rebound, rewrite_dataflow_blocks, vars_in
+from .bindings import Substitute, backward_start, cut_block, rebound, rewrite_dataflow_blocks, vars_in
 
 
-def separate(block: relax.DataflowBlock) -> list[relax.DataflowBlock]:
-    """`block` as [forward, backward], or [block] when it has no backward pass to cut off."""
+_VIEWS = frozenset(tvm.ir.Op.get(f"relax.{name}") for name in ("reshape", "permute_dims", "expand_dims", "squeeze"))
+
+
+def _view(binding: relax.Binding) -> bool:
+    value = binding.value
+    return (isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call)
+            and any(value.op.same_as(op) for op in _VIEWS))
+
+
+def separate(block: relax.DataflowBlock) -> list[relax.BindingBlock]:
+    """`block` as [forward, boundary, backward], or [block] when it has no backward pass."""
     bindings = list(block.bindings)
     start = backward_start(bindings)
     if not start:
         return [block]
-    read_later = {v for b in bindings[start:] for v in vars_in(b.value)}
-    outputs = {b.var: relax.Var(b.var.name, b.var.ty) for b in bindings[:start]
-               if isinstance(b.var, relax.DataflowVar) and b.var in read_later}
-    substitute = Substitute(outputs)
-    return [relax.DataflowBlock([rebound(b, substitute) for b in bindings[:start]]),
-            relax.DataflowBlock([rebound(b, substitute) for b in bindings[start:]])]
+    return cut_block(bindings[:start] + _views_again(bindings[:start], bindings[start:]), [start])
+
+
+def _views_again(forward: list[relax.Binding], backward: list[relax.Binding]) -> list[relax.Binding]:
+    """`backward` reading each layout view of a forward value (a reshape, a transpose) through
+    its own copy of the view, made right before its first reader, so that the forward block
+    passes on the tensor itself. A view read on both sides is otherwise a second output of a
+    fused forward kernel: a copy of the tensor (an attention's probabilities reshaped for
+    `probs @ v`, read again by the value's gradient: 2 MiB per GPT layer)."""
+    views = {b.var: b for b in forward if _view(b) and isinstance(b.var, relax.DataflowVar)}
+    again: dict[relax.Var, relax.Var] = {}
+    out: list[relax.Binding] = []
+
+    def redo(var: relax.Var) -> relax.Var:
+        if var not in views:
+            return var
+        if var not in again:
+            source = views[var].value.args[0]
+            new_source = redo(source) if isinstance(source, relax.Var) else source
+            value = Substitute({source: new_source}).visit_expr(views[var].value) if new_source is not source \
+                else views[var].value
+            again[var] = relax.DataflowVar(f"{var.name}_again", var.ty)
+            out.append(relax.VarBinding(again[var], value))
+        return again[var]
+
+    for binding in backward:
+        for var in vars_in(binding.value):
+            if var in views:
+                redo(var)
+        out.append(rebound(binding, Substitute(again)) if again else binding)
+    return out
 
 
 @tvm.transform.module_pass(opt_level=0, name="SeparateBackward")

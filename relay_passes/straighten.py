@@ -54,7 +54,11 @@ class BlockModel:
     linear + GELU keeps its pre-activation for the GELU gradient, while its output dies at the
     weight gradient that reads it last)."""
 
-    def __init__(self, bindings: list[relax.Binding], mod: tvm.IRModule | None = None):
+    def __init__(self, bindings: list[relax.Binding], mod: tvm.IRModule | None = None,
+                 read_elsewhere: set[relax.Var] | None = None):
+        """`read_elsewhere`: the variables read outside the block (later blocks, the function's
+        result); a non-dataflow variable bound here lives to the end of the block only if it is
+        one of them (None: every one does)."""
         n = len(bindings)
         self.n = n
         index = {b.var: i for i, b in enumerate(bindings)}
@@ -112,7 +116,8 @@ class BlockModel:
                     fields[i] = [roots_of(field) for field in value.fields]
                 elif isinstance(value, relax.Var) and index.get(value) in fields:
                     fields[i] = fields[index[value]]
-            if not isinstance(binding.var, relax.DataflowVar):
+            if not isinstance(binding.var, relax.DataflowVar) and (
+                    read_elsewhere is None or binding.var in read_elsewhere):
                 self.protected |= roots[i]
         self.protected |= set(outer.values())
         self.size = [sum(self.root_bytes[r] for r in rs) for rs in self.allocates]  # bytes each allocates
@@ -250,10 +255,22 @@ class _Straightener(PyExprMutator):
         self.mod = mod
         self.before = 0  # peak live bytes of the current function, max over its blocks
         self.after = 0
+        self.read_elsewhere: dict[int, set[relax.Var]] = {}  # per block (by position in the function)
+        self.blocks: list[relax.BindingBlock] = []
+
+    def start_function(self, func: relax.Function) -> None:
+        """Note, for each block of `func`, what is read outside it."""
+        self.before = self.after = 0
+        self.blocks = list(func.body.blocks) if isinstance(func.body, relax.SeqExpr) else []
+        reads = [set(v for b in block.bindings for v in vars_in(b.value)) for block in self.blocks]
+        result = set(vars_in(func.body.body)) if self.blocks else set()
+        self.read_elsewhere = {k: result.union(*(r for j, r in enumerate(reads) if j != k))
+                               for k in range(len(self.blocks))}
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
         bindings = list(block.bindings)
-        model = BlockModel(bindings, self.mod)
+        k = next((k for k, b in enumerate(self.blocks) if b.same_as(block)), None)
+        model = BlockModel(bindings, self.mod, self.read_elsewhere.get(k) if k is not None else None)
         order = straighten(model)
         before, after = model.peak(list(range(len(bindings)))), model.peak(order)
         if after < before:
@@ -278,7 +295,7 @@ class StraightenBindings:
         changes = []
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                straightener.before = straightener.after = 0
+                straightener.start_function(func)
                 straightener.builder_.update_func(gv, straightener.visit_expr(func))
                 if straightener.after < straightener.before:
                     changes.append(f"{gv.name_hint} {format_bytes(straightener.before)} -> "

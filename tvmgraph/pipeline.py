@@ -40,6 +40,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
+    "RecomputeLateReads": None,
     "Im2colConv": None,
     "FuseEpilogue": "graph.config.allow_fuse_add_to_output(False)",
     "FuseCastScale": "graph.config.allow_fuse_cast_scale(False)",
@@ -176,6 +177,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.fuse_model_update import FuseModelUpdate
     from relay_passes.im2col_conv import Im2colConv
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
+    from relay_passes.recompute_late_reads import RecomputeLateReads
     from relay_passes.recompute_upcasts import RecomputeUpcasts
     from relay_passes.separate_backward import SeparateBackward
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
@@ -203,13 +205,18 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    bfloat16/float16 matmuls, convolutions, sums and activations compute in float32, as
         #    torch's do (after SimplifyBroadcastMatmul, whose patterns its casts would hide).
         AccumulateFloat32(report),
+        #    On the CPU, convolutions on images narrower than a vector are im2col + matmul.
+        #    NOTE: before SeparateBackward: it drops unused bindings, and with them the boundary
+        #    that keeps the forward and backward blocks apart (bindings.cut_block).
+        *([Im2colConv(report)] if target.kind.name == "llvm" else []),
         #    Training steps: the backward pass redoes the forward pass's float32 casts of 16-bit
         #    activations instead of keeping them (AMP), and forward and backward passes go in
         #    separate dataflow blocks, so that fusion keeps each pass's work in its pass.
         RecomputeUpcasts(report),
         SeparateBackward(report),
-        #    On the CPU, convolutions on images narrower than a vector are im2col + matmul.
-        *([Im2colConv(report)] if target.kind.name == "llvm" else []),
+        #    A checkpointed module's recomputed activation that a gradient reads late is
+        #    recomputed again there instead of kept (its own dataflow block from there on).
+        RecomputeLateReads(report),
         #    Each matmul/conv2d is grouped with its epilogue and operand transposes
         #    (allow_fuse_add_to_output); FuseOps (step 5) fuses the rest.
         FuseEpilogue(config.fuse_add_to_output, report),

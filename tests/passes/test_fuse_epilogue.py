@@ -277,3 +277,30 @@ def test_reports_the_groups() -> None:
     messages: list[str] = []
     FuseEpilogue(report=messages.append)(Linear)
     assert messages == ["FuseEpilogue: 1 matmul/conv kernel(s) with their epilogues (6 ops in all)"]
+
+
+def test_an_epilogue_in_a_later_block_stays_out() -> None:
+    """A GELU in the block after its linear layer (a cut of SeparateBackward or
+    RecomputeLateReads, which redoes a checkpointed GELU where its gradient reads it): the
+    group stops at the block's end. A group across two blocks made FuseOpsByPattern fail
+    (`Check failed: defined_vars_.count(var.get())`)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 6), "float32"), b: R.Tensor((6,), "float32")):
+            with R.dataflow():
+                h = R.matmul(x, w)
+                pre = R.add(h, b)
+                R.output(pre)
+            R.tuple()
+            with R.dataflow():
+                act = R.nn.gelu(pre)
+                R.output(act)
+            return act
+
+    after = FuseEpilogue()(Before)
+    (fused,) = [f for gv, f in after.functions_items() if gv.name_hint != "main"]
+    assert [b.value.op.name for b in fused.body.blocks[0].bindings] == ["relax.matmul", "relax.add"]
+    last = [b for b in after["main"].body.blocks if type(b).__name__ == "DataflowBlock"][-1]
+    assert [b.value.op.name for b in last.bindings] == ["relax.nn.gelu"]

@@ -5,6 +5,7 @@ the memory they save is measured in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import tvm
+from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
@@ -92,6 +93,7 @@ def test_backward_pass_gets_its_own_block() -> None:
                 z = R.multiply(y, w)
                 loss = R.sum(z)
                 R.output(y, loss)
+            R.tuple()  # the boundary: Relax's normalizer merges adjacent dataflow blocks
             with R.dataflow():
                 loss_adjoint = R.ones((), "float32")
                 z_adjoint = R.broadcast_to(loss_adjoint, (4, 8))
@@ -100,8 +102,22 @@ def test_backward_pass_gets_its_own_block() -> None:
             return (loss, w_adjoint)
 
     messages: list[str] = []
-    tvm.ir.assert_structural_equal(SeparateBackward(report=messages.append)(Step), Expected)
+    after = SeparateBackward(report=messages.append)(Step)
+    tvm.ir.assert_structural_equal(after, Expected)
+    assert [type(b).__name__ for b in after["main"].body.blocks] == ["DataflowBlock", "BindingBlock", "DataflowBlock"]
     assert messages == ["SeparateBackward: forward and backward passes in separate blocks in main"]
+
+
+def test_the_cut_holds_through_normalization_and_fusion() -> None:
+    """Until FuseOps has run, the two passes stay in two dataflow blocks (without the boundary
+    the normalizer merged them back at once, and the pass changed nothing), so that no fused
+    kernel mixes the two passes' work."""
+    mod = SeparateBackward()(Step)
+    mod = relax.transform.Normalize()(mod)
+    mod = relax.transform.LegalizeOps()(mod)
+    mod = relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(mod))
+    blocks = [b for b in mod["main"].body.blocks if isinstance(b, relax.DataflowBlock)]
+    assert len(blocks) == 2
 
 
 def test_a_function_without_a_backward_pass_keeps_one_block() -> None:
@@ -115,3 +131,42 @@ def test_a_function_without_a_backward_pass_keeps_one_block() -> None:
             return y
 
     tvm.ir.assert_structural_equal(SeparateBackward()(Infer), Infer)
+
+
+def test_a_view_the_backward_pass_reads_is_made_again_there() -> None:
+    """`r`, a reshape of the forward value `h`, is read by both passes: the backward pass reads
+    its own reshape of `h`, so the forward block passes on `h` itself (a view read on both
+    sides became a second output of a fused kernel: a copy)."""
+
+    @I.ir_module
+    class Viewed:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32")):
+            with R.dataflow():
+                h = R.exp(x)
+                r = R.reshape(h, (8, 4))
+                loss = R.sum(r)
+                loss_adjoint = R.ones((), "float32")
+                x_adjoint = R.reshape(R.multiply(R.broadcast_to(loss_adjoint, (8, 4)), r), (4, 8))
+                R.output(loss, x_adjoint)
+            return (loss, x_adjoint)
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32")):
+            with R.dataflow():
+                h = R.exp(x)
+                r = R.reshape(h, (8, 4))
+                loss = R.sum(r)
+                R.output(h, loss)
+            R.tuple()
+            with R.dataflow():
+                loss_adjoint = R.ones((), "float32")
+                lv = R.broadcast_to(loss_adjoint, (8, 4))
+                r_again = R.reshape(h, (8, 4))
+                x_adjoint = R.reshape(R.multiply(lv, r_again), (4, 8))
+                R.output(x_adjoint)
+            return (loss, x_adjoint)
+
+    tvm.ir.assert_structural_equal(SeparateBackward()(Viewed), Expected)

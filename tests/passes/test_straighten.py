@@ -377,3 +377,40 @@ def test_an_in_place_update_waits_for_the_readers_of_a_reshape_of_what_it_overwr
     names = order(mod)
     as_copies = [names[i] for i in straighten(model)]
     assert as_copies.index(u.name) < as_copies.index(r.name)
+
+
+@I.ir_module
+class LateReductionOfAnOutput:
+    """LateReductions with `g` also a block output that nothing after the block reads."""
+
+    @T.prim_func(private=True)
+    def step(x: T.Buffer((1024,), "float32"), y: T.Buffer((1024,), "float32")):
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def reduce(x: T.Buffer((1024,), "float32"), y: T.Buffer((), "float32")):
+        T.evaluate(0)
+
+    @R.function
+    def main(x: R.Tensor((1024,), "float32")):
+        cls = LateReductionOfAnOutput
+        with R.dataflow():
+            g = R.call_tir(cls.step, (x,), out_ty=R.Tensor((1024,), "float32"))
+            h = R.call_tir(cls.step, (g,), out_ty=R.Tensor((1024,), "float32"))
+            k = R.call_tir(cls.step, (h,), out_ty=R.Tensor((1024,), "float32"))
+            s = R.call_tir(cls.reduce, (g,), out_ty=R.Tensor((), "float32"))
+            t = R.call_tir(cls.reduce, (h,), out_ty=R.Tensor((), "float32"))
+            out = (k, s, t)
+            R.output(g, out)
+        return out
+
+
+def test_a_block_output_that_nothing_after_the_block_reads_dies_in_it() -> None:
+    """`g` leaves the block (a non-dataflow var, as a value read across a cut of
+    SeparateBackward or RecomputeLateReads is until FuseTIR merges the blocks), but nothing
+    after the block reads it: it dies at its last reader like a dataflow var, so the reduction
+    of g runs as soon as h has read g. Before, every block output was kept to the end of the
+    block, and the order stayed."""
+    after = StraightenBindings()(LateReductionOfAnOutput)
+    (block,) = after["main"].body.blocks
+    assert [b.var.name for b in block.bindings] == ["g", "h", "s", "k", "t", "out"]
