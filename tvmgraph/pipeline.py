@@ -187,6 +187,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from .schedules.bitwise_isnan import BitwiseIsNaN
     from .schedules.division_free_bounds import DivisionFreeBounds
     from .schedules.propagate_nan import PropagateNaN
+    from .schedules.serial_half_fills import SerialHalfFills
 
     T = relax.transform
     is_gpu = target.kind.name == "cuda"
@@ -243,6 +244,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    A padded tile's bounds test under a dynamic batch without its division, which
         #    vectorizes.
         *([DivisionFreeBounds()] if target.kind.name == "llvm" else []),
+        #    A vectorized bfloat16 fill (a constant store) runs serial: TVM's bfloat16
+        #    legalization fails on it.
+        *([SerialHalfFills()] if target.kind.name == "llvm" else []),
         #    The kernels run in an order with fewer tensors live at once
         #    (enable_straighten_algorithm). NOTE: needs dataflow blocks, so before ToNonDataflow.
         StraightenBindings(config.straighten_algorithm, report),
