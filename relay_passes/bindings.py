@@ -11,6 +11,11 @@ from relay_passes import graph_functions
 from tvmgraph.schedules.loops import with_functions
 
 
+# Ops that only relabel their input's elements (a reshape, a transpose): layout views, which
+# the passes treat as the tensor they read.
+VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze"})
+
+
 def vars_in(expr: relax.Expr) -> list[relax.Var]:
     """The variables `expr` refers to, in visiting order (with repeats)."""
     found: list[relax.Var] = []

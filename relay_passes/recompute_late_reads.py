@@ -57,7 +57,7 @@ from tvm import relax
 
 from relay_passes import report_counts
 
-from .bindings import Substitute, cut_block, rebound, rewrite_dataflow_blocks, vars_in
+from .bindings import VIEW_OPS, Substitute, cut_block, rebound, rewrite_dataflow_blocks, vars_in
 from .tensor_sizes import bytes_per_unit
 
 MAX_CHAIN = 32
@@ -78,7 +78,6 @@ _FUSIBLE = frozenset(f"relax.{name}" for name in (
 _REDUCTIONS = frozenset(f"relax.{name}" for name in "sum mean max min collapse_sum_to".split())
 _SOFTMAX = frozenset({"relax.nn.softmax", "relax.nn.log_softmax"})
 _MATMUL = "relax.matmul"
-_VIEWS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze"})
 
 
 def _op(binding: relax.Binding) -> str | None:
@@ -118,7 +117,7 @@ class _Block:
 
 
 def _is_view(block: _Block, position: int) -> bool:
-    return _op(block.bindings[position]) in _VIEWS
+    return _op(block.bindings[position]) in VIEW_OPS
 
 
 def _split_readers(block: _Block, var: relax.Var) -> tuple[list[int], list[int]]:

@@ -2,26 +2,36 @@
 
     with R.dataflow():                          with R.dataflow():
         y = f(x)                                    y = f(x)            (y: a Var now, read later)
-        loss = g(y)                                 loss = g(y)
+        r = reshape(y)                              r = reshape(y)
+        loss = g(r)                                 loss = g(r)
         loss_adjoint = ones(...)          ->        R.output(y, loss)
-        y_adjoint = h(y, loss_adjoint)          with R.dataflow():
-        ...                                         loss_adjoint = ones(...)
-                                                    y_adjoint = h(y, loss_adjoint)
+        y_adjoint = h(r, loss_adjoint)          block_boundary = R.tuple()
+        ...                                     with R.dataflow():
+                                                    loss_adjoint = ones(...)
+                                                    r_again = reshape(y)
+                                                    y_adjoint = h(r_again, loss_adjoint)
                                                     ...
 
 Why: FuseOps emits fused groups in an order of its own (`TopoSortByGroupDep`), which puts a
 group that reads only forward values right after them, in the forward pass, and
 StraightenBindings cannot undo a whole chain of them. Backward work that reads only forward
 values (a batch norm's centred input, a cast RecomputeUpcasts redid for the backward pass) was
-then computed in the forward pass and its result kept to the backward. FuseOps and
-StraightenBindings work within a block, so two blocks keep each pass's work in its pass. On the
-benchmark ResNet-18's AMP training step the planned memory fell from 80.4 to 61.8 MiB (with
-RecomputeUpcasts; the time per step did not change measurably).
+then computed in the forward pass and its result kept to the backward. FuseOps works within a
+block, so two blocks keep each pass's work in its pass.
+
+The cut (`bindings.cut_block`) puts a binding block between the two, an empty tuple nothing
+reads: Relax's normalizer merges adjacent dataflow blocks, and until 2026-11-27 it merged these
+right back (the pass changed nothing). FuseTIR drops the boundary after fusion, so everything
+after it (StraightenBindings, CompressMemory) sees one block again. A layout view of a forward
+value that the backward pass reads is made again in the backward pass, so that the forward
+block passes on the tensor itself: a view read on both sides was a second output of a fused
+forward kernel, a copy (+8 MiB planned in the benchmark GPT's step).
 
 The backward pass starts at `bindings.backward_start` (autodiff's first `*_adjoint`). Forward
 variables the backward pass reads become block outputs (non-dataflow `Var`s).
 
-Position: after RecomputeUpcasts, before the fusion passes.
+Position: after RecomputeUpcasts (and after Im2colConv, which drops unused bindings and with
+them the boundary), before the fusion passes.
 """
 
 from __future__ import annotations
@@ -31,16 +41,13 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from .bindings import Substitute, backward_start, cut_block, rebound, rewrite_dataflow_blocks, vars_in
-
-
-_VIEWS = frozenset(tvm.ir.Op.get(f"relax.{name}") for name in ("reshape", "permute_dims", "expand_dims", "squeeze"))
+from .bindings import VIEW_OPS, Substitute, backward_start, cut_block, rebound, rewrite_dataflow_blocks, vars_in
 
 
 def _view(binding: relax.Binding) -> bool:
     value = binding.value
     return (isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call)
-            and any(value.op.same_as(op) for op in _VIEWS))
+            and isinstance(value.op, tvm.ir.Op) and value.op.name in VIEW_OPS)
 
 
 def separate(block: relax.DataflowBlock) -> list[relax.BindingBlock]:
