@@ -12,14 +12,19 @@ held to the accuracy its module docstring states.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 import tvm
+from torch import nn
 from tvm import relax, te, tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
 
+from tests.conftest import TrainGraph
+from tests.models import EncoderBlock, SmallCNN
 from tvmgraph.schedules import (
     ApplyCPUSchedules,
     ApplyGPUSchedules,
@@ -771,3 +776,25 @@ def test_schedule_is_deterministic() -> None:
     with TARGET:
         first, second = ApplyCPUSchedules()(mod), ApplyCPUSchedules()(mod)
     tvm.ir.assert_structural_equal(first, second)
+
+
+@pytest.mark.parametrize("case", ["encoder", "cnn"])
+def test_no_rule_fails_on_a_training_step(case: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Every kernel of a transformer's and a CNN's training step is scheduled by a rule that
+    matched it without raising. A rule that raises passes the kernel to the next rule (right
+    numbers, slower code, a debug line only): that hid a broken epilogue check (the matmul rule
+    raised on every kernel with an epilogue it could not inline) and `mean` to one value (the
+    reduction rule raised, one serial chain of additions ran)."""
+    torch.manual_seed(0)
+    if case == "encoder":
+        model = nn.Sequential(EncoderBlock(d_model=32), EncoderBlock(d_model=32))
+        x, y, loss = torch.randn(4, 16, 32), torch.randn(4, 16, 32), nn.MSELoss()
+    else:
+        model = SmallCNN()
+        x, y, loss = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)), nn.CrossEntropyLoss()
+    graph = TrainGraph(model.train(), loss, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    with caplog.at_level(logging.DEBUG, logger="tvmgraph.schedules.apply"):
+        graph(x, y)
+    assert "ApplyCPUSchedules: scheduled" in caplog.text
+    failed = [r.getMessage() for r in caplog.records if "failed on" in r.getMessage()]
+    assert not failed, failed
