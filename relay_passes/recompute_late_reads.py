@@ -62,20 +62,20 @@ from .tensor_sizes import bytes_per_unit
 
 MAX_CHAIN = 32
 
-# Ops whose cost is linear in their result's size: redoing one is a pass over memory.
-_LINEAR = frozenset(f"relax.{name}" for name in (
-    "add subtract multiply divide negative abs exp log sqrt rsqrt tanh sigmoid erf power maximum "
-    "minimum clip where equal not_equal less greater less_equal greater_equal logical_not astype "
-    "reshape permute_dims broadcast_to expand_dims squeeze strided_slice "
-    "max min sum mean nn.softmax nn.log_softmax nn.gelu nn.gelu_tanh nn.relu nn.silu nn.leakyrelu "
-    "nn.layer_norm").split())
+def _ops(names: str) -> frozenset[str]:
+    return frozenset(f"relax.{name}" for name in names.split())
+
+
 # Element-wise and injective ops: fusion folds a chain of them, and one into a matmul's epilogue
 # or a reduction after it, so a result that one such op reads is never stored.
-_FUSIBLE = frozenset(f"relax.{name}" for name in (
+_FUSIBLE = _ops(
     "add subtract multiply divide negative abs exp log sqrt rsqrt tanh sigmoid erf power maximum "
     "minimum clip where equal not_equal less greater less_equal greater_equal logical_not astype "
-    "broadcast_to expand_dims squeeze strided_slice nn.gelu nn.gelu_tanh nn.relu nn.silu").split())
-_REDUCTIONS = frozenset(f"relax.{name}" for name in "sum mean max min collapse_sum_to".split())
+    "broadcast_to expand_dims squeeze strided_slice nn.gelu nn.gelu_tanh nn.relu nn.silu")
+# Ops whose cost is linear in their result's size: redoing one is a pass over memory.
+_LINEAR = _FUSIBLE | _ops("reshape permute_dims nn.leakyrelu max min sum mean nn.softmax nn.log_softmax "
+                          "nn.layer_norm")
+_REDUCTIONS = _ops("sum mean max min collapse_sum_to")
 _SOFTMAX = frozenset({"relax.nn.softmax", "relax.nn.log_softmax"})
 _MATMUL = "relax.matmul"
 

@@ -251,14 +251,12 @@ def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None
     kinds = iter_kinds(sch, block)
     if kinds is None:
         return
-    loops = sch.get_loops(block)
     column = _contiguous_spatial_loop(sch, block)
     if column is not None:
         _schedule_column(sch, block, column, lanes)
         return
     # Row-like: spatial loops outside (parallel), reduction loops inside (rfactor vector).
-    spatial = [l for l, k in zip(loops, kinds) if k == "S"]
-    reduce_ = [l for l, k in zip(loops, kinds) if k == "R"]
+    spatial, reduce_ = _split_kinds(sch, block)
     sch.reorder(*spatial, *reduce_)
     if not spatial:
         chunks = _chunk_partials(sch, block, lanes)
