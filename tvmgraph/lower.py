@@ -107,6 +107,9 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         # theirs stops (x = +-3); the stock converters' `clip` stops there too.
         table.pop(torch.ops.aten.hardsigmoid.default)
         table.pop(torch.ops.aten.hardswish.default)
+        # Kept whole: its decomposition guards on the index's value when the index is 0-d
+        # (torch.export refused `torch.take(x, torch.tensor(3))`); converters.py lowers it.
+        table.pop(torch.ops.aten.take.default, None)
         table.update(decompositions.FIXED)  # torch's own give other numbers than eager
         devices = [n.meta["val"].device for n in exported.graph.nodes
                    if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]

@@ -187,6 +187,13 @@ def empties(e, rows):
             torch.cumsum(rows, 1), *torch.sort(rows, 0), torch.softmax(rows, 1), rows.sum(0))
 
 
+def takes(x, s, i, j):
+    """torch.take with a 0-d index, as an input (i, j) or a constant: torch.export refused it
+    (the decomposition of take guards on the index's value); the index counts from the end too."""
+    return (torch.take(x, i), torch.take(x, j), torch.take(s, i * 0), torch.take(x, torch.tensor(5)),
+            torch.take(x, torch.stack([i, j])))
+
+
 def _scatter_inputs():
     return (torch.randn(3, 6), torch.randn(3, 6), _index(), torch.rand(3, 6) > 0.5)
 
@@ -207,6 +214,7 @@ BATCHES = {
     "sorts": (sorts, _sort_inputs),
     "scatters": (scatters, _scatter_inputs),
     "scatter_ties": (scatter_ties, lambda: (_small_integers(), _small_integers())),
+    "takes": (takes, lambda: (torch.randn(4, 6), torch.tensor(1.5), torch.tensor(3), torch.tensor(-2))),
     "empties": (empties, lambda: (torch.zeros(0), torch.zeros(0, 3))),
     "odd_scatters": (odd_scatters, lambda: (torch.randn(3, 6), torch.rand(3, 8) > 0.5, torch.tensor(1.5),
                                             torch.zeros(0, dtype=torch.uint8), torch.zeros(2, 0, dtype=torch.uint8))),
@@ -266,6 +274,7 @@ GRADIENT_BATCHES = {
     "views": [0, 1],
     "products": [0, 1, 2, 3, 4],
     "searches": [3, 6],
+    "takes": [0, 1],
 }
 
 
