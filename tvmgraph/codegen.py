@@ -11,6 +11,7 @@ same executable `tvm.compile` makes, with its kernels spread over several LLVM m
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -24,6 +25,7 @@ from tvm.relax import vm_build
 from .native_output import to_debug_log
 from .vm_results import with_release_function
 
+log = logging.getLogger(__name__)
 
 PARTS_PER_THREAD = 4
 
@@ -45,6 +47,36 @@ def _build_part(part: tvm.IRModule, target: tvm.target.Target, vectorize: bool,
     config = {"tirx.disable_vectorize": not vectorize, "tirx.disable_assert": not kernel_checks}
     with tvm.transform.PassContext(config=config):
         return tvm.tirx.build(part, target=target)
+
+
+def _build_part_or_split(part: tvm.IRModule, target: tvm.target.Target, vectorize: bool,
+                         kernel_checks: bool) -> list[tvm.runtime.Module]:
+    """`_build_part`; when a vectorized part fails, its kernels one by one, those that fail
+    vectorized built serial.
+
+    TVM 0.27's bfloat16 legalization rejects some vector expressions (a bfloat16 slice_scatter:
+    `IntImm can only take scalar, but boolx32 was supplied`) that it accepts serial; the other
+    failures it has known are caught before the build (`_unvectorizable`, SerialHalfFills).
+    A kernel that fails serial too raises that error."""
+    try:
+        return [_build_part(part, target, vectorize, kernel_checks)]
+    except Exception:  # noqa: BLE001 - TVM raises its own error types; the serial build re-raises
+        if not vectorize:
+            raise
+    vector, serial = {}, {}
+    for gv, func in part.functions_items():
+        one = tvm.IRModule({gv: func}, attrs=part.attrs)
+        try:
+            _build_part(one, target, True, kernel_checks)
+            vector[gv] = func
+        except Exception as error:  # noqa: BLE001
+            log.debug("kernel %s built serial: it failed vectorized (%s)", gv.name_hint,
+                      str(error).strip().splitlines()[-1][:200])
+            serial[gv] = func
+    built = [_build_part(tvm.IRModule(serial, attrs=part.attrs), target, False, kernel_checks)]
+    if vector:
+        built.append(_build_part(tvm.IRModule(vector, attrs=part.attrs), target, True, kernel_checks))
+    return built
 
 
 def _parts(tir_mod: tvm.IRModule, jobs: int) -> list[tvm.IRModule]:
@@ -93,7 +125,8 @@ def _build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | 
     parts = [(part, True) for part in _parts(tir_mod, jobs * PARTS_PER_THREAD)]
     parts += [(tvm.IRModule(serial, attrs=tir_mod.attrs), False)] if serial else []
     with ThreadPoolExecutor(jobs) as pool:
-        libs = list(pool.map(lambda item: _build_part(item[0], target, item[1], kernel_checks), parts))
+        built = pool.map(lambda item: _build_part_or_split(item[0], target, item[1], kernel_checks), parts)
+        libs = [lib for part_libs in built for lib in part_libs]
     lib = libs[0]
     for other in libs[1:]:
         lib.import_module(other)
