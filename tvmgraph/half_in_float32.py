@@ -20,6 +20,9 @@ to the dtype torch gives it. Found by the 16-bit OpInfo sweeps
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
@@ -62,15 +65,43 @@ def in_float32(key: str, inner: Converter | None) -> Converter:
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         bb = importer.block_builder
         args = [a for a in dict.fromkeys([*node.args, *node.kwargs.values()]) if isinstance(a, torch.fx.Node)]
-        half = [a for a in args if _is_half(importer.env.get(a))]
-        if not half:
+        asked = _half_dtype_argument(node)
+        if asked is not None:  # torch rounds the inputs to that dtype, then computes in float32
+            tensors = [a for a in args if isinstance(importer.env.get(a), relax.Expr)]
+            wide = {a: bb.emit(relax.op.astype(_cast(bb, importer.env[a], asked), "float32")) for a in tensors}
+        else:
+            wide = {a: bb.emit(relax.op.astype(importer.env[a], "float32"))
+                    for a in args if _is_half(importer.env.get(a))}
+        if not wide:
             return run(node, importer)
-        wide = {a: bb.emit(relax.op.astype(importer.env[a], "float32")) for a in half}
-        out = with_inputs(importer, wide, lambda: run(node, importer))
+        with _dtype_argument(node, torch.float32 if asked is not None else None):
+            out = with_inputs(importer, wide, lambda: run(node, importer))
         dtypes = _torch_dtypes(node)
         return per_result(bb, out, lambda result, i: _cast(bb, result, dtypes[i]))
 
     return convert
+
+
+def _half_dtype_argument(node: torch.fx.Node) -> str | None:
+    """The 16-bit float dtype a `dtype=` argument asks for (`x.cumsum(0, dtype=torch.bfloat16)`)."""
+    dtype = node.kwargs.get("dtype")
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
+    return name if name in _HALF else None
+
+
+@contextlib.contextmanager
+def _dtype_argument(node: torch.fx.Node, dtype: torch.dtype | None) -> Iterator[None]:
+    """While converting, the node's `dtype=` argument reads `dtype` (None: unchanged): the
+    inner converter would otherwise cast the float32 copies back to 16 bits."""
+    if dtype is None:
+        yield
+        return
+    saved = node.kwargs
+    node.kwargs = {**saved, "dtype": dtype}
+    try:
+        yield
+    finally:
+        node.kwargs = saved
 
 
 def with_float32(converters: dict[str, Converter]) -> dict[str, Converter]:

@@ -152,6 +152,8 @@ HALF_OPS = [
     pytest.param(lambda h: torch.fmod(h, 0.75), id="fmod"),
     # accumulated in bfloat16 before (a rounding at every one of 256 steps)
     pytest.param(lambda h: torch.cumsum(h.reshape(2, -1), 1), id="cumsum"),
+    # with dtype=: the importer cast the float32 copy back to bfloat16 before the scan
+    pytest.param(lambda h: torch.cumsum(h.reshape(2, -1), 1, dtype=torch.bfloat16), id="cumsum-dtype"),
     # eager interpolates in bfloat16 steps: a few outputs land two steps from the float32 result
     pytest.param(lambda h: F.grid_sample(h, torch.linspace(-1, 1, 50).reshape(1, 5, 5, 2).expand(2, 5, 5, 2).to(h.dtype),
                                          align_corners=False), id="grid_sample", marks=pytest.mark.tol(atol=5e-2)),
