@@ -96,6 +96,14 @@ def _static_tail(expr: relax.Expr, what: str, count: int) -> list[int]:
     return [int(d) for d in list(shape)[-count:]]
 
 
+def _static_dim(expr: relax.Expr, what: str, dim: int) -> int:
+    """Dim `dim` as an int; the others (a dynamic batch) may be symbolic."""
+    shape = expr.ty.shape
+    if shape is None or not isinstance(shape[dim], tvm.tirx.IntImm):
+        raise NotImplementedError(f"{what} needs a static size of dim {dim}, got {shape}")
+    return int(shape[dim])
+
+
 def _per_dim(value: object, rank: int, default: int) -> list[int]:
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         return [default] * rank
@@ -432,7 +440,7 @@ def upsample_bilinear2d_aa(node: torch.fx.Node, importer: ExportedProgramImporte
     size = _arg(node, 1, "output_size", None)
     align_corners = bool(_arg(node, 2, "align_corners", False))
     scale_h, scale_w = _arg(node, 3, "scales_h", None), _arg(node, 4, "scales_w", None)
-    in_h, in_w = _static_shape(x, "interpolate(antialias=True)")[-2:]
+    in_h, in_w = _static_tail(x, "interpolate(antialias=True)", 2)
     dtype = x.ty.dtype.dtype
     wh = _aa_weights(in_h, int(size[0]), align_corners, scale_h)
     ww = _aa_weights(in_w, int(size[1]), align_corners, scale_w)
@@ -531,7 +539,7 @@ def upsample_nearest2d(node: torch.fx.Node, importer: ExportedProgramImporter) -
     x = importer.env[node.args[0]]
     size = _arg(node, 1, "output_size", None)
     scales = _arg(node, 2, "scale_factors", None)
-    in_h, in_w = _static_shape(x, "interpolate(mode='nearest')")[-2:]
+    in_h, in_w = _static_tail(x, "interpolate(mode='nearest')", 2)
     if size is None:
         size = [int(math.floor(in_h * scales[0])), int(math.floor(in_w * scales[1]))]
     scale_h, scale_w = (scales[0], scales[1]) if scales is not None else (None, None)
@@ -615,7 +623,7 @@ def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     dtype = x.ty.dtype.dtype
     if dtype not in _HALF:
         return importer._batch_norm_legit_no_training(node)
-    channels = _static_shape(x, "half-precision batch norm")[1]
+    channels = _static_dim(x, "half-precision batch norm", 1)
 
     def f32(arg: object, fill: float) -> relax.Expr:
         if arg is None:
@@ -642,7 +650,7 @@ def _linear_cross_entropy(bb: relax.BlockBuilder, x: relax.Expr, linear_weight: 
     logits = bb.emit(relax.op.matmul(x, relax.op.permute_dims(linear_weight, [1, 0]), out_dtype=dtype))
     if linear_bias is not None:
         logits = bb.emit(relax.op.add(logits, linear_bias))
-    classes = _static_shape(logits, "linear_cross_entropy")[-1]
+    classes = _static_dim(logits, "linear_cross_entropy", -1)
     log_probs = bb.emit(relax.op.nn.log_softmax(logits, axis=-1))
     valid = bb.emit(relax.op.not_equal(target, relax.const(ignore_index, target.ty.dtype.dtype)))
     safe_target = bb.emit(relax.op.where(valid, target, relax.const(0, target.ty.dtype.dtype)))

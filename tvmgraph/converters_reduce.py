@@ -38,7 +38,7 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import _arg, _dtype, _static_shape, stock_converter
+from .converters_nn import _arg, _dtype, _static_dim, _static_shape, stock_converter
 from .converters_nn import isnan as _isnan
 from .converters_sort import pick as _pick
 from .converters_sort import sorted_index as _sorted_index
@@ -260,7 +260,7 @@ def median(ignore_nan: bool):
         data = x if with_dim else bb.emit(op.reshape(x, [-1]))
         dim = int(node.args[1]) % x.ty.ndim if with_dim else 0
         keepdim = bool(_arg(node, 2, "keepdim", False))
-        length = _static_shape(data, node.target.__name__)[dim]
+        length = _static_dim(data, node.target.__name__, dim)
         one, zero = relax.const(1, "int64"), relax.const(0, "int64")
         if "float" not in _dtype(x):
             index = _sorted_index(bb, data, dim, (length - 1) // 2)
@@ -303,7 +303,7 @@ def mode(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     if x.ty.ndim == 0:
         return bb.emit(relax.Tuple([x, relax.const(0, "int64")]))
     dim = int(_arg(node, 1, "dim", -1)) % x.ty.ndim
-    n = _static_shape(x, "mode")[dim]
+    n = _static_dim(x, "mode", dim)
     ordered = bb.emit(op.astype(x, "uint8")) if _dtype(x) == "bool" else x  # TVM: no min or == of bool
     dtype = _dtype(ordered)
     pairs = bb.emit(op.equal(op.expand_dims(ordered, dim + 1), op.expand_dims(ordered, dim)))
@@ -319,7 +319,7 @@ def mode(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
 def _cum_extremum_index(bb: relax.BlockBuilder, x: relax.Expr, dim: int, largest: bool) -> relax.Expr:
     """Index of the running max (min) along `dim`: its last occurrence so far, or the last NaN so
     far (torch's cummax/cummin), from a prefix mask over every pair (i, j <= i)."""
-    n = _static_shape(x, "cummax")[dim]
+    n = _static_dim(x, "cummax", dim)
     dtype = _dtype(x)
     trailing = [1] * (x.ty.ndim - dim - 1)
     prefix = relax.const(np.tril(np.ones((n, n), dtype=bool)).reshape([n, n] + trailing), "bool")
@@ -362,7 +362,7 @@ def logcumsumexp(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     if x.ty.ndim == 0:
         return x
     dim = int(node.args[1]) % x.ty.ndim
-    n = _static_shape(x, "logcumsumexp")[dim]
+    n = _static_dim(x, "logcumsumexp", dim)
     dtype = _dtype(x)
     rows = bb.emit(op.expand_dims(x, dim))  # [..., 1 (i), n (j), ...]
     prefix = np.tril(np.ones((n, n), dtype=bool)).reshape([n, n] + [1] * (x.ty.ndim - dim - 1))

@@ -52,17 +52,26 @@ class _ShapeLifter(PyExprMutator):
         super().__init__()
         self.inputs = inputs
         self.params: list[relax.Var] = []
+        self.tensors: list[relax.Var] = [p for p in inputs if _dims(p) is not None]  # for _fill_like
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         # The bound variable keeps its type: inferred from a shape parameter, the result's shape
         # would be that parameter (`R.Tensor(tvmgraph_shape_0)`), not the dims the gradients read.
         value = self.visit_expr(binding.value)
         self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+        if _dims(binding.var) is not None:
+            self.tensors.append(binding.var)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if not any(_symbolic_shape(a) for a in call.args):
             return call
+        like = self._fill_like(call)
+        if like is not None:
+            # ones/zeros/full of a symbolic shape that a tensor before it has: the same fill
+            # "like" that tensor keeps its dims in autodiff's copy (a padding embedding's scale,
+            # `torch.ones(x.shape[0])`), where a fill of a shape parameter has none.
+            return like
         if _identity_broadcast(call):
             # attention's `expand` to the shape its input has: with the shape lifted, autodiff's
             # copy of it would have no static shape, nor would the matmul that reads it.
@@ -80,6 +89,22 @@ class _ShapeLifter(PyExprMutator):
                 arg = param
             args.append(arg)
         return relax.Call(call.op, args, call.attrs, call.ty_args)
+
+    def _fill_like(self, call: relax.Call) -> relax.Expr | None:
+        """`ones(shape)`, `zeros(shape)`, `full(shape, v)` as the same fill like a tensor bound
+        before it whose dims are `shape`'s; None if there is none."""
+        name = call.op.name if isinstance(call.op, tvm.ir.Op) else ""
+        if name not in ("relax.ones", "relax.zeros", "relax.full"):
+            return None
+        target = list(call.args[0].values)
+        like = next((t for t in reversed(self.tensors) if len(_dims(t)) == len(target)
+                     and all(tvm_ffi.structural_equal(a, b) for a, b in zip(_dims(t), target))), None)
+        if like is None:
+            return None
+        dtype = str(call.attrs.dtype)
+        if name == "relax.full":
+            return relax.op.full_like(like, call.args[1], dtype)
+        return (relax.op.ones_like if name == "relax.ones" else relax.op.zeros_like)(like, dtype)
 
     def _batch_of_ones(self, call: relax.Call) -> relax.Expr | None:
         """For `broadcast_to(x, [n, d...])` with x of shape [1, d...] and n the dim 0 of an
@@ -109,6 +134,14 @@ class _ShapeLifter(PyExprMutator):
         for axis in range(rank, len(target)):
             ones = self.builder_.emit(relax.op.expand_dims(ones, axis))
         return ones
+
+
+def _dims(var: relax.Expr) -> list | None:
+    """A tensor's dims, when its type has them."""
+    ty = var.ty if isinstance(var, relax.Expr) else None
+    if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr):
+        return list(ty.shape.values)
+    return None
 
 
 def _identity_broadcast(call: relax.Call) -> bool:
