@@ -353,9 +353,37 @@ def _forward(graph_cls: type, cases: list[Case]) -> dict[str, tuple[str, str]]:
     for c in cases:
         got, at = outputs[at:at + len(c.expected)], at + len(c.expected)
         results[c.id] = compare(got, c.expected, TOLERANCES)
-        if results[c.id][0] == "mismatch" and _picks_tied_values(c, got):
+        if results[c.id][0] == "mismatch" and (_picks_tied_values(c, got) or _closer_to_float64(c, got)):
             results[c.id] = ("ok", "")
     return results
+
+
+def _closer_to_float64(case: Case, got: list[torch.Tensor]) -> bool:
+    """For a 16-bit float sample: whether every output is at least as close to the op computed
+    in float64 (on the same inputs) as eager's, elementwise, within the dtype's tolerance.
+
+    torch computes some 16-bit ops in 16-bit steps (addbmm rounds after each batch's product,
+    grid_sample interpolates in bfloat16) where tvmgraph computes in float32 and rounds once
+    (tvmgraph/half_in_float32.py, relay_passes/accumulate_float32.py): a difference from eager
+    that is eager's rounding is not a wrong number."""
+    if case.dtype not in (torch.bfloat16, torch.float16) or len(got) != len(case.expected):
+        return False
+    wide = [x.double() if isinstance(x, torch.Tensor) and x.dtype == case.dtype else x for x in case.leaves]
+    try:
+        with torch.no_grad():
+            exact = case.call(_detached(wide))
+    except Exception:  # noqa: BLE001 - no float64 kernel: no verdict
+        return False
+    tol = TOLERANCES[case.dtype]
+    for g, e, x in zip(got, case.expected, exact):
+        if g.shape != e.shape or g.dtype != e.dtype or not g.is_floating_point() or x.shape != e.shape:
+            return False
+        g, e, x = g.double(), e.double(), x.double()
+        slack = tol["atol"] + tol["rtol"] * x.abs()
+        closer = ((g - x).abs() <= (e - x).abs() + slack) | (g.isnan() & e.isnan())
+        if not bool(closer.all()):
+            return False
+    return True
 
 
 # Ops whose index output torch leaves unspecified among equal values ("the indices of ties may
