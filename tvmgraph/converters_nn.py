@@ -226,12 +226,20 @@ def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
         scale = math.prod(kernel) / math.prod(np.ix_(*counts))
     unbatched = x.ty.ndim == rank + 1
     data = bb.emit(relax.op.expand_dims(x, axis=0)) if unbatched else x
+    dtype = x.ty.dtype.dtype
+    integer = dtype.startswith(("int", "uint"))
+    if integer:  # torch sums the integers and divides with truncation: sum exactly in float64
+        data = bb.emit(relax.op.astype(data, "float64"))
     pool = relax.op.nn.avg_pool2d if rank == 2 else relax.op.nn.avg_pool3d
     after = [p + e for p, e in zip(padding, extra)]
     total = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=padding + after,
                          ceil_mode=False, count_include_pad=True, layout="NCHW" if rank == 2 else "NCDHW"))
-    dtype = x.ty.dtype.dtype
-    out = bb.emit(relax.op.multiply(total, relax.const(scale.astype(dtype))))
+    if integer:
+        window_sum = relax.op.round(relax.op.multiply(total, relax.const(float(math.prod(kernel)), "float64")))
+        divisor_map = np.rint(math.prod(kernel) / scale).astype(dtype)
+        out = bb.emit(relax.op.divide(relax.op.astype(window_sum, dtype), relax.const(divisor_map, dtype)))
+    else:
+        out = bb.emit(relax.op.multiply(total, relax.const(scale.astype(dtype), dtype)))
     return bb.emit(relax.op.squeeze(out, axis=[0])) if unbatched else out
 
 
@@ -444,8 +452,8 @@ def upsample_bilinear2d_aa(node: torch.fx.Node, importer: ExportedProgramImporte
     dtype = x.ty.dtype.dtype
     wh = _aa_weights(in_h, int(size[0]), align_corners, scale_h)
     ww = _aa_weights(in_w, int(size[1]), align_corners, scale_w)
-    rows = bb.emit(relax.op.matmul(x, relax.const(ww.T.astype(dtype)), out_dtype=dtype))
-    return bb.emit(relax.op.matmul(relax.const(wh.astype(dtype)), rows, out_dtype=dtype))
+    rows = bb.emit(relax.op.matmul(x, relax.const(ww.T.astype(dtype), dtype), out_dtype=dtype))
+    return bb.emit(relax.op.matmul(relax.const(wh.astype(dtype), dtype), rows, out_dtype=dtype))
 
 
 def _linear_weights(in_size: int, out_size: int, align_corners: bool, scale_factor: float | None) -> np.ndarray:
@@ -603,7 +611,7 @@ def native_group_norm(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     n, channels, groups, eps = int(node.args[3]), int(node.args[4]), int(node.args[6]), float(node.args[7])
     dtype = x.ty.dtype.dtype
     # The stock converter passes a missing weight or bias on as a null argument (a crash later).
-    gamma, beta = (importer.env[a] if a is not None else relax.const(np.full(channels, fill, dtype=dtype))
+    gamma, beta = (importer.env[a] if a is not None else relax.const(np.full(channels, fill, dtype=dtype), dtype)
                    for a, fill in ((node.args[1], 1.0), (node.args[2], 0.0)))
     out = bb.emit(relax.op.nn.group_norm(x, gamma, beta, num_groups=groups, channel_axis=1,
                                          axes=list(range(2, x.ty.ndim)), epsilon=eps))

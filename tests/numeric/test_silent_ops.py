@@ -115,6 +115,14 @@ FORWARD = [
                  lambda: (x4(),), id="avg_pool2d-ceil-exclude_pad"),
     pytest.param(lambda x: F.avg_pool3d(x, 2, divisor_override=3), lambda: (torch.randn(1, 2, 5, 6, 7),),
                  id="avg_pool3d-divisor_override"),
+    # float64 failed to compile (a float32 constant map: relax.const makes float64 arrays
+    # float32); int64 too, and torch divides the integer sums with truncation
+    pytest.param(lambda x: F.avg_pool2d(x, 3, stride=2, ceil_mode=True, divisor_override=5),
+                 lambda: (x4().double(),), id="avg_pool2d-divisor_override-ceil-float64"),
+    pytest.param(lambda x: F.avg_pool2d(x, 3, stride=1, padding=1, ceil_mode=True, count_include_pad=False),
+                 lambda: ((x4() * 20).long(),), id="avg_pool2d-ceil-exclude_pad-int64"),
+    pytest.param(lambda x: F.avg_pool2d(x, 2, divisor_override=3), lambda: ((x4() * 20).long(),),
+                 id="avg_pool2d-divisor_override-int64"),
     pytest.param(lambda x, g: F.grid_sample(x, g, align_corners=False), lambda: (x4(), _grid()),
                  id="grid_sample-bilinear-zeros"),
     pytest.param(lambda x, g: F.grid_sample(x, g, padding_mode="border", align_corners=True),
@@ -332,6 +340,9 @@ GRADIENTS = [
     pytest.param(lambda x: torch.ops.aten._safe_softmax(x, -1), lambda: torch.randn(3, 4), id="_safe_softmax"),
     pytest.param(lambda x: F.interpolate(x, size=(4, 5), mode="bilinear", antialias=True), x4,
                  id="upsample_bilinear2d_aa"),
+    # its weight matrices were float32 constants: the float64 gradient failed to compile
+    pytest.param(lambda x: F.interpolate(x, size=(4, 5), mode="bilinear", antialias=True), lambda: x4().double(),
+                 id="upsample_bilinear2d_aa-float64"),
     pytest.param(lambda x: F.interpolate(x, size=(5, 5), mode="nearest"), lambda: torch.randn(1, 2, 8, 8),
                  id="upsample_nearest2d-size"),
     pytest.param(lambda x: F.interpolate(x, size=(11, 13), mode="nearest"), x4, id="upsample_nearest2d-size-up"),
