@@ -185,6 +185,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.straighten import StraightenBindings
 
     from .schedules.bitwise_isnan import BitwiseIsNaN
+    from .schedules.bool_order import BoolOrder
     from .schedules.division_free_bounds import DivisionFreeBounds
     from .schedules.propagate_nan import PropagateNaN
     from .schedules.serial_half_fills import SerialHalfFills
@@ -237,6 +238,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    CPU rules on LLVM.
         ApplyTuningLog(tuning, report),
         *default_schedules(target, config),
+        #    Max, min and comparisons of booleans as logic (LLVM's code generator compares
+        #    bools as floats).
+        BoolOrder(),
         #    A float max/min with a NaN operand is NaN, as in torch (TVM's drops it on CPU).
         *([PropagateNaN()] if target.kind.name == "llvm" else []),
         #    isnan (and isinf, isfinite) as a test of the bits, which vectorizes.
