@@ -187,6 +187,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from .schedules.bitwise_isnan import BitwiseIsNaN
     from .schedules.bool_order import BoolOrder
     from .schedules.division_free_bounds import DivisionFreeBounds
+    from .schedules.offset_floordiv import OffsetFloorDiv
     from .schedules.propagate_nan import PropagateNaN
     from .schedules.serial_half_fills import SerialHalfFills
 
@@ -241,6 +242,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    Max, min and comparisons of booleans as logic (LLVM's code generator compares
         #    bools as floats).
         BoolOrder(),
+        #    `(x + k) // d` without its offset inside the division: TVM's FlattenBuffer
+        #    simplifies `(x % c + k) // d` wrongly (a strided slice's gradient came out shifted).
+        OffsetFloorDiv(),
         #    A float max/min with a NaN operand is NaN, as in torch (TVM's drops it on CPU).
         *([PropagateNaN()] if target.kind.name == "llvm" else []),
         #    isnan (and isinf, isfinite) as a test of the bits, which vectorizes.
