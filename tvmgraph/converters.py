@@ -28,6 +28,10 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   the inputs, as in torch; `convolution` covers every rank (the stock one had no 3-D transposed
   convolution).
 - `_batch_norm_with_update_functional`: no stock converter; the train-mode batch norm above.
+- `arange` with constant bounds: TVM computes it in the result dtype, torch truncates the
+  bounds of an integer arange (and counts an int64 one in integers) and computes a float one in
+  double (float for 16 bits): `arange(3.1, dtype=int64)` had 4 elements, `arange(2.1, -2.9, -1,
+  dtype=bfloat16)` a 0.109 where eager has 0.1001. Here it is eager's tensor, as a constant.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 - reductions, scans, scatters, strided views, distances: see converters_reduce.py.
 - elementwise math functions (special functions, hypot, fmax, copysign, cosh, ...): see
@@ -256,6 +260,20 @@ def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     if len(ids.ty.shape) == 1:
         return rows
     return bb.emit(relax.op.reshape(rows, [*ids.ty.shape, weight.ty.shape[-1]]))
+
+
+def arange(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """torch.arange with constant bounds as the constant eager makes (see the module docstring);
+    bounds from shapes (a dynamic batch) go to the stock converter."""
+    bounds = list(node.args)
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds):
+        return stock_converter(importer, node.target.__name__)(node)
+    dtype = node.meta["val"].dtype
+    value = torch.arange(*bounds, dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    if dtype in (torch.bfloat16, torch.float16):  # NumPy has no bfloat16: exact in float32
+        return importer.block_builder.emit(relax.op.astype(relax.const(value.float().numpy(), "float32"), name))
+    return relax.const(value.numpy(), name)
 
 
 def index_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -505,6 +523,9 @@ CONVERTERS: dict[str, Converter] = {
     "embedding.default": embedding,
     "index_select.default": index_select,
     "take.default": take,
+    "arange.default": arange,
+    "arange.start": arange,
+    "arange.start_step": arange,
     "index.Tensor": index_tensor,
     "gather.default": clamped_index("_gather"),
     "scatter.src": clamped_index("_scatter"),
