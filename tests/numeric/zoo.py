@@ -62,6 +62,52 @@ class Seq2Seq(nn.Module):
         return self.head(self.transformer(src, tgt, tgt_mask=mask, src_key_padding_mask=tokens == 0))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def _rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on interleaved pairs (x[..., ::2], x[..., 1::2])."""
+    t, d = x.shape[-2], x.shape[-1]
+    angle = torch.arange(t).float()[:, None] / (10000 ** (torch.arange(0, d, 2).float() / d))[None]
+    cos, sin = angle.cos(), angle.sin()
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
+
+
+class Llama(nn.Module):
+    """A LLaMA-style decoder block: RMSNorm, rotary embeddings, causal scaled-dot-product
+    attention, a SwiGLU MLP, no biases. Its strided slices' gradient once read a row early
+    (tvmgraph/schedules/offset_floordiv.py)."""
+
+    def __init__(self, vocab: int = 40, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, width)
+        self.norm1, self.norm2, self.norm_out = RMSNorm(width), RMSNorm(width), RMSNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width, bias=False)
+        self.gate, self.up = nn.Linear(width, 64, bias=False), nn.Linear(width, 64, bias=False)
+        self.down = nn.Linear(64, width, bias=False)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, t = tokens.shape
+        h = self.embed(tokens)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
+                   for z in self.qkv(self.norm1(h)).split(h.shape[-1], -1))
+        a = F.scaled_dot_product_attention(_rotary(q), _rotary(k), v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+        x = self.norm2(h)
+        h = h + self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.head(self.norm_out(h))
+
+
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
 
@@ -79,4 +125,5 @@ ZOO = {
     # SGD: nn.MultiheadAttention has a key bias (see CausalSelfAttention), which Adam would amplify.
     "vit": ZooEntry(ViT, _images(2, 16, 5), F.cross_entropy, _sgd),
     "seq2seq": ZooEntry(Seq2Seq, _tokens(2, 6, 12), _lm_loss, _sgd),
+    "llama": ZooEntry(Llama, _tokens(2, 8, 40), _lm_loss, _adamw),
 }
