@@ -182,6 +182,39 @@ def describe(node: torch.fx.Node) -> str:
     return f"aten.{op_key(node)} from {module_path(node)}" + (f" at {where}" if where else "")
 
 
+# In-place ops on a detached view of a parameter that torch.export keeps but functionalization
+# then drops: the graph would run without them, silently. {op: (what, fix)}
+_DROPPED_MUTATIONS = {
+    "embedding_renorm_.default": (
+        "nn.Embedding(max_norm=...) renormalizes the rows it reads in its weight, in place, on "
+        "every forward call; tvmgraph does not run that mutation (the rows would keep their norm)",
+        "drop max_norm, or renormalize the weight outside the graph before each call "
+        "(with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, max_norm, 2.0))"),
+}
+
+
+def check_no_dropped_mutations(exported: torch.export.ExportedProgram, graph_name: str) -> None:
+    """Raise UnsupportedOpError for an in-place op that decomposition would drop (before it)."""
+    for node in exported.graph.nodes:
+        if node.op == "call_function" and op_key(node) in _DROPPED_MUTATIONS:
+            what, fix = _DROPPED_MUTATIONS[op_key(node)]
+            raise UnsupportedOpError(f"{graph_name}: {describe(node)}: {what}. Fix: {fix}.")
+
+
+def check_no_parameter_mutations(exported: torch.export.ExportedProgram, graph_name: str) -> None:
+    """Raise UnsupportedOpError when build() writes a parameter in place (weight clipping,
+    `p.clamp_()` under no_grad): a graph updates parameters only in its optimizer step."""
+    kind = torch.export.graph_signature.OutputKind.PARAMETER_MUTATION
+    mutated = [spec.target for spec in exported.graph_signature.output_specs if spec.kind == kind]
+    if mutated:
+        raise UnsupportedOpError(
+            f"{graph_name}: build() changes parameter(s) {', '.join(mutated)} in place (an in-place op "
+            f"on a parameter, e.g. weight clipping under torch.no_grad()); a graph changes parameters "
+            f"only through its optimizer. Fix: do it outside the graph, after the call (with "
+            f"torch.no_grad(): p.clamp_(...)), or compute a clipped copy in build() "
+            f"(w = p.clamp(...)) and use that.")
+
+
 def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> None:
     """Raise UnsupportedOpError listing every op the importer cannot lower, each with its module
     and source line."""

@@ -75,7 +75,9 @@ class TracedGraph:
               report: Callable[[str], None] | None = None) -> LoweredGraph:
         """Decompose to core ATen, check every op, import into Relax; with a `plan`, append
         autodiff and the optimizer update. Passes say what they did through `report`."""
+        lowering.check_no_dropped_mutations(self.result.exported, self.graph_name)
         exported = lowering.decompose(self.result.exported)
+        lowering.check_no_parameter_mutations(exported, self.graph_name)
         lowering.check_supported(exported, self.graph_name)
         lowering.check_dtypes(exported, self.graph_name)
         with to_debug_log("import"):  # a failed import's BlockBuilder complains on stderr

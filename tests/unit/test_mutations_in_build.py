@@ -1,0 +1,66 @@
+"""In-place writes inside build(): buffers are written back like eager's; a write to a parameter,
+and nn.Embedding's max_norm renormalization (which torch.export keeps and decomposition then
+dropped, silently), are an UnsupportedOpError naming the module and the fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.conftest import ModuleGraph
+from tvmgraph.errors import UnsupportedOpError
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("average", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.lin(x)
+        h.masked_fill_(h > 1.0, 1.0)
+        self.calls += 1
+        self.average.mul_(0.9).add_(0.1 * h.mean(0))
+        return h
+
+
+def test_buffers_written_in_place_match_eager() -> None:
+    model = Counter()
+    reference = copy.deepcopy(model)
+    graph = ModuleGraph(model)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(graph(x), reference(x))
+    assert model.calls.item() == reference.calls.item() == 3
+    torch.testing.assert_close(model.average, reference.average)
+
+
+def test_embedding_max_norm_is_refused_not_dropped() -> None:
+    """Eager renormalizes the rows it reads, in the weight; the graph ran without it: outputs
+    and the weight 1.9 away from eager's after one step."""
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0))
+    with pytest.raises(UnsupportedOpError, match=r"embedding_renorm_.*'model\.0' \(Embedding\).*max_norm"):
+        ModuleGraph(model)(torch.randint(0, 10, (3, 5)))
+
+
+class Clipped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)  # WGAN-style weight clipping
+        return F.relu(self.lin(x))
+
+
+def test_a_parameter_written_in_build_is_refused() -> None:
+    """It was a CompileError calling itself a tvmgraph bug (torch.export's PARAMETER_MUTATION)."""
+    with pytest.raises(UnsupportedOpError, match=r"parameter\(s\) model\.lin\.weight in place.*Fix: do it outside"):
+        ModuleGraph(Clipped())(torch.randn(2, 4))
