@@ -208,11 +208,15 @@ def test_group_norm_model_trains_under_amp_like_eager() -> None:
 def _zoo_case(name: str):
     from examples.zoo import GPT, RNNClassifier, UNet, ViT
 
+    def tokens_loss(logits, t):
+        return F.cross_entropy(logits.flatten(0, 1), t.flatten())
+
     if name == "gpt":
-        def tokens_loss(logits, t):
-            return F.cross_entropy(logits.flatten(0, 1), t.flatten())
         return (GPT(vocab=50, d=16, heads=2, layers=1, block=8), torch.randint(0, 50, (2, 8)),
                 torch.randint(0, 50, (2, 8)), tokens_loss)
+    if name == "llama":
+        from tests.numeric.zoo import Llama
+        return Llama(), torch.randint(0, 40, (2, 8)), torch.randint(0, 40, (2, 8)), tokens_loss
     make, x, y = {
         "gru": (lambda: RNNClassifier("gru"), torch.randint(0, 20, (4, 7)), torch.randint(0, 3, (4,))),
         "lstm": (lambda: RNNClassifier("lstm"), torch.randint(0, 20, (4, 7)), torch.randint(0, 3, (4,))),
@@ -223,9 +227,10 @@ def _zoo_case(name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gru", "lstm", "unet", "vit", "gpt"])
+@pytest.mark.parametrize("name", ["gru", "lstm", "unet", "vit", "gpt", "llama"])
 def test_models_no_one_here_wrote_train_under_amp_like_eager(name: str) -> None:
-    """Recurrent cells, a U-Net, a ViT and a GPT with tied embeddings, traced below autocast:
+    """Recurrent cells, a U-Net, a ViT, a GPT with tied embeddings and a LLaMA-style decoder
+    (RMSNorm, rotary embeddings, causal SDPA), traced below autocast:
     three SGD steps, losses against eager autocast (observed within 8e-3)."""
     torch.manual_seed(0)
     model, x, y, loss_fn = _zoo_case(name)
