@@ -186,8 +186,10 @@ def _machine_of(target: tvm.target.Target) -> str:
 
 def _tree(tree: TreeDef) -> dict[str, Any]:
     doc: dict[str, Any] = {"kind": tree.kind}
-    if tree.kind in ("list", "tuple"):
+    if tree.kind in ("list", "tuple", "dict"):
         doc["children"] = [_tree(c) for c in tree.children]
+    if tree.kind == "dict":
+        doc["keys"] = list(tree.keys)
     return doc
 
 

@@ -120,15 +120,18 @@ def _device(target: Mapping[str, Any], device: Any):
 
 
 class TreeSpec:
-    """An argument or output structure from the manifest: tensor, none, list or tuple."""
+    """An argument or output structure from the manifest: tensor, none, list, tuple or dict."""
 
-    __slots__ = ("kind", "children")
+    __slots__ = ("kind", "children", "keys")
 
     def __init__(self, doc: Any):
         self.kind = doc["kind"]
-        if self.kind not in ("tensor", "none", "list", "tuple"):
+        if self.kind not in ("tensor", "none", "list", "tuple", "dict"):
             raise ValueError(f"unknown tree kind {self.kind!r}")
         self.children = [TreeSpec(c) for c in doc.get("children", [])]
+        self.keys = list(doc.get("keys", []))
+        if self.kind == "dict" and len(self.keys) != len(self.children):
+            raise ValueError("a dict tree needs one key per child")
 
     def flatten(self, value: Any, where: str, out: list) -> None:
         if self.kind == "tensor":
@@ -136,6 +139,12 @@ class TreeSpec:
         elif self.kind == "none":
             if value is not None:
                 raise SavedGraphInputError(f"{where} must be None, got {type(value).__name__}")
+        elif self.kind == "dict":
+            if not isinstance(value, dict) or list(value) != self.keys:
+                raise SavedGraphInputError(f"{where} must be a dict with keys {self.keys}, got "
+                                           f"{type(value).__name__}{f' with keys {list(value)}' if isinstance(value, dict) else ''}")
+            for key, child in zip(self.keys, self.children):
+                child.flatten(value[key], f"{where}[{key!r}]", out)
         else:
             if not isinstance(value, (list, tuple)) or len(value) != len(self.children):
                 raise SavedGraphInputError(f"{where} must be a {self.kind} of {len(self.children)} items, got "
@@ -149,6 +158,8 @@ class TreeSpec:
         if self.kind == "none":
             return None
         items = [c.unflatten(leaves) for c in self.children]
+        if self.kind == "dict":
+            return dict(zip(self.keys, items))
         return items if self.kind == "list" else tuple(items)
 
 

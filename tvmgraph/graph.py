@@ -341,7 +341,8 @@ class Graph:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the graph: compile on the first call of each signature, then execute."""
         st = self._state("calling the graph")
-        self._check_callable(st, args, kwargs)
+        args = self._bind_keywords(st, args, kwargs)
+        self._check_callable(st, args, {})
         flat, args_tree = self._flatten_args(st, args)
         entry = self._entry_for(st, args_tree, flat)
         st.last = entry
@@ -461,6 +462,33 @@ class Graph:
                 f"call the graph with exactly the arguments of build()."
             )
 
+    def _bind_keywords(self, st: _GraphState, args: tuple, kwargs: dict) -> tuple:
+        """`args` with the keyword arguments put in their places among build()'s parameters (a
+        parameter skipped before one given by keyword takes its default)."""
+        if not kwargs:
+            return args
+        params = self._build_params(st)
+        by_keyword = [p for p in params if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD)]
+        if by_keyword:
+            names = ", ".join(f"{k}=" for k in kwargs)
+            raise GraphArgumentError(
+                f"{st.name}: keyword argument(s) {names} given, and build() has keyword-only parameters "
+                f"({', '.join(p.name for p in by_keyword)}); a graph passes its arguments to build() by "
+                f"position. Make them ordinary parameters of build().")
+        try:
+            bound = inspect.signature(self.build).bind(*args, **kwargs)
+        except TypeError as e:
+            raise GraphArgumentError(
+                f"{st.name}: {e} (build({', '.join(p.name for p in params)}))") from None
+        given = [i for i, p in enumerate(params) if p.name in bound.arguments]
+        positional = []
+        for p in params[:max(given) + 1]:
+            if p.kind is p.VAR_POSITIONAL:
+                positional.extend(bound.arguments.get(p.name, ()))
+            else:
+                positional.append(bound.arguments[p.name] if p.name in bound.arguments else p.default)
+        return tuple(positional)
+
     def _build_params(self, st: _GraphState) -> list[inspect.Parameter]:
         if st.build_params is None:
             st.build_params = list(inspect.signature(self.build).parameters.values())
@@ -488,7 +516,8 @@ class Graph:
             inner = e.path[len(f"[{index}]"):]
             raise GraphArgumentError(
                 f"{st.name}: argument '{name}'{inner} is {type(e.value).__name__}; build() arguments must "
-                f"be a torch.Tensor, a list or tuple of Tensors, or None. Pass torch.as_tensor(value), "
+                f"be a torch.Tensor, a list, tuple or dict (string keys) of Tensors, or None. Pass "
+                f"torch.as_tensor(value), "
                 f"or keep Python values as graph attributes set in __init__."
             ) from None
         devices = {t.device for t in flat}

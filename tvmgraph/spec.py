@@ -49,11 +49,13 @@ class TensorSpec:
 class TreeDef:
     """The structure of an argument tree with its tensor leaves taken out.
 
-    `kind` is "tensor", "none", "list" or "tuple"; `children` hold the sub-structures.
+    `kind` is "tensor", "none", "list", "tuple" or "dict"; `children` hold the sub-structures,
+    and a dict's `keys` its keys in order (a model's `{"logits": ..., "loss": ...}`).
     """
 
     kind: str
     children: tuple[TreeDef, ...] = ()
+    keys: tuple[str, ...] = ()
 
     @property
     def num_leaves(self) -> int:
@@ -75,6 +77,8 @@ class TreeDef:
         if self.kind == "none":
             return None
         items = [c._build(it) for c in self.children]
+        if self.kind == "dict":
+            return dict(zip(self.keys, items))
         return items if self.kind == "list" else tuple(items)
 
     def leaf_paths(self, prefix: str) -> list[str]:
@@ -83,12 +87,14 @@ class TreeDef:
             return [prefix]
         out: list[str] = []
         for i, c in enumerate(self.children):
-            out.extend(c.leaf_paths(f"{prefix}.{i}"))
+            out.extend(c.leaf_paths(f"{prefix}.{self.keys[i] if self.kind == 'dict' else i}"))
         return out
 
     def __repr__(self) -> str:
         if self.kind in ("tensor", "none"):
             return "T" if self.kind == "tensor" else "None"
+        if self.kind == "dict":
+            return "{" + ", ".join(f"{k!r}: {c!r}" for k, c in zip(self.keys, self.children)) + "}"
         inner = ", ".join(map(repr, self.children))
         return f"[{inner}]" if self.kind == "list" else f"({inner}{',' if len(self.children) == 1 else ''})"
 
@@ -97,7 +103,8 @@ _END = object()
 
 
 class NotATreeError(TypeError):
-    """A value in an argument tree is not a Tensor, list, tuple or None; `path` says where."""
+    """A value in an argument tree is not a Tensor, list, tuple, dict with string keys or None;
+    `path` says where."""
 
     def __init__(self, path: str, value: Any):
         super().__init__(path)
@@ -119,6 +126,13 @@ def flatten(tree: Any, path: str = "") -> tuple[list[torch.Tensor], TreeDef]:
             leaves.extend(sub_leaves)
             children.append(sub_def)
         return leaves, TreeDef("list" if isinstance(tree, list) else "tuple", tuple(children))
+    if isinstance(tree, dict) and all(isinstance(k, str) for k in tree):
+        leaves, children = [], []
+        for key, item in tree.items():
+            sub_leaves, sub_def = flatten(item, f"{path}[{key!r}]")
+            leaves.extend(sub_leaves)
+            children.append(sub_def)
+        return leaves, TreeDef("dict", tuple(children), tuple(tree))
     raise NotATreeError(path, tree)
 
 

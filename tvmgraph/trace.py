@@ -108,7 +108,7 @@ class _BuildRoot(torch.nn.Module):
         except NotATreeError as e:
             raise GraphOutputError(
                 f"{record.graph_name}: build() returned {type(e.value).__name__} at {e.path or 'output'}; "
-                f"build() may return only Tensors, lists or tuples of Tensors, and None. "
+                f"build() may return only Tensors, lists, tuples and dicts (string keys) of Tensors, and None. "
                 f"Convert the value to a tensor (torch.as_tensor) or return it outside the graph."
             ) from None
         if not leaves and record.backward is None:

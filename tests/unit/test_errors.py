@@ -63,10 +63,15 @@ def test_wrong_number_of_arguments(args: tuple) -> None:
         graph(*args)
 
 
-def test_keyword_arguments_are_refused() -> None:
+def test_keyword_arguments_take_their_places_and_unknown_ones_are_refused() -> None:
     graph = TwoInputs()
-    with pytest.raises(errors.GraphArgumentError, match=r"keyword argument\(s\) y= given; build\(\) takes positional arguments only"):
-        graph(torch.ones(1, 3), y=torch.ones(1, 3))
+    x, y = torch.ones(1, 3), torch.full((1, 3), 2.0)
+    torch.testing.assert_close(graph(x, y=y), graph(x, y))
+    torch.testing.assert_close(graph(y=y, x=x), graph(x, y))
+    with pytest.raises(errors.GraphArgumentError, match=r"unexpected keyword argument 'z' \(build\(x, y\)\)"):
+        graph(x, y, z=y)
+    with pytest.raises(errors.GraphArgumentError, match=r"multiple values for argument 'x'"):
+        graph(x, x=y)
 
 
 def test_non_tensor_argument_is_named() -> None:

@@ -28,7 +28,20 @@ def test_leaf_paths_name_nested_leaves() -> None:
 def test_flatten_reports_where_a_bad_value_is() -> None:
     with pytest.raises(NotATreeError) as info:
         flatten((torch.ones(1), [torch.ones(1), {"a": 1}]))
-    assert info.value.path == "[1][1]" and info.value.value == {"a": 1}
+    assert info.value.path == "[1][1]['a']" and info.value.value == 1
+    with pytest.raises(NotATreeError) as info:
+        flatten([{0: torch.ones(1)}])  # a dict's keys must be strings
+    assert info.value.path == "[0]"
+
+
+def test_dicts_round_trip_in_key_order() -> None:
+    a, b = torch.ones(1), torch.zeros(2)
+    leaves, treedef = flatten({"logits": a, "aux": (None, {"b": b})})
+    assert leaves == [a, b] and treedef.leaf_paths("out") == ["out.logits", "out.aux.1.b"]
+    rebuilt = treedef.unflatten(leaves)
+    assert list(rebuilt) == ["logits", "aux"] and rebuilt["aux"][1]["b"] is b
+    assert repr(treedef) == "{'logits': T, 'aux': (None, {'b': T})}"
+    assert flatten({"b": a, "a": a})[1] != flatten({"a": a, "b": a})[1]  # order is part of the structure
 
 
 def test_unflatten_rejects_extra_leaves() -> None:
