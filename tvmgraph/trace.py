@@ -101,7 +101,8 @@ class _BuildRoot(torch.nn.Module):
         args = self._args_tree.unflatten(flat_inputs)
         amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
         stops = stop_gradient.StopWhereGradIsOff() if record.autocast else contextlib.nullcontext()
-        with _capture_backward(record), _causal_hints_from_arguments(), amp, stops:  # export records autocast's casts
+        with _capture_backward(record), _refuse_gradient_clipping(record), _causal_hints_from_arguments(), \
+                amp, stops:  # export records autocast's casts
             out = self._build_fn(*args)
         try:
             leaves, record.out_tree = flatten(out, "output")
@@ -137,6 +138,34 @@ def _causal_hints_from_arguments() -> Iterator[None]:
         yield
     finally:
         transformer._detect_is_causal_mask = original
+
+
+@contextlib.contextmanager
+def _refuse_gradient_clipping(record: _Record) -> Iterator[None]:
+    """`torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` in build(): no gradient exists while
+    build() is traced, and torch's functions skip parameters without one, so the clipping
+    silently did not happen (a step 5.4 away from eager's). Refused, pointing at the graph's own
+    clipping. Patched at the helpers they call, so that `from torch.nn.utils import
+    clip_grad_norm_` is caught too."""
+    from torch.nn.utils import clip_grad
+
+    def refuse(*args, **kwargs):
+        raise BackwardError(
+            f"{record.graph_name}: torch.nn.utils.clip_grad_norm_ (or clip_grad_value_) was called in "
+            f"build(); gradients do not exist while build() is traced, so it would clip nothing. Clip "
+            f"in the graph's optimizer step instead: put 'clip_grad_max_norm': max_norm (and "
+            f"'clip_grad_norm_type') in the optimizer's param group (docs/training.md, \"Gradient "
+            f"clipping\"), or clip outside the graph.")
+
+    names = ("_get_total_norm", "_group_tensors_by_device_and_dtype")
+    saved = {name: getattr(clip_grad, name) for name in names}
+    for name in names:
+        setattr(clip_grad, name, refuse)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(clip_grad, name, value)
 
 
 @contextlib.contextmanager

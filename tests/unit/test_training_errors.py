@@ -105,6 +105,37 @@ def test_bad_clip_settings() -> None:
         graph(torch.ones(4, 3))
 
 
+class ClipInBuild(tvmgraph.nn.Graph):
+    def __init__(self, clip):
+        super().__init__()
+        self.model = nn.Linear(3, 2)
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=1.0))
+        self.clip = clip
+
+    def build(self, x):
+        loss = self.model(x).pow(2).mean()
+        loss.backward()
+        self.clip(self.model.parameters())
+        return loss
+
+
+@pytest.mark.parametrize("clip", [
+    lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.01),
+    lambda ps: __import__("torch.nn.utils.clip_grad", fromlist=["x"]).clip_grad_norm_(ps, 0.01, 1.0),
+    lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.01),
+], ids=["clip_grad_norm_", "imported-from-the-module", "clip_grad_value_"])
+def test_gradient_clipping_in_build_is_refused_not_skipped(clip) -> None:
+    """No gradient exists while build() is traced, and torch's clipping skips parameters
+    without one: the step was eager's unclipped one (5.4 away). The error names the graph's own
+    clipping; the functions work again after the trace."""
+    graph = ClipInBuild(clip)
+    with pytest.raises(errors.BackwardError, match=r"clip_grad_norm_ .* 'clip_grad_max_norm'"):
+        graph(torch.randn(4, 3))
+    model = nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01) > 0.01
+
+
 def test_set_grad_scaler_takes_a_grad_scaler_or_none() -> None:
     graph = Train()
     graph.set_grad_scaler(None)  # loss scaling off
