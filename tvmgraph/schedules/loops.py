@@ -14,6 +14,7 @@ from tvm.ir.expr import TensorLoad
 from tvm.s_tir.dlight.analysis import collect_vars_used_in_prim_expr, get_root_block
 from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.sym import Analyzer
+from tvm_ffi.structural import structural_mutate
 
 # Below this many elements a parallel region costs more than it saves: waking the TVM thread
 # pool takes 6-10 us on the 2-core Zen 5 test machine, while one core adds 256K floats to
@@ -335,6 +336,18 @@ def simplify_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 _SIMPLIFY = s_tir.transform.StmtSimplify()
+
+
+def contains(node: object, kind: type) -> bool:
+    """Whether the TIR expression or statement `node` holds a node of type `kind` (a load, a `%`)."""
+    found = []
+
+    def visit(sub, mutator):
+        found.append(sub)
+        return sub
+
+    structural_mutate(node, [(kind, visit)])
+    return bool(found)
 
 
 def vars_in(expr: tirx.PrimExpr) -> set[tirx.Var]:

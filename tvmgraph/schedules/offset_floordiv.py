@@ -27,7 +27,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm_ffi.structural import StructuralMutator, structural_mutate
 
-from .loops import rewrite_prim_funcs, vars_in
+from .loops import contains, rewrite_prim_funcs, vars_in
 
 
 def _offset(expr: tirx.PrimExpr) -> tuple[tirx.PrimExpr, int] | None:
@@ -39,17 +39,6 @@ def _offset(expr: tirx.PrimExpr) -> tuple[tirx.PrimExpr, int] | None:
     if isinstance(expr, tirx.Sub) and isinstance(expr.b, tirx.IntImm):
         return expr.a, -int(expr.b.value)
     return None
-
-
-def _has_floormod(expr: tirx.PrimExpr) -> bool:
-    found = []
-
-    def floormod(node, mutator: StructuralMutator):
-        found.append(node)
-        return node
-
-    structural_mutate(expr, [(tirx.FloorMod, floormod)])
-    return bool(found)
 
 
 def _carry_form(node: tirx.FloorDiv) -> tirx.PrimExpr | None:
@@ -74,7 +63,7 @@ def offset_floordiv(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
     def realize(node: s_tir.SBlockRealize, mutator: StructuralMutator):
         block = node.block
-        risky = {iv.var for iv, value in zip(block.iter_vars, node.iter_values) if _has_floormod(value)}
+        risky = {iv.var for iv, value in zip(block.iter_vars, node.iter_values) if contains(value, tirx.FloorMod)}
         bound_to_floormod.append(risky | bound_to_floormod[-1])
         try:
             return mutator.default_mutate(node)
@@ -85,7 +74,7 @@ def offset_floordiv(func: tirx.PrimFunc) -> tirx.PrimFunc:
         node = mutator.default_mutate(node)
         if not isinstance(node, tirx.FloorDiv):
             return node
-        if not (_has_floormod(node.a) or vars_in(node.a) & bound_to_floormod[-1]):
+        if not (contains(node.a, tirx.FloorMod) or vars_in(node.a) & bound_to_floormod[-1]):
             return node
         rewritten = _carry_form(node)
         return node if rewritten is None else rewritten

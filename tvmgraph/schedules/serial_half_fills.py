@@ -17,27 +17,16 @@ import tvm
 from tvm import ir, tirx
 from tvm_ffi.structural import StructuralMutator, structural_mutate
 
-from .loops import rewrite_prim_funcs
+from .loops import contains, rewrite_prim_funcs
 
 _FAILING = ("bfloat16",)  # dtypes whose vector constants TVM legalizes wrongly
-
-
-def _reads_a_buffer(expr: tvm.ir.expr.Expr) -> bool:
-    found = []
-
-    def load(node, mutator: StructuralMutator):
-        found.append(node)
-        return node
-
-    structural_mutate(expr, [(ir.TensorLoad, load)])
-    return bool(found)
 
 
 def _stores_a_half_constant(stmt: tirx.Stmt) -> bool:
     found = []
 
     def store(node: tirx.BufferStore, mutator: StructuralMutator):
-        if str(node.buffer.dtype) in _FAILING and not _reads_a_buffer(node.value):
+        if str(node.buffer.dtype) in _FAILING and not contains(node.value, ir.TensorLoad):
             found.append(node)
         return node
 
