@@ -28,10 +28,12 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   the inputs, as in torch; `convolution` covers every rank (the stock one had no 3-D transposed
   convolution).
 - `_batch_norm_with_update_functional`: no stock converter; the train-mode batch norm above.
-- `arange` with constant bounds: TVM computes it in the result dtype, torch truncates the
-  bounds of an integer arange (and counts an int64 one in integers) and computes a float one in
-  double (float for 16 bits): `arange(3.1, dtype=int64)` had 4 elements, `arange(2.1, -2.9, -1,
-  dtype=bfloat16)` a 0.109 where eager has 0.1001. Here it is eager's tensor, as a constant.
+- `arange`, `linspace`, `logspace` with constant bounds: TVM (and torch's decompositions)
+  compute them in the result dtype, torch truncates the bounds of an integer arange (and counts
+  an int64 one in integers) and computes a float one in double (float for 16 bits), linspace
+  from both ends: `arange(3.1, dtype=int64)` had 4 elements, `arange(2.1, -2.9, -1,
+  dtype=bfloat16)` a 0.109 where eager has 0.1001, a bfloat16 `logspace(0, 1.2, 2)` 15.875 for
+  15.9375. Here it is eager's tensor, as a constant.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 - reductions, scans, scatters, strided views, distances: see converters_reduce.py.
 - elementwise math functions (special functions, hypot, fmax, copysign, cosh, ...): see
@@ -262,18 +264,27 @@ def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     return bb.emit(relax.op.reshape(rows, [*ids.ty.shape, weight.ty.shape[-1]]))
 
 
-def arange(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """torch.arange with constant bounds as the constant eager makes (see the module docstring);
-    bounds from shapes (a dynamic batch) go to the stock converter."""
-    bounds = list(node.args)
-    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds):
-        return stock_converter(importer, node.target.__name__)(node)
-    dtype = node.meta["val"].dtype
-    value = torch.arange(*bounds, dtype=dtype)
-    name = str(dtype).removeprefix("torch.")
-    if dtype in (torch.bfloat16, torch.float16):  # NumPy has no bfloat16: exact in float32
-        return importer.block_builder.emit(relax.op.astype(relax.const(value.float().numpy(), "float32"), name))
-    return relax.const(value.numpy(), name)
+def constant_factory(make: Callable[..., torch.Tensor]) -> Converter:
+    """A converter for `arange`/`linspace`/`logspace`: with constant arguments, the tensor eager
+    makes, as a constant (see the module docstring); arguments from shapes (a dynamic batch) go
+    to the stock converter, where there is one."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        args = list(node.args)
+        if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
+            key = node.target.__name__
+            if key not in importer.create_convert_map():
+                raise NotImplementedError(f"{key} with arguments computed in the graph (a shape): "
+                                          f"give it constant bounds")
+            return stock_converter(importer, key)(node)
+        dtype = node.meta["val"].dtype
+        value = make(*args, dtype=dtype)
+        name = str(dtype).removeprefix("torch.")
+        if dtype in (torch.bfloat16, torch.float16):  # NumPy has no bfloat16: exact in float32
+            return importer.block_builder.emit(relax.op.astype(relax.const(value.float().numpy(), "float32"), name))
+        return relax.const(value.numpy(), name)
+
+    return convert
 
 
 def index_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -523,9 +534,11 @@ CONVERTERS: dict[str, Converter] = {
     "embedding.default": embedding,
     "index_select.default": index_select,
     "take.default": take,
-    "arange.default": arange,
-    "arange.start": arange,
-    "arange.start_step": arange,
+    "arange.default": constant_factory(torch.arange),
+    "arange.start": constant_factory(torch.arange),
+    "arange.start_step": constant_factory(torch.arange),
+    "linspace.default": constant_factory(torch.linspace),
+    "logspace.default": constant_factory(torch.logspace),
     "index.Tensor": index_tensor,
     "gather.default": clamped_index("_gather"),
     "scatter.src": clamped_index("_scatter"),

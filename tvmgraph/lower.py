@@ -110,6 +110,10 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         # Kept whole: its decomposition guards on the index's value when the index is 0-d
         # (torch.export refused `torch.take(x, torch.tensor(3))`); converters.py lowers it.
         table.pop(torch.ops.aten.take.default, None)
+        # Kept whole: their decompositions compute in the result dtype (a bfloat16 linspace a
+        # step off eager's); converters.py makes eager's tensor of constant bounds.
+        table.pop(torch.ops.aten.linspace.default, None)
+        table.pop(torch.ops.aten.logspace.default, None)
         table.update(decompositions.FIXED)  # torch's own give other numbers than eager
         devices = [n.meta["val"].device for n in exported.graph.nodes
                    if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]

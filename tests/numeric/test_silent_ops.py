@@ -477,15 +477,17 @@ def test_a_nan_input_makes_the_training_loss_nan_as_in_eager() -> None:
     assert torch.isnan(graph(x, y))
 
 
-def test_arange_with_float_bounds_is_eagers() -> None:
+def test_arange_linspace_logspace_with_constant_bounds_are_eagers() -> None:
     """torch truncates an integer arange's bounds (and counts an int64 one in integers) and
-    computes a float one in double, float for 16 bits; TVM computed in the result dtype:
-    `arange(3.1, dtype=int64)` had 4 elements, a bfloat16 0.1 came out 0.109 (OpInfo's samples)."""
+    computes a float one in double, float for 16 bits; TVM and torch's decompositions computed
+    in the result dtype: `arange(3.1, dtype=int64)` had 4 elements, a bfloat16 0.1 came out
+    0.109, a bfloat16 logspace 15.875 for 15.9375 (OpInfo's samples)."""
 
     def fn(x):
         return (torch.arange(3.1, dtype=torch.int64), torch.arange(0.0, -8.000001, -4.0, dtype=torch.int64),
                 torch.arange(-0.9, 2.1, 2.0, dtype=torch.int32), torch.arange(2.1, -2.9, -1.0, dtype=torch.bfloat16),
-                x * torch.arange(2.1, -2.9, -1.0))
+                x * torch.arange(2.1, -2.9, -1.0), torch.linspace(0, 4, 50, dtype=torch.bfloat16),
+                torch.logspace(0, 1.2, 4, 3.0, dtype=torch.bfloat16), torch.linspace(-2.0, 50, 7))
 
     x = torch.randn(5)
     for got, want in zip(ModuleGraph(Fn(fn))(x), fn(x)):
