@@ -264,6 +264,18 @@ def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     return bb.emit(relax.op.reshape(rows, [*ids.ty.shape, weight.ty.shape[-1]]))
 
 
+def bound(key: str) -> Converter:
+    """The stock converter for `key`, its result bound to a variable: TVM's adaptive average
+    pools return an unbound `squeeze` for an unbatched input, and the next converter that read
+    its shape failed (`F.adaptive_avg_pool1d` of a [C, L] tensor)."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        out = stock_converter(importer, key)(node)
+        return out if isinstance(out, relax.Var) else importer.block_builder.emit(out)
+
+    return convert
+
+
 def constant_factory(make: Callable[..., torch.Tensor]) -> Converter:
     """A converter for `arange`/`linspace`/`logspace`: with constant arguments, the tensor eager
     makes, as a constant (see the module docstring); arguments from shapes (a dynamic batch) go
@@ -538,6 +550,8 @@ CONVERTERS: dict[str, Converter] = {
     "arange.start": constant_factory(torch.arange),
     "arange.start_step": constant_factory(torch.arange),
     "linspace.default": constant_factory(torch.linspace),
+    "_adaptive_avg_pool2d.default": bound("_adaptive_avg_pool2d.default"),
+    "_adaptive_avg_pool3d.default": bound("_adaptive_avg_pool3d.default"),
     "logspace.default": constant_factory(torch.logspace),
     "index.Tensor": index_tensor,
     "gather.default": clamped_index("_gather"),
