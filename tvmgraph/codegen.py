@@ -63,19 +63,16 @@ def _build_part_or_split(part: tvm.IRModule, target: tvm.target.Target, vectoriz
     except Exception:  # noqa: BLE001 - TVM raises its own error types; the serial build re-raises
         if not vectorize:
             raise
-    vector, serial = {}, {}
+    built, serial = [], {}
     for gv, func in part.functions_items():
-        one = tvm.IRModule({gv: func}, attrs=part.attrs)
         try:
-            _build_part(one, target, True, kernel_checks)
-            vector[gv] = func
+            built.append(_build_part(tvm.IRModule({gv: func}, attrs=part.attrs), target, True, kernel_checks))
         except Exception as error:  # noqa: BLE001
             log.debug("kernel %s built serial: it failed vectorized (%s)", gv.name_hint,
                       str(error).strip().splitlines()[-1][:200])
             serial[gv] = func
-    built = [_build_part(tvm.IRModule(serial, attrs=part.attrs), target, False, kernel_checks)]
-    if vector:
-        built.append(_build_part(tvm.IRModule(vector, attrs=part.attrs), target, True, kernel_checks))
+    if serial:
+        built.append(_build_part(tvm.IRModule(serial, attrs=part.attrs), target, False, kernel_checks))
     return built
 
 

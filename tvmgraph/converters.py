@@ -285,10 +285,12 @@ def constant_factory(make: Callable[..., torch.Tensor]) -> Converter:
         args = list(node.args)
         if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
             key = node.target.__name__
-            if key not in importer.create_convert_map():
+            try:
+                stock = stock_converter(importer, key)
+            except KeyError:
                 raise NotImplementedError(f"{key} with arguments computed in the graph (a shape): "
-                                          f"give it constant bounds")
-            return stock_converter(importer, key)(node)
+                                          f"give it constant bounds") from None
+            return stock(node)
         dtype = node.meta["val"].dtype
         value = make(*args, dtype=dtype)
         name = str(dtype).removeprefix("torch.")
@@ -550,9 +552,9 @@ CONVERTERS: dict[str, Converter] = {
     "arange.start": constant_factory(torch.arange),
     "arange.start_step": constant_factory(torch.arange),
     "linspace.default": constant_factory(torch.linspace),
+    "logspace.default": constant_factory(torch.logspace),
     "_adaptive_avg_pool2d.default": bound("_adaptive_avg_pool2d.default"),
     "_adaptive_avg_pool3d.default": bound("_adaptive_avg_pool3d.default"),
-    "logspace.default": constant_factory(torch.logspace),
     "index.Tensor": index_tensor,
     "gather.default": clamped_index("_gather"),
     "scatter.src": clamped_index("_scatter"),

@@ -78,7 +78,10 @@ def isnan(x: relax.Expr) -> relax.Expr:
 
 def stock_converter(importer: ExportedProgramImporter, key: str):
     """The importer's own converter for `key` (`add.Tensor`), which a custom one replaces."""
-    return importer.__dict__.setdefault("_tvmgraph_stock_converters", importer.create_convert_map())[key]
+    stock = importer.__dict__.get("_tvmgraph_stock_converters")
+    if stock is None:  # made once per importer (setdefault would make the whole map every call)
+        stock = importer.__dict__["_tvmgraph_stock_converters"] = importer.create_convert_map()
+    return stock[key]
 
 
 def _static_shape(expr: relax.Expr, what: str) -> list[int]:
@@ -218,12 +221,13 @@ def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
     out_size = [_pool_size(*dims, ceil_mode) for dims in zip(size, padding, kernel, stride)]
     extra = [max(0, (o - 1) * st + k - (n + 2 * p))
              for o, st, k, n, p in zip(out_size, stride, kernel, size, padding)]
+    window = math.prod(kernel)
     if divisor is not None:
-        scale = np.full(out_size, math.prod(kernel) / float(divisor))
+        divisors = np.full(out_size, float(divisor))
     else:
         counts = [_window_counts(*dims, count_include_pad)
                   for dims in zip(size, padding, kernel, stride, out_size)]
-        scale = math.prod(kernel) / math.prod(np.ix_(*counts))
+        divisors = math.prod(np.ix_(*counts))  # each window's divisor, torch's
     unbatched = x.ty.ndim == rank + 1
     data = bb.emit(relax.op.expand_dims(x, axis=0)) if unbatched else x
     dtype = x.ty.dtype.dtype
@@ -235,11 +239,10 @@ def avg_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
     total = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=padding + after,
                          ceil_mode=False, count_include_pad=True, layout="NCHW" if rank == 2 else "NCDHW"))
     if integer:
-        window_sum = relax.op.round(relax.op.multiply(total, relax.const(float(math.prod(kernel)), "float64")))
-        divisor_map = np.rint(math.prod(kernel) / scale).astype(dtype)
-        out = bb.emit(relax.op.divide(relax.op.astype(window_sum, dtype), relax.const(divisor_map, dtype)))
+        window_sum = relax.op.round(relax.op.multiply(total, relax.const(float(window), "float64")))
+        out = bb.emit(relax.op.divide(relax.op.astype(window_sum, dtype), relax.const(divisors.astype(dtype), dtype)))
     else:
-        out = bb.emit(relax.op.multiply(total, relax.const(scale.astype(dtype), dtype)))
+        out = bb.emit(relax.op.multiply(total, relax.const((window / divisors).astype(dtype), dtype)))
     return bb.emit(relax.op.squeeze(out, axis=[0])) if unbatched else out
 
 

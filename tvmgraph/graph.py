@@ -476,7 +476,7 @@ class Graph:
                 f"({', '.join(p.name for p in by_keyword)}); a graph passes its arguments to build() by "
                 f"position. Make them ordinary parameters of build().")
         try:
-            bound = inspect.signature(self.build).bind(*args, **kwargs)
+            bound = inspect.Signature(params).bind(*args, **kwargs)
         except TypeError as e:
             raise GraphArgumentError(
                 f"{st.name}: {e} (build({', '.join(p.name for p in params)}))") from None
