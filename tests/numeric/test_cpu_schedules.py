@@ -22,6 +22,7 @@ from torch import nn
 from tvm import relax, te, tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.target import Target
 
 from tests.conftest import TrainGraph
 from tests.models import EncoderBlock, SmallCNN
@@ -38,6 +39,7 @@ from tvmgraph.schedules import (
 )
 from tvmgraph.schedules.fast_math import fast_erf, fast_exp, fast_sigmoid, fast_tanh
 from tvmgraph.schedules.loops import MIN_PARALLEL_ELEMENTS
+from tvmgraph.schedules.cpu_target import CPUTarget
 from tvmgraph.schedules.matmul import choose_tile
 
 TARGET = tvm.target.Target(
@@ -485,6 +487,25 @@ def test_batch_statistics_over_a_symbolic_batch_run_on_every_core() -> None:
     assert sch is not None and "for c in T.parallel(96):" in sch.mod["main"].script()
 
 
+@pytest.mark.parametrize("k_extent, copied", [(256, True), (64, False)])
+def test_transposed_a_is_copied_with_rows_along_k_for_long_sums(k_extent: int, copied: bool) -> None:
+    """A weight gradient x.T @ dy reads A = x.T, whose rows run across K: read in place, each
+    step of K is a new cache line and page (2.2x the time of the copied product on Sapphire
+    Rapids). From TRANSPOSED_A_COPY_K steps A is copied once with its rows along K; a short
+    sum (K = 64) reads it in place. Matches torch either way."""
+    x = te.placeholder((k_extent, 96), name="x")
+    dy = te.placeholder((k_extent, 64), name="dy")
+    k = te.reduce_axis((0, k_extent), name="k")
+    dw = te.compute((96, 64), lambda i, j: te.sum(x[k, i] * dy[k, j], axis=k), name="dw")
+    sch = Matmul().apply(te.create_prim_func([x, dy, dw]).with_attr("global_symbol", "main"), TARGET, False)
+    assert sch is not None
+    script = sch.mod["main"].script()
+    assert (f"x_reindex = T.sblock_alloc_buffer((1, 96, {k_extent}))" in script) == copied, script
+    xs, dys = torch.randn(k_extent, 96), torch.randn(k_extent, 64)
+    got, _ = run_prim_func(sch.mod["main"], xs, dys, out_shape=(96, 64))
+    torch.testing.assert_close(got, xs.T @ dys, **TOL)
+
+
 @pytest.mark.parametrize("batch", [1, 2, 3])
 def test_matmul_over_a_symbolic_axis_the_tile_divides_reads_b_in_place(batch: int) -> None:
     """C[i, m, j] = A[i, k] B[k, m, j], J = (m, j) of n * 3072 (a 1x1 convolution over a dynamic batch): every
@@ -509,14 +530,27 @@ def test_tile_of_a_symbolic_axis_divides_what_the_axis_is_a_multiple_of() -> Non
     """The transformer's 8192 x 1024 x 256 product: with 8192 rows the 6-row tile wins (two rows
     of padding); with n * 128 rows (a dynamic batch at 64) padding is a run-time copy of A, and
     the tile's rows divide 128 instead."""
-    static = choose_tile(8192, 256, 16, 32, 1024, 4, False)
-    dynamic = choose_tile(8192, 256, 16, 32, 1024, 4, False, i_multiple=128)
+    static = choose_tile(8192, 256, 16, 32, 1024, 4, False, core="zen")
+    dynamic = choose_tile(8192, 256, 16, 32, 1024, 4, False, i_multiple=128, core="zen")
     assert static.mi == 6
     assert 128 % dynamic.mi == 0
     # A GPT's tied-embedding gradient, 4096 x 256 summed over n * 128 tokens: padding the static
     # I would copy A along the symbolic K, one scalar at a time.
-    assert choose_tile(4096, 256, 16, 32, 8192, 4, False).mi == 6
-    assert 4096 % choose_tile(4096, 256, 16, 32, 8192, 4, False, symbolic_k=True).mi == 0
+    assert choose_tile(4096, 256, 16, 32, 8192, 4, False, core="zen").mi == 6
+    assert 4096 % choose_tile(4096, 256, 16, 32, 8192, 4, False, symbolic_k=True, core="zen").mi == 0
+
+
+def test_tiles_follow_the_core_family() -> None:
+    """Each core family's own measurements (matmul.TILES): on Sapphire Rapids 8 x 3 ran fastest
+    from K = 256 and 4 x 3 at K = 64, where the 1.5 KiB accumulator's per-tile allocation
+    costs; Zen 5 keeps 4 x 3 at K = 256. A target's LLVM name picks the family."""
+    intel = [choose_tile(m, n, 16, 32, k, 4, False, core="intel") for m, k, n in
+             ((1024, 256, 1024), (64, 1024, 1024), (256, 4096, 4096), (1024, 64, 1024))]
+    assert [(t.mi, t.nvec) for t in intel] == [(8, 3), (8, 3), (8, 3), (4, 3)]
+    zen = choose_tile(1024, 1024, 16, 32, 256, 4, False, core="zen")
+    assert (zen.mi, zen.nvec) == (4, 3)
+    assert CPUTarget.from_target(Target({"kind": "llvm", "mcpu": "znver4"})).core == "zen"
+    assert CPUTarget.from_target(Target({"kind": "llvm", "mcpu": "sapphirerapids"})).core == "intel"
 
 
 def unary_module(shape: tuple[int, ...], op) -> tvm.IRModule:

@@ -1,10 +1,10 @@
 """What the CPU schedule rules need to know about an llvm target.
 
-A rule asks four questions of the target: how many float lanes fit in one vector register,
+A rule asks five questions of the target: how many float lanes fit in one vector register,
 how many vector registers there are (this bounds a matmul's register tile), from how many rows
-of A a matmul copies a B it could read in place (measured per core family), and whether the
-target is a CPU at all. Everything else (cache sizes, thread count) is left to the rules'
-fixed, measured tile sizes.
+of A a matmul copies a B it could read in place and which register tiles run fastest (both
+measured per core family), and whether the target is a CPU at all. Everything else (cache
+sizes, thread count) is left to the rules' fixed, measured tile sizes.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class CPUTarget:
     vector_bits: int
     num_vector_registers: int
     pack_reused_rows: int = PACK_REUSED_ROWS
+    # Which measured tables the rules use (matmul's register tiles): "zen" for LLVM's znver*
+    # names, "intel" for every other x86 name (the tables measured off Zen, like the threshold).
+    core: str = "intel"
 
     @staticmethod
     def from_target(target: Target) -> CPUTarget:
@@ -50,11 +53,11 @@ class CPUTarget:
         bits = llvm_get_vector_width(target)
         if bits <= 0:
             bits = 128
-        mcpu = str(target.attrs.get("mcpu", ""))
-        pack_reused_rows = PACK_REUSED_ROWS_ZEN if mcpu.startswith("znver") else PACK_REUSED_ROWS
+        zen = str(target.attrs.get("mcpu", "")).startswith("znver")
         # AVX-512 doubles the register file as well as its width; AVX2 and SSE have 16.
         return CPUTarget(vector_bits=bits, num_vector_registers=32 if bits >= 512 else 16,
-                         pack_reused_rows=pack_reused_rows)
+                         pack_reused_rows=PACK_REUSED_ROWS_ZEN if zen else PACK_REUSED_ROWS,
+                         core="zen" if zen else "intel")
 
     def lanes(self, dtype: str) -> int:
         """How many `dtype` elements one vector register holds (at least 1)."""

@@ -9,10 +9,12 @@ ReLU, GELU, residual add, ...). The operand indexed by the output's innermost ax
 Schedule, with `lanes` floats per vector register (16 on AVX-512):
   1. Canonicalize the block to C[S, I, J] += A[S, I, K] * B[S, J, K] (dlight's reindexing),
      where J is the innermost axis of the output.
-  2. Pick a register tile of `mi` rows by `nvec` vectors (e.g. 6 x 4 x 16 = 24 accumulators,
-     or 4 x 3 x 16 for short K, see `choose_tile`) that fits the register file, and zero-pad
-     I and J up to whole tiles (`pad_einsum`); a padded A whose rows run along K is copied a
-     tile's rows at a time, right before the tile (`_pad_a_per_tile`).
+  2. Pick a register tile of `mi` rows by `nvec` vectors (e.g. 8 x 3 x 16 = 24 accumulators,
+     or 4 x 3 x 16 for short K, from the core family's measured table, see `choose_tile`)
+     that fits the register file, and zero-pad I and J up to whole tiles (`pad_einsum`); a
+     padded A whose rows run along K is copied a tile's rows at a time, right before the tile
+     (`_pad_a_per_tile`); an A whose rows run across K (x.T in a weight gradient) is copied
+     whole with its rows along K first, unless K is short (TRANSPOSED_A_COPY_K).
   3. Pack B into panels B[S, J / nj, K, nj] (nj = nvec * lanes) when B is not already
      contiguous along J, when J needs padding, or when enough rows of A reread each panel
      (CPUTarget.pack_reused_rows: 96 on Zen, 32 on Intel): a panel row is then one contiguous read.
@@ -80,17 +82,31 @@ class Tile:
         return self.nvec * self.lanes
 
 
-# Register tiles (mi rows, nvec vectors) and their throughput relative to the best, measured
-# on Zen 5 (AVX-512) at 64..1024 x 1024 x 1024. 6 x 4 = 24 accumulators + 4 B vectors + 1
-# broadcast fill the 32 zmm registers; 8 x 4 spills a few accumulators.
-_TILES_32_REGS = {
+# Register tiles (mi rows, nvec vectors) and their throughput relative to the best, per core
+# family (CPUTarget.core), for 32 and for 16 vector registers.
+# Zen 5 (AVX-512), measured at 64..1024 x 1024 x 1024: 6 x 4 = 24 accumulators + 4 B vectors +
+# 1 broadcast fill the 32 zmm registers; 8 x 4 spills a few accumulators.
+_ZEN_TILES_32_REGS = {
     (6, 4): 1.0, (4, 3): 0.95, (5, 3): 0.95, (12, 2): 0.9, (8, 3): 0.9, (8, 4): 0.85,
     (6, 2): 0.85, (4, 4): 0.85, (8, 2): 0.75, (3, 4): 0.7, (4, 2): 0.6, (16, 1): 0.5,
     (2, 4): 0.45, (1, 4): 0.2, (1, 1): 0.05,
 }
+# Sapphire Rapids (2 vCPUs, both threads; `relu(x @ w.T)` at 64..4096 x 256..4096 x 256..4096,
+# K >= 256): 8 x 3 was the fastest at every shape, 3-14% ahead of 4 x 3 (e.g. 1024 x 256 x 1024
+# 63-68% of the FMA peak against 60%; 256 x 4096 x 4096 67% against 59%); 8 x 2 within 0-8% of
+# it; 6 x 4, 4 x 4 and 5 x 3 5-20% behind; 8 x 4 (spills) 30% behind. 16 x 1 at J = 16
+# (1 x 1 convolutions' weight gradients, 16 channels) did 0.67-0.9 of 8 x 2's work per second
+# where 8 x 2 pads J to 32. Unmeasured tiles keep Zen's figure less 10%.
+_INTEL_TILES_32_REGS = {
+    (8, 3): 1.0, (8, 2): 0.95, (4, 3): 0.9, (6, 4): 0.9, (4, 4): 0.9, (5, 3): 0.85, (6, 2): 0.85,
+    (12, 2): 0.8, (8, 4): 0.7, (3, 4): 0.63, (16, 1): 0.6, (4, 2): 0.54, (2, 4): 0.4,
+    (1, 4): 0.18, (1, 1): 0.05,
+}
 _TILES_16_REGS = {
     (6, 2): 1.0, (4, 3): 1.0, (4, 2): 0.8, (3, 2): 0.7, (2, 2): 0.5, (1, 2): 0.25, (1, 1): 0.1,
 }
+TILES = {("zen", 32): _ZEN_TILES_32_REGS, ("intel", 32): _INTEL_TILES_32_REGS,
+         ("zen", 16): _TILES_16_REGS, ("intel", 16): _TILES_16_REGS}
 
 _PADDING_PENALTY = 1.05
 # A symbolic axis padded at run time: a zero-filled copy of all of A, made under a bounds test
@@ -105,7 +121,9 @@ _SYMBOLIC_PADDING_PENALTY = 1.5
 # 1x1 convolutions) prefer tiles under 1 KiB: 4 x 3 x 16 floats = 768 bytes.
 ACCUMULATOR_SCOPE = "global"
 STACK_BYTES = 1024  # TVM keeps allocations under this on the stack (see the NOTE)
-_ALLOC_COST_IN_K_STEPS = 64
+# On Sapphire Rapids the 8 x 3 tile (1.5 KiB) ran 0.76-0.93x as fast as 4 x 3 at K = 64 and
+# 1.05-1.14x at K = 256: the call costs 7 to 28 of its K steps; 16 is taken.
+_ALLOC_COST_IN_K_STEPS = {"zen": 64, "intel": 16}
 # Copying one float of B into a packed panel (memory-bound) costs about as much as this many
 # vector FMA steps of one tile row.
 _PACK_COST = 16.0
@@ -115,6 +133,7 @@ def choose_tile(
     i_extent: int, j_extent: int, lanes: int, num_registers: int, k_extent: int = 1024,
     dtype_bytes: int = 4, b_contiguous: bool = False,
     i_multiple: int | None = None, j_multiple: int | None = None, symbolic_k: bool = False,
+    core: str = "intel",
 ) -> Tile:
     """The register tile with the least estimated time, in units of one tile-row FMA step.
 
@@ -126,8 +145,9 @@ def choose_tile(
     `j_multiple`, the constant it is provably a multiple of (128 for n * 128): a tile that does
     not divide that is padded at run time, which costs more (_SYMBOLIC_PADDING_PENALTY), as does
     padding I when K is symbolic (`symbolic_k`: the padded copy of A then runs a symbolic loop).
+    `core`: the core family whose measurements to use (CPUTarget.core).
     """
-    table = _TILES_32_REGS if num_registers >= 32 else _TILES_16_REGS
+    table = TILES[core, 32 if num_registers >= 32 else 16]
     best: tuple[float, Tile] | None = None
     for (mi, nvec), speed in table.items():
         if i_extent == 1 and mi != 1:
@@ -139,7 +159,7 @@ def choose_tile(
         if pads_i:  # the zero-padded copy of A
             cost *= _SYMBOLIC_PADDING_PENALTY if i_multiple is not None or symbolic_k else _PADDING_PENALTY
         if mi * nvec * lanes * dtype_bytes >= STACK_BYTES:
-            cost *= 1.0 + _ALLOC_COST_IN_K_STEPS / max(k_extent, 1)
+            cost *= 1.0 + _ALLOC_COST_IN_K_STEPS[core] / max(k_extent, 1)
         if b_contiguous and pads_j:
             cost += _PACK_COST * j_pad
         if best is None or cost < best[0]:
@@ -221,12 +241,12 @@ class Matmul(ScheduleRule):
         tile = choose_tile(i_at, j_at, lanes, cpu.num_vector_registers, k_at,
                            tvm.DataType(str(dtype)).bits // 8, b_contiguous,
                            _known_multiple(sch, i_loop), _known_multiple(sch, j_loop),
-                           _known_multiple(sch, k_loop) is not None)
+                           _known_multiple(sch, k_loop) is not None, core=cpu.core)
         pad_i = not _divides(sch, i_loop, tile.mi)
         pad_j = not _divides(sch, j_loop, tile.nj)
         if pad_i or pad_j:
             sch.pad_einsum(main, [1, tile.mi if pad_i else 1, tile.nj if pad_j else 1, 1])
-        padded_a = _prepare_a(sch, main, a)
+        padded_a = _prepare_a(sch, main, a, copy=not a_rows_along_k and k_at >= TRANSPOSED_A_COPY_K)
         pack = pad_j or not b_contiguous or i_at >= cpu.pack_reused_rows
         panel_major = pack and enough_panels(s_at, j_at, tile)
         packed = _prepare_b(sch, main, b, tile, pack, schedule=not panel_major)
@@ -413,8 +433,10 @@ def producer_of(sch: s_tir.Schedule, main: SBlockRV, index: int) -> SBlockRV:
     raise ValueError(f"no producer for read {index} of the matmul block")
 
 
-def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int) -> SBlockRV | None:
-    """Read A in place: each step broadcasts mi scalars of A, any layout does for that.
+def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int, copy: bool) -> SBlockRV | None:
+    """Read A in place: each step broadcasts mi scalars of A, which any layout allows, unless
+    `copy` (A's rows run across K, see TRANSPOSED_A_COPY_K): then A is first copied whole with
+    its rows along K.
 
     The reindex copy is inlined; a zero-padding copy (when I was padded) stays, so that the
     inner loop carries no bounds checks: returned, for `_pad_a_per_tile`.
@@ -423,8 +445,16 @@ def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int) -> SBlockRV | None:
     if sch.get(producer).name_hint.endswith("_pad"):
         sch.compute_inline(sch.get_producers(producer)[0])
         return producer
-    sch.compute_inline(producer)
+    if not copy:
+        sch.compute_inline(producer)
     return None
+
+
+# A transposed A (x in a weight gradient x.T @ dy, rows along I) read in place fetches a new
+# cache line and a new page per step of K, for every tile of every B panel: the transformer's
+# 1024 x 1024 x 256 weight gradient took 4.6 ms so on Sapphire Rapids, 2.3 ms with A first
+# copied with its rows along K. Short sums (K = 64, a batch-64 MLP) stay in place.
+TRANSPOSED_A_COPY_K = 128
 
 
 def _pad_a_per_tile(sch: s_tir.Schedule, padded: SBlockRV, tile_loop: LoopRV, tile: Tile) -> None:
