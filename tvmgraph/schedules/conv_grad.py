@@ -52,6 +52,8 @@ from .loops import (
 # Output tile (rows x columns of accumulators); 4 x 3 x 16 floats = 768 bytes stays on the
 # stack (see matmul.ACCUMULATOR_SCOPE) and leaves registers for the 7 operand vectors.
 TILE = (4, 3)
+# The fewest tiles of planes for which the parallel loop runs over them (see `_schedule`).
+MIN_GROUP_TILES = 4
 
 
 class ConvWeightGradient(ScheduleRule):
@@ -180,7 +182,9 @@ def _schedule(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int)
         if in_group:
             group = loop
     inner_loops: list[LoopRV] = []
-    if pad is not None and group is not None:
+    # A plane-per-tile loop with too few tiles to share (a first layer's 3 input channels, one
+    # tile) runs ungrouped: its one iteration ran the whole gradient on one core.
+    if pad is not None and group is not None and (static_extent(sch, group) or 0) >= MIN_GROUP_TILES:
         # Grouped (a depthwise conv's gradient): each tile of output channels reads its own
         # planes. The parallel loop runs over those tiles, and the planes are padded right
         # before their tile, once, instead of the whole input up front (the benchmark CNN's

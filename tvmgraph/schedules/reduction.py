@@ -29,6 +29,8 @@ lane.
 
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import SBlockRV
@@ -121,6 +123,10 @@ def _schedule_rows(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
                 return False  # a reduction that keeps a non-row axis is not a row reduction
             if not _reduces_contiguously(sch, block):
                 return False  # summing down columns: better block by block
+    # A row's work is all its blocks' (a batch-norm running-mean update writes one value per
+    # channel after summing 16384: counting the output block alone, 144 channels of it ran on
+    # one core).
+    row_work = sum(math.prod(work_extent(sch, loop) for loop in sch.get_loops(block)[n_rows:]) for block in blocks)
     partials = []
     for block in blocks[:-1]:
         if not is_spatial(sch, block):
@@ -133,9 +139,6 @@ def _schedule_rows(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
     _vectorize_tail(sch, last, 1, _lanes(sch, last, cpu))
     for block in reversed(root_blocks(sch)[:-1]):
         sch.compute_at(block, row, preserve_unit_loops=True)
-    row_work = 1
-    for loop in sch.get_loops(last)[1:]:
-        row_work *= work_extent(sch, loop)
     parallelize(sch, [row], row_work)
     # The row loop is a root-level loop: every block under it has it as its first loop.
     for block in sch.get_child_blocks(row):
