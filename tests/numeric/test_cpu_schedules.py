@@ -506,7 +506,7 @@ def test_matmul_epilogue_after_the_product_runs_in_parallel() -> None:
     """A Linear's pre-activation kept for the backward pass (a second output) and its GELU read
     back through a reshape (`(8*128 rows) x 1024` as `8 x 128 x 1024`): the activation cannot run
     per tile, so it runs after the whole product, over both cores (it ran on one: the
-    transformer's training step spent 1.7 ms of 55 there). Matches torch."""
+    transformer's GELU product took 5.3 ms per training step, 4.9 ms on both). Matches torch."""
     x = te.placeholder((1024, 64), name="x")
     w = te.placeholder((256, 64), name="w")
     k = te.reduce_axis((0, 64), name="k")
