@@ -79,7 +79,7 @@ class _GraphState:
     attributes and ours never collide."""
 
     __slots__ = ("name", "config", "log", "modules", "guard", "entries",
-                 "last", "build_params", "optimizers", "step", "grad_scaler", "data_parallel", "pipeline")
+                 "last", "build_params", "arity", "optimizers", "step", "grad_scaler", "data_parallel", "pipeline")
 
     def __init__(self, name: str, cls: str):
         self.name = name
@@ -91,6 +91,7 @@ class _GraphState:
         self.entries: dict[Signature, list[CompiledGraph]] = {}
         self.last: CompiledGraph | None = None
         self.build_params: list[inspect.Parameter] | None = None
+        self.arity: tuple[int, int | None] | None = None  # Graph._arity
         self.optimizers: list[tuple[torch.optim.Optimizer, Any]] = []  # (optimizer, lr_sch)
         self.step = 0  # training steps run, part of the graph's state_dict
         self.grad_scaler: torch.amp.GradScaler | None = None  # set_grad_scaler (tvmgraph/amp.py)
@@ -371,8 +372,12 @@ class Graph:
         parallel = st.data_parallel if signature.options.data_parallel > 1 else None
         if parallel is not None:
             parallel.before_call(signature, lambda: self._program_parts(st, signature), st.modules)
-        variants = st.entries.get(signature, ())
-        entry = next((e for e in variants if e.traced.result.attributes.holds()), None)
+        last = st.last  # most calls repeat the last one: an equality test, not a hash of the signature
+        if last is not None and last.traced.signature == signature and last.traced.result.attributes.holds():
+            entry = last
+        else:
+            variants = st.entries.get(signature, ())
+            entry = next((e for e in variants if e.traced.result.attributes.holds()), None)
         if entry is None:
             entry = self._compile(st, signature, args_tree, flat, variants[-1] if variants else None)
         entry.data_parallel = parallel
@@ -448,8 +453,11 @@ class Graph:
                 f"(as in OneFlow). Call {st.name.rsplit('_', 1)[0]}(...) with the values in the order of "
                 f"build({', '.join(p.name for p in self._build_params(st))})."
             )
+        least, most = self._arity(st)
+        if least <= len(args) and (most is None or len(args) <= most):
+            return
         params = self._build_params(st)
-        variadic = any(p.kind is p.VAR_POSITIONAL for p in params)
+        variadic = most is None
         required = [p for p in params if p.kind is not p.VAR_POSITIONAL and p.default is p.empty]
         fixed = [p for p in params if p.kind is not p.VAR_POSITIONAL]
         if len(args) < len(required) or (not variadic and len(args) > len(fixed)):
@@ -493,6 +501,15 @@ class Graph:
         if st.build_params is None:
             st.build_params = list(inspect.signature(self.build).parameters.values())
         return st.build_params
+
+    def _arity(self, st: _GraphState) -> tuple[int, int | None]:
+        """How many positional arguments build() takes: (at least, at most or None)."""
+        if st.arity is None:
+            params = self._build_params(st)
+            fixed = [p for p in params if p.kind is not p.VAR_POSITIONAL]
+            least = sum(p.default is p.empty for p in fixed)
+            st.arity = (least, None if len(fixed) < len(params) else len(fixed))
+        return st.arity
 
     def _arg_names(self, st: _GraphState, count: int) -> list[str]:
         names = [p.name for p in self._build_params(st) if p.kind is not p.VAR_POSITIONAL]

@@ -8,6 +8,7 @@ entry depends on; two calls with equal signatures share one compiled program.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,10 +113,21 @@ class NotATreeError(TypeError):
         self.value = value
 
 
+_TENSOR = TreeDef("tensor")
+
+
+@functools.cache
+def _tuple_of_tensors(n: int) -> TreeDef:
+    return TreeDef("tuple", (_TENSOR,) * n)
+
+
 def flatten(tree: Any, path: str = "") -> tuple[list[torch.Tensor], TreeDef]:
     """Split `tree` into its tensor leaves and its structure; raise NotATreeError on other types."""
     if isinstance(tree, torch.Tensor):
-        return [tree], TreeDef("tensor")
+        return [tree], _TENSOR
+    if type(tree) is tuple and all(isinstance(t, torch.Tensor) for t in tree):
+        # A graph's arguments, most of the time: one shared TreeDef, compared by identity later.
+        return list(tree), _tuple_of_tensors(len(tree))
     if tree is None:
         return [], TreeDef("none")
     if isinstance(tree, (list, tuple)):

@@ -39,6 +39,23 @@ def test_replaced_submodule_recompiles_and_runs_the_new_weights(caplog: pytest.L
     assert "guard failed: model structure changed: module 'model.2' was replaced (Linear -> Linear)" in caplog.text
 
 
+def test_alternating_signatures_each_run_their_own_program() -> None:
+    """A call is tried against the last entry first: shapes and modes that alternate between
+    calls (train/eval, two batch sizes) still run the program of their own signature."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    graph = ModuleGraph(model)
+    small, large = torch.randn(2, 4), torch.randn(5, 4)
+    for _ in range(2):
+        model.eval()
+        assert_close(graph(small), model(small))
+        assert_close(graph(large), model(large))
+        model.train()
+        out = graph(large)  # dropout on: zeros where eval mode would have none
+        assert out.shape == (5, 3) and not torch.allclose(out, model.eval()(large))
+        model.train()
+    assert graph.num_compiled == 3
+
+
 def test_unrelated_module_creation_does_not_recompile() -> None:
     """Registrations anywhere in the process make the guard look again, but an unchanged model
     keeps its program."""

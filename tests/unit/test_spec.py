@@ -20,6 +20,23 @@ def test_flatten_unflatten_round_trip() -> None:
     assert repr(treedef) == "(T, [T, None, (T,)], None)"
 
 
+def test_a_tuple_of_tensors_flattens_to_the_same_tree_as_any_other_tuple() -> None:
+    """Graph arguments take a shortcut (one shared TreeDef per length): it must equal what the
+    general walk builds, or a call would miss its compiled entry; a tuple holding anything else
+    (a list, None, a Parameter is still a tensor) takes the walk."""
+    a, b = torch.ones(1), torch.nn.Parameter(torch.zeros(2))
+    leaves, fast = flatten((a, b))
+    assert leaves == [a, b] and isinstance(leaves, list)
+    assert fast == TreeDef("tuple", (TreeDef("tensor"), TreeDef("tensor"))) and hash(fast) == hash(
+        TreeDef("tuple", (TreeDef("tensor"), TreeDef("tensor"))))
+    assert flatten((b, a))[1] is fast
+    assert flatten(())[1] == TreeDef("tuple", ())
+    _, mixed = flatten((a, [b]))
+    assert mixed == TreeDef("tuple", (TreeDef("tensor"), TreeDef("list", (TreeDef("tensor"),)))) != fast
+    with pytest.raises(NotATreeError):
+        flatten((a, 1.0))
+
+
 def test_leaf_paths_name_nested_leaves() -> None:
     _, treedef = flatten([torch.ones(1), [torch.ones(1), torch.ones(1)]])
     assert treedef.leaf_paths("xs") == ["xs.0", "xs.1.0", "xs.1.1"]
