@@ -21,7 +21,13 @@ convolution (a conv's input gradient) goes the other way round:
 
 every pixel of dy times the whole kernel (the transpose is read in place by the matmul), then
 each output pixel adds up the at most kh * kw products that land on it: no multiply by the
-zeros a strided transposed convolution inserts. A weight gradient (autodiff's conv of x read
+zeros a strided transposed convolution inserts. On images of fewer than FOLD_BATCH_BELOW
+pixels the product would have a vector's width of columns or less per image, so all images'
+pixels go into one product instead:
+
+    cols = R.matmul(R.reshape(R.permute_dims(dy, [0, 2, 3, 1]), [N * H * W, F]), R.reshape(w, [F, C * kh * kw]))
+
+and col2im reads cols as [(n, y, x), (c, ky, kx)]. A weight gradient (autodiff's conv of x read
 as CNHW with dy read as IOHW) is one matmul over the batch's pixels:
 
     cols = im2col(x)                         # [C, kh, kw, N, Ho, Wo]: the batch inside
@@ -62,6 +68,9 @@ from relay_passes.rebind import rebind
 MAX_WIDTH = 16
 # Below this many multiply-adds per output element the direct schedule is as good.
 MIN_REDUCTION = 64
+# A transposed conv on images of fewer pixels than this multiplies all images' pixels at once:
+# per image, the product's output rows (the pixels) fill one vector of 16 at most.
+FOLD_BATCH_BELOW = 32
 OPAQUE = 8  # TVM's OpPatternKind kOpaque: FuseOps fuses nothing into it
 
 
@@ -170,12 +179,20 @@ class _Rewriter(PyExprMutator):
         batch, f, hi, wi = dy.ty.shape.values
         _, c, kh, kw = _ints(weight.ty.shape.values)  # IOHW: I = dy's channels
         k = c * kh * kw
-        wt = bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(weight, [f, k])), [1, 0]))
-        rows = bb.emit(relax.op.reshape(dy, [batch, f, hi * wi]))
-        cols = bb.emit(relax.op.matmul(wt, rows, out_dtype=str(call.ty.dtype)))  # [N, K, Hi * Wi]
+        pixels_first = int(hi) * int(wi) < FOLD_BATCH_BELOW
+        if pixels_first:
+            # [N * Hi * Wi, F] @ [F, K]: every image's pixels in one product, w read in place.
+            rows = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(dy, [0, 2, 3, 1])),
+                                            [batch * hi * wi, f]))
+            cols = bb.emit(relax.op.matmul(rows, bb.emit(relax.op.reshape(weight, [f, k])),
+                                           out_dtype=str(call.ty.dtype)))
+        else:
+            wt = bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(weight, [f, k])), [1, 0]))
+            rows = bb.emit(relax.op.reshape(dy, [batch, f, hi * wi]))
+            cols = bb.emit(relax.op.matmul(wt, rows, out_dtype=str(call.ty.dtype)))  # [N, K, Hi * Wi]
         return bb.emit_te(_col2im, cols, (kh, kw), _ints(attrs.strides), _ints(attrs.padding)[:2],
                           _ints(attrs.dilation), (int(hi), int(wi)), tuple(call.ty.shape.values),
-                          primfunc_name_hint="col2im")
+                          pixels_first, primfunc_name_hint="col2im")
 
 
 def _static_shapes(call: relax.Call, layouts: tuple[str, str, str]) -> list | None:
@@ -246,9 +263,11 @@ def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
 
 
 def _col2im(cols: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: list[int],
-            dilation: list[int], in_hw: tuple[int, int], out_shape: tuple) -> te.Tensor:
+            dilation: list[int], in_hw: tuple[int, int], out_shape: tuple,
+            pixels_first: bool = False) -> te.Tensor:
     """dx[n, c, iy, ix] = the sum of cols[n, (c, ky, kx), (y, x)] over the kernel offsets
-    (ky, kx) and pixels (y, x) of dy with iy = y * s + ky * d - p (and the same along x).
+    (ky, kx) and pixels (y, x) of dy with iy = y * s + ky * d - p (and the same along x);
+    cols laid out [(n, y, x), (c, ky, kx)] with `pixels_first`.
 
     Written as a scatter: each plane of dx (one image, one channel) is zeroed, then each kernel
     offset adds its plane of cols to the pixels it reaches, over ranges of (y, x) computed here
@@ -268,6 +287,13 @@ def _col2im(cols: te.Tensor, kernel: tuple[int, int], strides: list[int], paddin
         high = min(size, (out - 1 - shift) // strides[axis] + 1)
         return low, max(low, high)
 
+    def source(nc, ky: int, kx: int, tap):  # noqa: ANN001, ANN202  (TIR expressions)
+        """Where cols holds image and channel `nc`'s product at kernel offset (ky, kx), pixel `tap`."""
+        if pixels_first:
+            image, channel = nc // channels, nc % channels
+            return (image * taps + tap) * (channels * kh * kw) + (channel * kh + ky) * kw + kx
+        return (nc * (kh * kw) + ky * kw + kx) * taps + tap
+
     def scatter(ins: list[tirx.Buffer], outs: list[tirx.Buffer]) -> tirx.Stmt:
         src, dst = T.buffer_proxy(ins[0]), T.buffer_proxy(outs[0])
         with IRBuilder() as ib:
@@ -281,12 +307,11 @@ def _col2im(cols: te.Tensor, kernel: tuple[int, int], strides: list[int], paddin
                             x0, x1 = reached(wi, wo, kx, 1)
                             if y0 == y1 or x0 == x1:
                                 continue
-                            row = (nc * (kh * kw) + ky * kw + kx) * taps
                             with T.serial(y0, y1) as y:
                                 with T.serial(x0, x1) as x:
                                     at = nc * plane + (y * strides[0] + ky * dilation[0] - padding[0]) * wo \
                                         + x * strides[1] + kx * dilation[1] - padding[1]
-                                    dst[at] = dst[at] + src[row + y * wi + x]
+                                    dst[at] = dst[at] + src[source(nc, ky, kx, y * wi + x)]
         return ib.get()
 
     return te.extern([out_shape], [cols], scatter, dtype=[str(cols.dtype)], name="col2im")
