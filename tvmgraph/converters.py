@@ -28,6 +28,8 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   the inputs, as in torch; `convolution` covers every rank (the stock one had no 3-D transposed
   convolution).
 - `_batch_norm_with_update_functional`: no stock converter; the train-mode batch norm above.
+- `repeat` with a count that depends on a dynamic batch: the stock `tile` takes constant
+  counts only (it failed to compile); here a broadcast between two views.
 - `arange`, `linspace`, `logspace` with constant bounds: TVM (and torch's decompositions)
   compute them in the result dtype, torch truncates the bounds of an integer arange (and counts
   an int64 one in integers) and computes a float one in double (float for 16 bits), linspace
@@ -151,6 +153,22 @@ def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
         index += int(size)
     part = bb.emit(relax.op.strided_slice(x, axes=[dim], begin=[index], end=[index + 1]))
     return bb.emit(relax.op.squeeze(part, axis=[dim]))
+
+
+def repeat(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x.repeat(*reps). With a count that depends on a dynamic batch (`w.repeat(x.shape[0])`),
+    the stock `tile` takes constant counts only: x viewed as [1, d0, 1, d1, ...], broadcast to
+    [r0, d0, r1, d1, ...] and viewed as [r0 * d0, r1 * d1, ...] instead."""
+    bb = importer.block_builder
+    args = importer.retrieve_args(node)
+    x = args[0]
+    reps = list(args[1] if isinstance(args[1], torch.Size | tuple | list) else args[1:])
+    if all(isinstance(r, int) for r in reps):
+        return bb.emit(relax.op.tile(x, reps))
+    dims = [1] * (len(reps) - len(x.ty.shape)) + list(x.ty.shape.values)
+    spread = bb.emit(relax.op.reshape(x, [d for dim in dims for d in (1, dim)]))
+    copies = bb.emit(relax.op.broadcast_to(spread, [d for r, dim in zip(reps, dims) for d in (r, dim)]))
+    return bb.emit(relax.op.reshape(copies, [r * dim for r, dim in zip(reps, dims)]))
 
 
 def addmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -543,6 +561,7 @@ CONVERTERS: dict[str, Converter] = {
     "matmul.default": matmul,
     "addmm.default": addmm,
     "select.int": select,
+    "repeat.default": repeat,
     "convolution.default": convolution,
     "native_dropout.default": dropout(None, {}),  # placeholder entry; lower.py binds the seed
     "embedding.default": embedding,

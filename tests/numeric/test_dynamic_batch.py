@@ -124,7 +124,7 @@ def test_training_a_transformer_varying_batch_matches_eager(make) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt_tied", "resnet18", "vit", "lstm", "gru", "seq2seq", "unet"])
+@pytest.mark.parametrize("name", ["gpt_tied", "resnet18", "vit", "lstm", "gru", "seq2seq", "unet", "llama"])
 def test_training_models_no_one_here_wrote_varying_batch(name: str) -> None:
     """The model zoo's GPT with tied embeddings (the embedding's gradient takes n * seq token
     indices), ResNet-18, the ViT (its class token expanded over the batch, then concatenated:
@@ -132,8 +132,10 @@ def test_training_models_no_one_here_wrote_varying_batch(name: str) -> None:
     an LSTM and a GRU (their initial states are zeros of a lifted shape, which the
     gradients now read through the shape parameter's dims), nn.Transformer with a padding
     embedding (its scale, ones of the batch's token count, had no dims in autodiff's copy) and a
-    UNet (nearest upsampling asked for a static batch where it needs static H and W only),
-    at batch sizes 3, 1 and 5 with one compile: every step as close to float64 eager as the zoo
+    UNet (nearest upsampling asked for a static batch where it needs static H and W only) and
+    the LLaMA-style decoder (its attention projection, a Linear on a strided 3-D view, is a
+    batched matmul with the weight broadcast over the batch: autodiff's copy of that broadcast
+    had no dims, nor had the RMSNorm after it), at batch sizes 3, 1 and 5 with one compile: every step as close to float64 eager as the zoo
     test asks of a static graph (ResNet-18's batch norms at 1x1 and 2x2 pixels make float32
     itself drift by 6e-5 there)."""
     from tests.numeric.test_model_zoo import _assert_step_close, _double
@@ -161,19 +163,45 @@ def test_training_models_no_one_here_wrote_varying_batch(name: str) -> None:
 
 
 def test_autodiff_failing_on_a_dynamic_batch_is_a_clear_error() -> None:
-    """The zoo's LLaMA-style decoder: its hand-written RMSNorm multiplies a residual sum whose
-    copy in TVM's autodiff has no dims (a reshape to a lifted shape plus another tensor), and
-    TVM's multiply gradient reads them: an UnsupportedOpError that says to train with a static
-    batch. (nn.Transformer, a U-Net, an LSTM and a GRU were this test's examples until their
-    gradients learned symbolic shapes.)"""
-    from tests.numeric.zoo import ZOO
+    """`torch.arange(x.shape[0])` in a training graph: TVM's autodiff cannot copy the range of
+    a symbolic length into its backward pass ("key is not in Map"): an UnsupportedOpError that
+    says to train with a static batch. (The zoo's LLaMA, nn.Transformer, a U-Net, an LSTM and a
+    GRU were this test's examples until their gradients learned symbolic shapes.)"""
 
-    entry = ZOO["llama"]
-    model = entry.make()
-    graph = dynamic(TrainGraph(model, entry.loss, torch.optim.SGD(model.parameters(), lr=0.1)))
-    x, y = entry.batch(torch.Generator().manual_seed(1))
+    class ByIndex(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * torch.arange(x.shape[0]).float().view(-1, 1)
+
+    model = ByIndex()
+    graph = dynamic(TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1)))
     with pytest.raises(UnsupportedOpError, match=r"dynamic batch .* Train it with a static batch"):
-        graph(x, y)
+        graph(torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_repeat_by_a_count_of_the_batch_trains_like_eager() -> None:
+    """`w.repeat(x.shape[0] * 8)`: TVM's tile takes constant counts only (a CompileError); the
+    repeat is a broadcast of w viewed with a unit axis before each dim (tvmgraph/converters.py).
+    A constant count keeps tile."""
+
+    class Repeated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+            self.scale = nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            h = self.lin(x)
+            per_token = (h.reshape(-1) * self.scale.repeat(x.shape[0] * 3)).view(x.shape[0], 3, 6)
+            return per_token + self.scale.view(1, 6).repeat(2, 1).sum(0)
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(n, 3, 6), torch.randn(n, 3, 6)) for n in (4, 1, 7)]
+    graph = run_dynamic_side_by_side(Repeated(), batches, loss_fn=nn.MSELoss())
+    assert graph.num_compiled == 1
 
 
 def test_fills_of_the_batch_shape_train_like_eager() -> None:

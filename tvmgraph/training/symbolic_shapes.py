@@ -9,8 +9,9 @@ With a symbolic dim, Gradient copies the forward bindings into the backward pass
    makes each such shape a parameter of `main` before, `bind_shapes` puts it back into
    `main_adjoint` after; a `broadcast_to` of a tensor to the shape it has (attention's `expand`)
    is dropped instead, since the copy of a broadcast to a shape parameter has no static shape
-   and the gradients of what reads it fail; and a broadcast of a [1, d...] tensor over the
-   batch (a ViT's class token, `cls.expand(n, -1, -1)`) becomes a product with ones of shape
+   and the gradients of what reads it fail; and a broadcast of a [1, d...] or [d...] tensor
+   over the batch (a ViT's class token, `cls.expand(n, -1, -1)`; a weight broadcast for a
+   batched matmul, a Linear on a strided 3-D view) becomes a product with ones of shape
    [n, 1, ...] sliced from an input, whose type keeps n;
 2. would run the forward pass twice: `bind_shapes` merges the copies (common subexpressions);
    attention that RecomputeAttention marks for recomputation is then kept instead;
@@ -107,14 +108,16 @@ class _ShapeLifter(PyExprMutator):
         return (relax.op.ones_like if name == "relax.ones" else relax.op.zeros_like)(like, dtype)
 
     def _batch_of_ones(self, call: relax.Call) -> relax.Expr | None:
-        """For `broadcast_to(x, [n, d...])` with x of shape [1, d...] and n the dim 0 of an
-        input of `main`: ones of shape [n, 1, ...] (x's dtype), sliced from that input."""
+        """For `broadcast_to(x, [n, d...])` with x of shape [1, d...] or [d...] and n the dim 0
+        of an input of `main`: ones of shape [n, 1, ...] (x's dtype), sliced from that input."""
         if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.broadcast_to"):
             return None
         x, shape = call.args
         if not (isinstance(x.ty, relax.TensorType) and isinstance(x.ty.shape, relax.ShapeExpr)):
             return None
         dims, target = list(x.ty.shape.values), list(shape.values)
+        if len(dims) == len(target) - 1:  # a weight broadcast over the batch for a batched
+            dims = [tvm.tirx.IntImm("int64", 1), *dims]  # matmul (Linear on a strided 3-D view)
         if len(dims) != len(target) or not isinstance(dims[0], tvm.tirx.IntImm) or int(dims[0]) != 1 \
                 or not all(tvm_ffi.structural_equal(a, b) for a, b in zip(dims[1:], target[1:])):
             return None
