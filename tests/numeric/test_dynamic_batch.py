@@ -163,23 +163,75 @@ def test_training_models_no_one_here_wrote_varying_batch(name: str) -> None:
 
 
 def test_autodiff_failing_on_a_dynamic_batch_is_a_clear_error() -> None:
-    """`torch.arange(x.shape[0])` in a training graph: TVM's autodiff cannot copy the range of
-    a symbolic length into its backward pass ("key is not in Map"): an UnsupportedOpError that
-    says to train with a static batch. (The zoo's LLaMA, nn.Transformer, a U-Net, an LSTM and a
-    GRU were this test's examples until their gradients learned symbolic shapes.)"""
+    """`torch.tril(torch.ones(n, n))` in a training graph, n the batch: a fill of a lifted
+    [n, n] shape has no dims in TVM's autodiff copy, and the gradients reading it cannot go on:
+    an UnsupportedOpError that says to train with a static batch. (The zoo's LLaMA,
+    `torch.arange(x.shape[0])`, nn.Transformer, a U-Net, an LSTM and a GRU were this test's
+    examples until their gradients learned symbolic shapes.)"""
 
-    class ByIndex(nn.Module):
+    class Causal(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.lin(x) * torch.arange(x.shape[0]).float().view(-1, 1)
+            return torch.tril(torch.ones(x.shape[0], x.shape[0])) @ self.lin(x)
 
-    model = ByIndex()
+    model = Causal()
     graph = dynamic(TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1)))
     with pytest.raises(UnsupportedOpError, match=r"dynamic batch .* Train it with a static batch"):
         graph(torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_picking_each_rows_label_with_arange_trains_like_eager() -> None:
+    """`logp[torch.arange(n), y]` (a hand-written NLL loss) and `torch.arange(0, 2 * n, 2)`:
+    a range of the batch's length, which TVM's autodiff could not copy into its backward pass,
+    is a running count of ones of the batch's shape (training/symbolic_shapes.py); the pick's
+    gradient takes the symbolic count of rows."""
+
+    class Weighted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 5)
+
+        def forward(self, x):
+            return self.lin(x).log_softmax(-1) * (1 + torch.arange(0, 2 * x.shape[0], 2).float().view(-1, 1) / 10)
+
+    def picked_nll(logp, y):
+        return -logp[torch.arange(logp.shape[0]), y].mean()
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(n, 6), torch.randint(0, 5, (n,))) for n in (4, 1, 7)]
+    graph = run_dynamic_side_by_side(Weighted(), batches, loss_fn=picked_nll)
+    assert graph.num_compiled == 1
+
+
+def test_a_contrastive_loss_over_the_batch_trains_like_eager() -> None:
+    """A CLIP-style loss: [n, n] similarities of two embeddings of the batch, labels
+    `torch.arange(n)` both ways, the diagonal masked with `torch.eye(n)`: both dims of the
+    logits are the batch."""
+
+    class TwoTowers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.image, self.text = nn.Linear(6, 8), nn.Linear(5, 8)
+
+        def forward(self, x):
+            a = nn.functional.normalize(self.image(x[:, :6]), dim=-1)
+            b = nn.functional.normalize(self.text(x[:, 6:]), dim=-1)
+            return a @ b.T * 5.0
+
+    def contrastive(logits, weight):
+        labels = torch.arange(logits.shape[0])
+        off_diagonal = logits.masked_fill(torch.eye(logits.shape[0], dtype=torch.bool), 0).abs().mean()
+        per_row = nn.functional.cross_entropy(logits, labels, reduction="none") \
+            + nn.functional.cross_entropy(logits.T, labels, reduction="none")
+        return (per_row * weight).mean() + 0.1 * off_diagonal
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(n, 11), torch.rand(n)) for n in (4, 2, 7)]
+    graph = run_dynamic_side_by_side(TwoTowers(), batches, loss_fn=contrastive)
+    assert graph.num_compiled == 1
 
 
 def test_repeat_by_a_count_of_the_batch_trains_like_eager() -> None:

@@ -6,10 +6,11 @@ differentiable. (``take`` is in ``fixes.py``: TVM has one, but it fails.)
 
 from __future__ import annotations
 
+import tvm
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dims_of, dtype_of, prod, register, shape_of
+from ._common import dims_of, dtype_of, prod, register
 
 op = relax.op
 
@@ -67,19 +68,18 @@ def index_tensor_grad(
     ``dx = take_backward(dy, x, f, axis=0)``, which adds up repeated indices.
     """
     x, indices = orig_call.args
-    x_shape = shape_of(x)
+    x_shape = dims_of(x)  # a dynamic batch's dim stays symbolic (`logits[arange(n), y]`)
     k = len(indices.ty.fields)
     lead, rest = x_shape[:k], x_shape[k:]
-    out_shape = shape_of(orig_var)
+    out_shape = dims_of(orig_var)
     index_shape = out_shape[: len(out_shape) - len(rest)]
     count = prod(index_shape)
     flat: relax.Expr | None = None
     for i in range(k):
         index = op.astype(relax.TupleGetItem(indices, i), "int64")
-        size = relax.const(lead[i], "int64")
+        size = _int64(lead[i])
         index = op.where(op.less(index, relax.const(0, "int64")), index + size, index)
-        stride = relax.const(prod(lead[i + 1 :]), "int64")
-        term = index * stride
+        term = index * _int64(prod(lead[i + 1 :]))
         flat = term if flat is None else flat + term
     assert flat is not None
     flat = op.reshape(op.broadcast_to(flat, index_shape), [count])
@@ -87,6 +87,12 @@ def index_tensor_grad(
     x_flat = op.reshape(x, [prod(lead), *rest])
     x_grad = op.reshape(grad_op.take_backward(grad, x_flat, flat, 0), x_shape)
     return [x_grad, grad_op.no_grad(indices)]
+
+
+def _int64(value: int | tvm.tirx.PrimExpr) -> relax.Expr:
+    """An int64 scalar operand: a constant, or a symbolic dim as it is (Relax's arithmetic takes
+    both)."""
+    return relax.const(value, "int64") if isinstance(value, int) else value
 
 
 @register("relax.scatter_elements")

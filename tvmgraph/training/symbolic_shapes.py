@@ -12,7 +12,8 @@ With a symbolic dim, Gradient copies the forward bindings into the backward pass
    and the gradients of what reads it fail; and a broadcast of a [1, d...] or [d...] tensor
    over the batch (a ViT's class token, `cls.expand(n, -1, -1)`; a weight broadcast for a
    batched matmul, a Linear on a strided 3-D view) becomes a product with ones of shape
-   [n, 1, ...] sliced from an input, whose type keeps n;
+   [n, 1, ...] sliced from an input, whose type keeps n; a range of length n
+   (`logits[torch.arange(n), y]`) becomes a running count of such ones;
 2. would run the forward pass twice: `bind_shapes` merges the copies (common subexpressions);
    attention that RecomputeAttention marks for recomputation is then kept instead;
 3. builds the gradients' shapes with the forward program's symbolic variables, other objects
@@ -26,6 +27,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.sym import Analyzer
 
 SHAPE_PARAM_PREFIX = "tvmgraph_shape_"
 
@@ -65,6 +67,12 @@ class _ShapeLifter(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        counted = self._batch_arange(call)
+        if counted is not None:
+            # `torch.arange(x.shape[0])` (picking each row's label: `logits[arange(n), y]`): a
+            # range of symbolic length, which autodiff's copy fails on ("key is not in Map"),
+            # as a running count of ones of the batch's shape.
+            return counted
         if not any(_symbolic_shape(a) for a in call.args):
             return call
         like = self._fill_like(call)
@@ -107,6 +115,45 @@ class _ShapeLifter(PyExprMutator):
             return relax.op.full_like(like, call.args[1], dtype)
         return (relax.op.ones_like if name == "relax.ones" else relax.op.zeros_like)(like, dtype)
 
+    def _batch_arange(self, call: relax.Call) -> relax.Expr | None:
+        """For `arange(start, end, step)` with constant start and step and a symbolic length n,
+        the dim 0 of an input of `main`: start + step * (the running count of ones of shape [n],
+        sliced from that input, minus one)."""
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.arange") or len(call.args) != 3:
+            return None
+        start, end, step = call.args  # integer expressions: IntImm, or built from the batch's variable
+        if isinstance(end, tvm.tirx.IntImm) or not all(isinstance(b, tvm.tirx.IntImm) for b in (start, step)) \
+                or int(step) <= 0:
+            return None
+        length = Analyzer().simplify(tvm.tirx.floordiv(end - start + (int(step) - 1), int(step)))
+        dtype = str(call.attrs.dtype)
+        ones = self._ones_over(length, [length], dtype)
+        if ones is None:
+            return None
+        count = self.builder_.emit(relax.op.cumsum(ones, axis=0, dtype=dtype))
+        return relax.op.add(relax.op.multiply(relax.op.subtract(count, relax.const(1, dtype)),
+                                              relax.const(int(step), dtype)), relax.const(int(start), dtype))
+
+    def _ones_over(self, n: tvm.tirx.PrimExpr, target: list, dtype: str) -> relax.Expr | None:
+        """Ones of shape [n, 1, ...] (as many dims as `target`), sliced from an input of `main`
+        whose dim 0 is n; None if there is none."""
+        source = next((p for p in self.inputs if isinstance(p.ty, relax.TensorType)
+                       and isinstance(p.ty.shape, relax.ShapeExpr) and len(p.ty.shape.values) >= 1
+                       and tvm_ffi.structural_equal(p.ty.shape.values[0], n)), None)
+        if source is None:
+            return None
+        rank = len(source.ty.shape.values)
+        column = source
+        if rank > 1:
+            column = self.builder_.emit(relax.op.strided_slice(source, list(range(1, rank)), [0] * (rank - 1),
+                                                               [1] * (rank - 1)))
+        ones = self.builder_.emit(relax.op.ones_like(column, dtype))
+        if rank > len(target):
+            ones = self.builder_.emit(relax.op.squeeze(ones, list(range(len(target), rank))))
+        for axis in range(rank, len(target)):
+            ones = self.builder_.emit(relax.op.expand_dims(ones, axis))
+        return ones
+
     def _batch_of_ones(self, call: relax.Call) -> relax.Expr | None:
         """For `broadcast_to(x, [n, d...])` with x of shape [1, d...] or [d...] and n the dim 0
         of an input of `main`: ones of shape [n, 1, ...] (x's dtype), sliced from that input."""
@@ -121,22 +168,7 @@ class _ShapeLifter(PyExprMutator):
         if len(dims) != len(target) or not isinstance(dims[0], tvm.tirx.IntImm) or int(dims[0]) != 1 \
                 or not all(tvm_ffi.structural_equal(a, b) for a, b in zip(dims[1:], target[1:])):
             return None
-        source = next((p for p in self.inputs if isinstance(p.ty, relax.TensorType)
-                       and isinstance(p.ty.shape, relax.ShapeExpr) and len(p.ty.shape.values) >= 1
-                       and tvm_ffi.structural_equal(p.ty.shape.values[0], target[0])), None)
-        if source is None:
-            return None
-        rank = len(source.ty.shape.values)
-        column = source
-        if rank > 1:
-            column = self.builder_.emit(relax.op.strided_slice(source, list(range(1, rank)), [0] * (rank - 1),
-                                                               [1] * (rank - 1)))
-        ones = self.builder_.emit(relax.op.ones_like(column, str(x.ty.dtype)))
-        if rank > len(target):
-            ones = self.builder_.emit(relax.op.squeeze(ones, list(range(len(target), rank))))
-        for axis in range(rank, len(target)):
-            ones = self.builder_.emit(relax.op.expand_dims(ones, axis))
-        return ones
+        return self._ones_over(target[0], target, str(x.ty.dtype))
 
 
 def _dims(var: relax.Expr) -> list | None:
