@@ -252,13 +252,14 @@ def _worth_it(call: relax.Call, kernel_layout: str) -> bool:
         # width or kernel (ResNet-18's 32x32 one: 9.3 ms, 12% of the FMA peak in useful work;
         # its training step 0.94x as matmul + col2im, which does no wasted work).
         return True
-    if (kh, kw) == (1, 1):
-        return False  # a 1x1 conv is a matmul already
     if _ints(attrs.strides) != [1, 1]:
         # Strided: the direct schedule's vectors of output columns read the input at the
         # stride. ResNet-18's 3x3 stride-2 conv on 32x32 images ran at 30% of the FMA peak
         # (3.8 ms); im2col + matmul: inference -4%, training step -1.3% (A/B, 2026-11-26).
+        # Its 1x1 stride-2 shortcuts ran at 25-34% (their im2col is a strided slice).
         return True
+    if (kh, kw) == (1, 1):
+        return False  # a 1x1 conv is a matmul already
     return int(out[3]) < MAX_WIDTH
 
 

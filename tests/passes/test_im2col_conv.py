@@ -30,6 +30,8 @@ CASES = {
     "transpose-3x3-s2-wide": ("conv2d_transpose", (2, 16, 16, 16), (16, 8, 3, 3), 2, 1, 1, 1),
     # and strided convs: the direct schedule reads the input at the stride
     "conv-3x3-s2-wide": ("conv2d", (2, 8, 33, 34), (5, 8, 3, 3), 2, 1, 1, 0),
+    # 1x1 too (ResNet's downsampling shortcuts): the im2col is a strided slice
+    "conv-1x1-s2-wide": ("conv2d", (2, 64, 20, 18), (16, 64, 1, 1), 2, 0, 1, 0),
 }
 
 
@@ -80,7 +82,8 @@ def test_rewritten_convolution_equals_torch_in_float64(case: tuple) -> None:
 
 def test_wide_images_grouped_and_1x1_convolutions_are_left_alone() -> None:
     """Output rows of a vector or more keep the direct schedule (unless the conv is strided); a
-    grouped conv and a 1x1 one (a matmul already, strided or not) are not rewritten."""
+    grouped conv, a 1x1 one (a matmul already) and a strided one with under MIN_REDUCTION
+    products per output are not rewritten."""
     for module in (conv_module("conv2d", (1, 8, 16, 16), (4, 8, 3, 3), 1, 1, 1, 0),
                    conv_module("conv2d_transpose", (1, 8, 16, 16), (8, 4, 3, 3), 1, 1, 1, 0),
                    conv_module("conv2d", (1, 8, 6, 6), (4, 8, 1, 1), 1, 0, 1, 0),
