@@ -28,6 +28,9 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   the inputs, as in torch; `convolution` covers every rank (the stock one had no 3-D transposed
   convolution).
 - `_batch_norm_with_update_functional`: no stock converter; the train-mode batch norm above.
+- `_native_batch_norm_legit.no_stats` (a batch norm without running statistics): the stock
+  converter returns the normalized output alone, so the saved mean and invstd (outputs 1 and
+  2) were that output again; here they are the batch's, one per channel.
 - `repeat` with a count that depends on a dynamic batch: the stock `tile` takes constant
   counts only (it failed to compile); here a broadcast between two views.
 - `arange`, `linspace`, `logspace` with constant bounds: TVM (and torch's decompositions)
@@ -114,6 +117,21 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     if stats_dtype != dtype:
         new_mean, new_var = (bb.emit(relax.op.astype(v, stats_dtype)) for v in (new_mean, new_var))
     return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
+
+
+def batch_norm_no_stats(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`_native_batch_norm_legit.no_stats(x, weight, bias, training, momentum, eps)`, a batch
+    norm without running statistics (`native_batch_norm(x, w, b, None, None, True, ...)`):
+    (out, save_mean, save_invstd) as aten defines them. The stock converter returns `out`
+    alone, so outputs 1 and 2 were `out` again (x's shape where torch has one per channel)."""
+    bb = importer.block_builder
+    out = stock_converter(importer, "_native_batch_norm_legit.no_stats")(node)
+    x = importer.env[node.args[0]]
+    axes = [0, *range(2, len(x.ty.shape))]
+    eps = float(_arg(node, 5, "eps", 1e-5))
+    mean = bb.emit(relax.op.mean(x, axis=axes))
+    invstd = bb.emit(relax.op.rsqrt(relax.op.add(relax.op.variance(x, axis=axes), relax.const(eps, _dtype(x)))))
+    return bb.emit(relax.Tuple([out, mean, invstd]))
 
 
 def _unbiased_scale(bb: relax.BlockBuilder, count: tvm.tirx.PrimExpr, dtype: str) -> relax.Expr:
@@ -554,6 +572,7 @@ def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
 
 CONVERTERS: dict[str, Converter] = {
     "_native_batch_norm_legit_functional.default": batch_norm_train,
+    "_native_batch_norm_legit.no_stats": batch_norm_no_stats,
     "_batch_norm_with_update_functional.default": batch_norm_with_update,
     "elu.default": elu,
     "mm.default": matmul,

@@ -93,6 +93,9 @@ ZERO_D_GRADIENTS = [p for p in ZERO_D if p.id in ("softmax", "log_softmax", "cum
 
 
 FORWARD = [
+    # a batch norm without running statistics: the saved mean and invstd were the output again
+    pytest.param(lambda x, w: torch.native_batch_norm(x, w, None, None, None, True, 0.1, 1e-5),
+                 lambda: (torch.randn(4, 3, 5) * 2 + 1, torch.rand(3) + 0.5), id="native_batch_norm-no_stats"),
     pytest.param(lambda x: F.max_pool2d(x, 2, return_indices=True), lambda: (x4(),),
                  id="max_pool2d-return_indices"),
     pytest.param(lambda x: F.max_pool2d(x, 3, stride=2, padding=1, ceil_mode=True, return_indices=True),
