@@ -59,7 +59,7 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import converters_nn, converters_reduce, converters_sort, converters_special, stop_gradient
-from .converters_nn import _arg, _dtype, _static_shape, operand, result_dtype, stock_converter
+from .converters_nn import _arg, _dtype, _output_used, _static_shape, operand, result_dtype, stock_converter
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -123,9 +123,12 @@ def batch_norm_no_stats(node: torch.fx.Node, importer: ExportedProgramImporter) 
     """`_native_batch_norm_legit.no_stats(x, weight, bias, training, momentum, eps)`, a batch
     norm without running statistics (`native_batch_norm(x, w, b, None, None, True, ...)`):
     (out, save_mean, save_invstd) as aten defines them. The stock converter returns `out`
-    alone, so outputs 1 and 2 were `out` again (x's shape where torch has one per channel)."""
+    alone, so outputs 1 and 2 were `out` again (x's shape where torch has one per channel).
+    They are computed only when read (an instance norm reads output 0 alone)."""
     bb = importer.block_builder
     out = stock_converter(importer, "_native_batch_norm_legit.no_stats")(node)
+    if not (_output_used(node, 1) or _output_used(node, 2)):
+        return bb.emit(relax.Tuple([out, out, out]))
     x = importer.env[node.args[0]]
     axes = [0, *range(2, len(x.ty.shape))]
     eps = float(_arg(node, 5, "eps", 1e-5))
