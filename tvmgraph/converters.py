@@ -59,7 +59,8 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import converters_nn, converters_reduce, converters_sort, converters_special, stop_gradient
-from .converters_nn import _arg, _dtype, _output_used, _static_shape, operand, result_dtype, stock_converter
+from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, operand, result_dtype,
+                            stock_converter)
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -130,10 +131,8 @@ def batch_norm_no_stats(node: torch.fx.Node, importer: ExportedProgramImporter) 
     if not (_output_used(node, 1) or _output_used(node, 2)):
         return bb.emit(relax.Tuple([out, out, out]))
     x = importer.env[node.args[0]]
-    axes = [0, *range(2, len(x.ty.shape))]
-    eps = float(_arg(node, 5, "eps", 1e-5))
-    mean = bb.emit(relax.op.mean(x, axis=axes))
-    invstd = bb.emit(relax.op.rsqrt(relax.op.add(relax.op.variance(x, axis=axes), relax.const(eps, _dtype(x)))))
+    mean, invstd = _mean_rstd(bb, x, [0, *range(2, len(x.ty.shape))], float(_arg(node, 5, "eps", 1e-5)),
+                              keepdims=False)
     return bb.emit(relax.Tuple([out, mean, invstd]))
 
 

@@ -600,9 +600,9 @@ def _layer_norm_by_parts(bb: relax.BlockBuilder, importer: ExportedProgramImport
 
 
 def _mean_rstd(bb: relax.BlockBuilder, x: relax.Expr, axes: list[int],
-               eps: float) -> tuple[relax.Expr, relax.Expr]:
-    mean = bb.emit(relax.op.mean(x, axis=axes, keepdims=True))
-    var = relax.op.variance(x, axis=axes, keepdims=True)
+               eps: float, keepdims: bool = True) -> tuple[relax.Expr, relax.Expr]:
+    mean = bb.emit(relax.op.mean(x, axis=axes, keepdims=keepdims))
+    var = relax.op.variance(x, axis=axes, keepdims=keepdims)
     rstd = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, x.ty.dtype.dtype))))
     return mean, rstd
 

@@ -456,19 +456,12 @@ class Graph:
         least, most = self._arity(st)
         if least <= len(args) and (most is None or len(args) <= most):
             return
-        params = self._build_params(st)
-        variadic = most is None
-        required = [p for p in params if p.kind is not p.VAR_POSITIONAL and p.default is p.empty]
-        fixed = [p for p in params if p.kind is not p.VAR_POSITIONAL]
-        if len(args) < len(required) or (not variadic and len(args) > len(fixed)):
-            expected = f"{len(required)}" if len(required) == len(fixed) else f"{len(required)} to {len(fixed)}"
-            if variadic:
-                expected = f"at least {len(required)}"
-            names = ", ".join(p.name for p in fixed)
-            raise GraphArgumentError(
-                f"{st.name}: build({names}) takes {expected} argument(s) but {len(args)} were given; "
-                f"call the graph with exactly the arguments of build()."
-            )
+        expected = f"at least {least}" if most is None else f"{least}" if least == most else f"{least} to {most}"
+        names = ", ".join(p.name for p in self._build_params(st) if p.kind is not p.VAR_POSITIONAL)
+        raise GraphArgumentError(
+            f"{st.name}: build({names}) takes {expected} argument(s) but {len(args)} were given; "
+            f"call the graph with exactly the arguments of build()."
+        )
 
     def _bind_keywords(self, st: _GraphState, args: tuple, kwargs: dict) -> tuple:
         """`args` with the keyword arguments put in their places among build()'s parameters (a

@@ -106,6 +106,12 @@ def const(value: float, like: relax.Expr) -> relax.Constant:
     return relax.const(value, dtype_of(like))
 
 
+def scalar_operand(value: int | relax.Expr, dtype: str) -> relax.Expr:
+    """An operand of Relax arithmetic: a constant of `dtype` for an int, else `value` as it is
+    (a symbolic dim, or a 0-d tensor counted at run time)."""
+    return relax.const(value, dtype) if isinstance(value, int) else value
+
+
 def in_float32(ctx: relax.BlockBuilder, formula: Callable[..., relax.Expr], *tensors: relax.Expr) -> relax.Expr:
     """`formula(*tensors)` computed in float32 when they are bfloat16/float16 and rounded once
     to their dtype, as torch's 16-bit kernels compute ("opmath"); plain otherwise."""

@@ -23,7 +23,8 @@ import tvm
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import const, dims_of, dtype_of, normalize_axes, prod, register, same_dims, shape_of
+from ._common import (const, dims_of, dtype_of, normalize_axes, prod, register, same_dims, scalar_operand,
+                      shape_of)
 
 op = relax.op
 
@@ -215,7 +216,7 @@ def mean_grad(
     x, attrs = orig_call.args[0], orig_call.attrs
     dtype = dtype_of(output_grad)
     n = _reduced_count(ctx, x, attrs.axis, dtype)
-    grad = output_grad / (relax.const(n, dtype) if isinstance(n, int) else n)
+    grad = output_grad / scalar_operand(n, dtype)
     if not attrs.keepdims and attrs.axis:
         grad = op.expand_dims(grad, attrs.axis)
     return [op.broadcast_to(grad, dims_of(x))]

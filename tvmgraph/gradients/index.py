@@ -6,11 +6,10 @@ differentiable. (``take`` is in ``fixes.py``: TVM has one, but it fails.)
 
 from __future__ import annotations
 
-import tvm
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dims_of, dtype_of, prod, register
+from ._common import dims_of, dtype_of, prod, register, scalar_operand
 
 op = relax.op
 
@@ -77,9 +76,9 @@ def index_tensor_grad(
     flat: relax.Expr | None = None
     for i in range(k):
         index = op.astype(relax.TupleGetItem(indices, i), "int64")
-        size = _int64(lead[i])
+        size = scalar_operand(lead[i], "int64")
         index = op.where(op.less(index, relax.const(0, "int64")), index + size, index)
-        term = index * _int64(prod(lead[i + 1 :]))
+        term = index * scalar_operand(prod(lead[i + 1 :]), "int64")
         flat = term if flat is None else flat + term
     assert flat is not None
     flat = op.reshape(op.broadcast_to(flat, index_shape), [count])
@@ -87,12 +86,6 @@ def index_tensor_grad(
     x_flat = op.reshape(x, [prod(lead), *rest])
     x_grad = op.reshape(grad_op.take_backward(grad, x_flat, flat, 0), x_shape)
     return [x_grad, grad_op.no_grad(indices)]
-
-
-def _int64(value: int | tvm.tirx.PrimExpr) -> relax.Expr:
-    """An int64 scalar operand: a constant, or a symbolic dim as it is (Relax's arithmetic takes
-    both)."""
-    return relax.const(value, "int64") if isinstance(value, int) else value
 
 
 @register("relax.scatter_elements")
