@@ -191,6 +191,15 @@ def repeat(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
     return bb.emit(relax.op.reshape(copies, [r * dim for r, dim in zip(reps, dims)]))
 
 
+def empty(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """torch.empty as zeros (nothing may read it before writing). The stock converter passed the
+    size's fx nodes to Relax, so a size from a dynamic batch (`nn.Dropout2d`'s [n, C, 1, 1]
+    mask, drawn into an empty tensor) failed to compile."""
+    size = importer.retrieve_args(node)[0]
+    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    return importer.block_builder.emit(relax.op.zeros(relax.ShapeExpr(list(size)), dtype))
+
+
 def addmm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """beta * input + alpha * (mat1 @ mat2)."""
     bb = importer.block_builder
@@ -583,6 +592,7 @@ CONVERTERS: dict[str, Converter] = {
     "addmm.default": addmm,
     "select.int": select,
     "repeat.default": repeat,
+    "empty.memory_format": empty,
     "convolution.default": convolution,
     "native_dropout.default": dropout(None, {}),  # placeholder entry; lower.py binds the seed
     "embedding.default": embedding,

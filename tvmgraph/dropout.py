@@ -1,44 +1,18 @@
-"""Dropout in a compiled graph: a counter-based hash of (seed, op salt, element index).
+"""Dropout in a compiled graph: a mask from the counter-based generator (counter_rng.py).
 
-Each train-mode dropout computes its mask inside the program from a seed input, so a mask is
-fresh at every call (the runtime draws the seed from torch's default generator: `torch.manual_seed`
-makes graph training reproducible). Forward and backward are one TE kernel each
-(`call_tir_with_grad`): the backward recomputes the mask from the seed instead of keeping it,
-so no mask tensor lives between the two passes.
-
-The hash is murmur3's 32-bit finalizer. Values are combined with XOR only: TVM's integer
-simplifier does not respect uint32 wrap-around for additions with large constants.
+Each train-mode dropout computes its mask inside the program from the seed input, so a mask is
+fresh at every call (`torch.manual_seed` makes graph training reproducible). Forward and
+backward are one TE kernel each (`call_tir_with_grad`): the backward recomputes the mask from
+the seed instead of keeping it, so no mask tensor lives between the two passes.
 """
 
 from __future__ import annotations
 
 from tvm import te, tirx as tir
 
-_GOLDEN = 0x9E3779B9
+from .counter_rng import bits, fmix32_reference, linear_index, op_key, op_key_reference, u32
+
 _BITS = 24  # uniform resolution: keep if hash >> 8 < keep_prob * 2**24
-
-
-def _u32(value: int) -> tir.PrimExpr:
-    return tir.const(value & 0xFFFFFFFF, "uint32")
-
-
-def fmix32(h: tir.PrimExpr) -> tir.PrimExpr:
-    """murmur3 finalizer: a bijection on uint32 with full avalanche."""
-    h = h ^ (h >> _u32(16))
-    h = h * _u32(0x85EBCA6B)
-    h = h ^ (h >> _u32(13))
-    h = h * _u32(0xC2B2AE35)
-    return h ^ (h >> _u32(16))
-
-
-def fmix32_reference(h: int) -> int:
-    """The same function in Python, for tests."""
-    mask = 0xFFFFFFFF
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & mask
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & mask
-    return h ^ (h >> 16)
 
 
 def keep_threshold(p: float) -> int:
@@ -47,17 +21,14 @@ def keep_threshold(p: float) -> int:
 
 def _mask_value(seed: te.Tensor, shape: tuple[int, ...], p: float, salt: int, dtype: str):
     """A function of an element index: 1 / (1 - p) where the element is kept, else 0."""
-    key = fmix32(tir.Cast("uint32", seed[0]) ^ fmix32(tir.Cast("uint32", seed[1]) ^ _u32(salt * _GOLDEN)))
-    threshold = _u32(keep_threshold(p))
+    key = op_key(seed, salt)
+    threshold = u32(keep_threshold(p))
     scale = tir.const(1.0 / (1.0 - p), dtype)
     zero = tir.const(0.0, dtype)
 
     def value(*index: tir.Var) -> tir.PrimExpr:
-        linear = index[0]
-        for extent, i in zip(shape[1:], index[1:]):
-            linear = linear * extent + i
-        h = fmix32(tir.Cast("uint32", linear) ^ key)
-        return tir.Select((h >> _u32(32 - _BITS)) < threshold, scale, zero)
+        h = bits(key, linear_index(shape, index))
+        return tir.Select((h >> u32(32 - _BITS)) < threshold, scale, zero)
 
     return value
 
@@ -91,7 +62,7 @@ GRAD_NAME = "tvmgraph.dropout_grad"
 
 def dropout_mask_reference(seed: tuple[int, int], numel: int, p: float, salt: int) -> list[bool]:
     """Which elements `dropout_mask` keeps, computed in Python (for tests)."""
-    key = fmix32_reference((seed[0] & 0xFFFFFFFF) ^ fmix32_reference((seed[1] & 0xFFFFFFFF) ^ ((salt * _GOLDEN) & 0xFFFFFFFF)))
+    key = op_key_reference(seed, salt)
     threshold = keep_threshold(p)
     return [(fmix32_reference(i ^ key) >> (32 - _BITS)) < threshold for i in range(numel)]
 

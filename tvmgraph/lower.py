@@ -41,7 +41,7 @@ from torch.export.graph_signature import (
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters, decompositions, empty_results, half_in_float32, type_promotion, zero_dim
+from . import converters, decompositions, empty_results, half_in_float32, random_ops, type_promotion, zero_dim
 from .errors import TraceError, UnsupportedOpError
 from .trace import math_attention
 
@@ -222,7 +222,7 @@ def check_no_parameter_mutations(exported: torch.export.ExportedProgram, graph_n
 def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> None:
     """Raise UnsupportedOpError listing every op the importer cannot lower, each with its module
     and source line."""
-    known = set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS)
+    known = set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS) | random_ops.OPS
     missing = [node for node in exported.graph.nodes if node.op == "call_function" and op_key(node) not in known]
     if missing:
         lines = dict.fromkeys(f"  * {describe(node)}" for node in missing)  # one per op and place
@@ -261,24 +261,24 @@ def check_dtypes(exported: torch.export.ExportedProgram, graph_name: str) -> Non
 
 def supported_ops() -> list[str]:
     """Core ATen ops (after decomposition) that tvmgraph can lower."""
-    return sorted(set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS))
+    return sorted(set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS) | random_ops.OPS)
 
 
 RNG_INPUT = "rng_seed"
 
 
 def _add_rng_input(exported: torch.export.ExportedProgram) -> tuple[torch.fx.Node | None, dict[torch.fx.Node, int]]:
-    """Give the program an int64[2] seed input if it has train-mode dropout; number the dropouts."""
+    """Give the program an int64[2] seed input if it draws random numbers (train-mode dropout,
+    `torch.rand`, ...: counter_rng.py); number the random ops (their salts)."""
     graph = exported.graph
-    dropouts = [n for n in graph.nodes if n.op == "call_function" and op_key(n) == "native_dropout.default"
-                and bool(n.args[2]) and 0.0 < float(n.args[1]) < 1.0]
-    if not dropouts:
+    randoms = [n for n in graph.nodes if random_ops.draws_random_numbers(n)]
+    if not randoms:
         return None, {}
     last_placeholder = list(graph.find_nodes(op="placeholder"))[-1]
     with graph.inserting_after(last_placeholder):
         seed = graph.placeholder(RNG_INPUT)
     seed.meta["val"] = torch.zeros(2, dtype=torch.int64)
-    return seed, {node: salt for salt, node in enumerate(dropouts)}
+    return seed, {node: salt for salt, node in enumerate(randoms)}
 
 
 def _merge_tied_parameters(exported: torch.export.ExportedProgram) -> set[str]:
@@ -355,7 +355,8 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     plain_sig, lowered_sig = _plain_signature(exported, seed, dropped)
     exported._graph_signature = plain_sig
     exported._constants = {}  # constants are inputs now; nothing is bound into the module
-    convert_map = dict(converters.CONVERTERS, **{"native_dropout.default": converters.dropout(seed, salts)})
+    convert_map = dict(converters.CONVERTERS, **random_ops.converters(seed, salts),
+                       **{"native_dropout.default": converters.dropout(seed, salts)})
     convert_map = zero_dim.with_zero_dim(type_promotion.with_promotion(half_in_float32.with_float32(convert_map)))
     convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
     convert_map = empty_results.with_empty_results(convert_map)

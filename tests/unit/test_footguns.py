@@ -80,11 +80,21 @@ def test_in_place_change_of_an_input_is_written_back() -> None:
     torch.testing.assert_close(x, torch.ones(3))  # as eager does
 
 
-def test_random_ops_in_build_are_refused_not_frozen() -> None:
-    """torch.rand would be traced as a constant by some tracers; here it is an explicit error."""
+def test_random_ops_in_build_draw_at_every_call_not_frozen() -> None:
+    """torch.rand is traced as a constant by some tracers (TVM's own importer drew randn once);
+    here it draws fresh numbers at every call, and a random op without a lowering is an error."""
     class Noisy(tvmgraph.nn.Graph):
         def build(self, x):
             return x + torch.rand(x.shape)
 
-    with pytest.raises(errors.UnsupportedOpError, match=r"aten.rand.default from build\(\) itself"):
-        Noisy()(torch.zeros(3))
+    graph = Noisy()
+    first, second = graph(torch.zeros(3)), graph(torch.zeros(3))
+    assert not torch.equal(first, second)
+    assert ((0 <= first) & (first < 1)).all()
+
+    class Counts(tvmgraph.nn.Graph):
+        def build(self, x):
+            return torch.poisson(x)
+
+    with pytest.raises(errors.UnsupportedOpError, match=r"aten.poisson.default from build\(\) itself"):
+        Counts()(torch.ones(3))

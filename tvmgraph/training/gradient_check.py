@@ -32,6 +32,8 @@ _SPECIAL = {
     "relax.grad.end_checkpoint": True,  # removed before differentiating
 }
 
+_NO_GRAD = tvm.ir.Op.get("relax.grad.no_grad")
+
 #: What to do about a missing gradient (shared with the error raised when autodiff itself fails).
 ADVICE = ("Rewrite that code with ops that have gradients (docs/gradients.md lists them), or compute it "
           "outside the graph and pass the result in. TVM's autodiff differentiates everything the loss "
@@ -107,6 +109,8 @@ def _differentiated(func: relax.Function, bindings: dict[relax.Var, relax.Expr],
         value = bindings[var]
         if isinstance(value, relax.Call) and not isinstance(value.op, tvm.ir.Op):
             continue  # Gradient skips calls of functions
+        if isinstance(value, relax.Call) and value.op.same_as(_NO_GRAD):
+            continue  # its input gets no gradient (a detach, a random op: random_ops.py)
         stack += [v for v in _inputs(value) if _is_float(v.ty)]
     return [var for var in bindings if var in reached]
 

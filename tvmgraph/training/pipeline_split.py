@@ -29,6 +29,7 @@ import torch
 from torch import fx
 
 from ..errors import PipelineError
+from ..random_ops import draws_random_numbers
 
 GUARDS_MODULE = "_guards_fn"  # what ExportedProgram.module() adds to check the call's shapes
 
@@ -189,27 +190,12 @@ def check_stage_ops(program: StageProgram, graph: str) -> None:
     mask the second time, so it is refused there."""
     for node in program.module.graph.nodes:
         target = node.target
-        if node.op == "call_function" and _draws_random_numbers(node):
+        if draws_random_numbers(node):
             raise PipelineError(
                 f"{graph}: pipeline stage {program.index} calls {target} (random), and tvmgraph recomputes each "
                 f"stage's forward pass in its backward pass (GPipe's re-materialization), which would draw new "
                 f"random numbers. Put the random ops (dropout) on the last stage, or train without them "
                 f"(p=0, or module.eval() for those modules).")
-
-
-def _draws_random_numbers(node: fx.Node) -> bool:
-    """A seeded random op, unless its dropout probability is 0 or it is not training
-    (`scaled_dot_product_attention(dropout_p=0.0)`, `dropout(x, p, train=False)`)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return True
-    values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    values.update({a.name: v for a, v in zip(schema.arguments, node.args)})
-    values.update(node.kwargs)
-    probability = values.get("dropout_p", values.get("p"))
-    return not (values.get("train") is False or (isinstance(probability, (int, float)) and probability == 0))
 
 
 def stage_modules(stages: Sequence[tuple[str, int, int]]) -> dict[str, int]:
