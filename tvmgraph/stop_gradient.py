@@ -57,16 +57,78 @@ def _mark_graph(module: torch.fx.GraphModule) -> int:
             node.target = _STOP
             placed += 1
         elif node.target is _SET_GRAD and node.args and node.args[0] is False:
+            block = getattr(module, node.args[1].target)
             for out in [u for u in node.users if u.target is operator.getitem]:
                 if _is_tensor(out) and not any(u.target is _STOP for u in out.users):
-                    with graph.inserting_after(out):
-                        stop = graph.call_function(_STOP, (out,))
-                    stop.meta.update(out.meta)
-                    out.replace_all_uses_with(stop, delete_user_cb=lambda user, stop=stop: user is not stop)
+                    updated = _updated_input(block, out.args[1])
+                    if updated is None:
+                        _stop(graph, out)
+                    else:
+                        _straight_through(graph, out, node.args[2 + updated], node)
                     placed += 1
     if placed:
         module.recompile()
     return placed
+
+
+def _stop(graph: torch.fx.Graph, out: torch.fx.Node) -> None:
+    """Every use of `out` reads stop_gradient(out) instead."""
+    with graph.inserting_after(out):
+        stop = graph.call_function(_STOP, (out,))
+    stop.meta.update(out.meta)
+    out.replace_all_uses_with(stop, delete_user_cb=lambda user: user is not stop)
+
+
+def _straight_through(graph: torch.fx.Graph, out: torch.fx.Node, updated: torch.fx.Node,
+                      block: torch.fx.Node) -> None:
+    """`updated` changed in place by the no_grad `block` (`var.clamp_(min=eps)` in
+    F.gaussian_nll_loss): eager keeps the tensor's history, so the gradient passes through the
+    update unchanged. Every use of `out` reads stop(out) + where(isfinite(source), source -
+    stop(source), 0) instead, with source a copy of `updated` taken before the block (after it,
+    `updated` is the new value, through whose clamp no gradient passes): out's value exactly
+    (x - x is 0; the where keeps inf - inf from making NaN), and the identity gradient to the
+    tensor's history."""
+    with graph.inserting_before(block):
+        source = graph.call_function(torch.ops.aten.clone.default, (updated,))
+    source.meta.update(updated.meta)
+    with graph.inserting_after(out):
+        stop_out = graph.call_function(_STOP, (out,))
+    with graph.inserting_after(stop_out):
+        stop_source = graph.call_function(_STOP, (source,))
+    with graph.inserting_after(stop_source):
+        difference = graph.call_function(torch.ops.aten.sub.Tensor, (source, stop_source))
+    with graph.inserting_after(difference):
+        finite = graph.call_function(torch.ops.aten.isfinite.default, (source,))
+    with graph.inserting_after(finite):
+        zero = graph.call_function(torch.ops.aten.where.ScalarOther, (finite, difference, 0.0))
+    with graph.inserting_after(zero):
+        straight = graph.call_function(torch.ops.aten.add.Tensor, (stop_out, zero))
+    for node in (stop_out, straight):
+        node.meta.update(out.meta)
+    for node in (stop_source, difference, zero):
+        node.meta.update(source.meta)
+    finite.meta["val"] = torch.isfinite(source.meta["val"])
+    out.replace_all_uses_with(straight, delete_user_cb=lambda user: user is not stop_out)
+
+
+def _updated_input(block: torch.fx.GraphModule, index: int) -> int | None:
+    """Which input of a no_grad block its output `index` is, updated in place (a chain of
+    in-place ops on it: `x.clamp_(...)`), or None."""
+    returned = next(n for n in block.graph.nodes if n.op == "output").args[0][index]
+    while returned.op == "call_function" and _writes_first_argument(returned.target):
+        returned = returned.args[0]
+    if returned.op != "placeholder":
+        return None
+    placeholders = [n for n in block.graph.nodes if n.op == "placeholder"]
+    return placeholders.index(returned)
+
+
+def _writes_first_argument(target: object) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 class StopWhereGradIsOff(torch.overrides.TorchFunctionMode):
@@ -95,11 +157,31 @@ class StopWhereGradIsOff(torch.overrides.TorchFunctionMode):
         if func is torch._C._set_grad_enabled:
             self.grad_enabled = bool(args[0])
             return None
+        if not self.grad_enabled and _updates_in_place(func, args):
+            # The tensor keeps its history (see _straight_through): its new value, with the
+            # identity gradient to its value before the update.
+            target = args[0]
+            before = target.clone()
+            func(*args, **(kwargs or {}))
+            return target.copy_(_STOP(target) + _zero_with_its_gradient(before))
         out = func(*args, **(kwargs or {}))
         if self.grad_enabled:
             return out
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: _STOP(t) if t.is_floating_point() else t, out)
+
+
+def _updates_in_place(func: object, args: tuple) -> bool:
+    """A Tensor method that writes its floating-point self (`clamp_`, `mul_`, `copy_`)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("_") and bool(args)
+            and isinstance(args[0], torch.Tensor) and args[0].is_floating_point())
+
+
+def _zero_with_its_gradient(x: torch.Tensor) -> torch.Tensor:
+    """0 where x is finite (x - stop(x): the identity gradient to x), else 0 (inf - inf is NaN:
+    an attention mask filled with -inf and then updated in place)."""
+    return torch.where(torch.isfinite(x), x - _STOP(x), torch.zeros_like(x))
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

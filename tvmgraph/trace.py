@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.export._trace  # the ATen-level export that AMP uses (`_export`)
+import torch.nn.functional as F
 
 from . import stop_gradient
 from .attribute_guard import AttributeGuard, recording
@@ -102,7 +104,7 @@ class _BuildRoot(torch.nn.Module):
         amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
         stops = stop_gradient.StopWhereGradIsOff() if record.autocast else contextlib.nullcontext()
         with _capture_backward(record), _refuse_gradient_clipping(record), _causal_hints_from_arguments(), \
-                amp, stops:  # export records autocast's casts
+                _gaussian_nll_without_value_check(), amp, stops:  # export records autocast's casts
             out = self._build_fn(*args)
         try:
             leaves, record.out_tree = flatten(out, "output")
@@ -138,6 +140,40 @@ def _causal_hints_from_arguments() -> Iterator[None]:
         yield
     finally:
         transformer._detect_is_causal_mask = original
+
+
+@contextlib.contextmanager
+def _gaussian_nll_without_value_check() -> Iterator[None]:
+    """F.gaussian_nll_loss (and nn.GaussianNLLLoss) start with `if torch.any(var < 0): raise`, a
+    branch on data that export cannot trace. While tracing, the loss is torch's own formula
+    without that check (a negative variance is clamped to eps like a small one, where eager
+    raises)."""
+    original = F.gaussian_nll_loss
+
+    def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+        if isinstance(var, float) or not isinstance(var, torch.Tensor):
+            return original(input, target, var, full=full, eps=eps, reduction=reduction)
+        # torch's shape rules (static: they trace)
+        if var.size() != input.size():
+            if input.size()[:-1] == var.size():
+                var = torch.unsqueeze(var, -1)
+            elif not (input.ndim == var.ndim and sum(v for i, v in zip(input.size(), var.size()) if i != v) == 1):
+                raise ValueError("var is of incorrect size")
+        if reduction not in ("none", "mean", "sum"):
+            raise ValueError(reduction + " is not valid")
+        var = var.clone()
+        with torch.no_grad():
+            var.clamp_(min=eps)
+        loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+        if full:
+            loss = loss + 0.5 * math.log(2 * math.pi)
+        return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+    F.gaussian_nll_loss = gaussian_nll_loss
+    try:
+        yield
+    finally:
+        F.gaussian_nll_loss = original
 
 
 @contextlib.contextmanager

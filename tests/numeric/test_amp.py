@@ -578,3 +578,44 @@ def test_detach_and_no_grad_stop_gradients_under_amp() -> None:
     eager_optimizer.step()
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach(), want.detach(), **BF16_OUT_TOL)
+
+
+class UpdatesInPlaceUnderNoGrad(nn.Module):
+    """F.gaussian_nll_loss's `var.clamp_(min=eps)` under no_grad, and a -inf mask updated in
+    place there: the tensors keep their history (identity gradient through the update)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 8)
+
+    def forward(self, x):
+        mean, spread = self.linear(x).chunk(2, -1)
+        scores = spread.clone()
+        mask = torch.full_like(scores, float("-inf"))
+        with torch.no_grad():
+            scores.clamp_(min=0.2)
+            mask.triu_(1)
+        return (scores.log() * mean + (spread + mask).softmax(-1)).sum(-1, keepdim=True) \
+            + F.gaussian_nll_loss(mean, x, spread.abs(), eps=0.1, reduction="none").sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["float32", "amp"])
+def test_in_place_updates_under_no_grad_pass_the_gradient(amp: bool) -> None:
+    """Taking the clamp's gradient (zero where it clamps) moved the weights 28 away from eager's
+    under AMP; the -inf mask must not turn into NaN (inf - inf)."""
+    torch.manual_seed(0)
+    model = UpdatesInPlaceUnderNoGrad()
+    reference = copy.deepcopy(model)
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    graph.config.enable_amp(amp)
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, target = torch.randn(16, 4), torch.randn(16, 1)
+    loss = graph(x, target)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        expected = nn.MSELoss()(reference(x), target)
+    expected.backward()
+    eager_optimizer.step()
+    assert torch.isfinite(loss)
+    tolerance = BF16_OUT_TOL if amp else dict(atol=1e-5, rtol=1e-4)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), **tolerance)

@@ -53,6 +53,14 @@ def _under_no_grad(x: torch.Tensor) -> torch.Tensor:
         return x * 3
 
 
+def _clamped_in_place_under_no_grad(x: torch.Tensor) -> torch.Tensor:
+    """As F.gaussian_nll_loss treats its variance: eager's gradient passes the in-place clamp."""
+    y = (x * 2).clone()
+    with torch.no_grad():
+        y.clamp_(min=0.5)
+    return y.log() * x
+
+
 def _labels() -> torch.Tensor:
     return torch.tensor([[1, 4, -1, 0, 0, 0], [0, -1, 0, 0, 0, 0]])  # -1 ends a row's labels
 
@@ -383,6 +391,13 @@ GRADIENTS = [
     pytest.param(lambda x: x * x.detach(), _edges, id="detach"),
     pytest.param(lambda x: x * (x * 2).detach().exp(), _edges, id="detach-chain"),
     pytest.param(lambda x: x * _under_no_grad(x), _edges, id="no_grad-block"),
+    # an in-place update under no_grad keeps the tensor's history: the gradient passes it
+    # unchanged (the clamp's zero gradient was taken, and gaussian_nll_loss failed to trace)
+    pytest.param(_clamped_in_place_under_no_grad, _edges, id="no_grad-in_place_clamp"),
+    pytest.param(lambda x: F.gaussian_nll_loss(x[0], x[1], x[0].abs() * 0.2, eps=0.1, full=True), _edges,
+                 id="gaussian_nll_loss-clamped_var"),
+    pytest.param(lambda x: nn.GaussianNLLLoss(reduction="none")(x, x.flip(0), x[:, 0].abs() + 0.3), _edges,
+                 id="gaussian_nll_loss-homoscedastic"),
     # margin losses at the hinge's edge (z == 0): eager's kernels pass no gradient there
     pytest.param(lambda x: F.multi_margin_loss(x, torch.tensor([1, 4])), _edges, id="multi_margin_loss-edge"),
     pytest.param(lambda x: F.multilabel_margin_loss(x, _labels()), _edges, id="multilabel_margin_loss"),
