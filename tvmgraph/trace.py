@@ -104,7 +104,8 @@ class _BuildRoot(torch.nn.Module):
         amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
         stops = stop_gradient.StopWhereGradIsOff() if record.autocast else contextlib.nullcontext()
         with _capture_backward(record), _refuse_gradient_clipping(record), _causal_hints_from_arguments(), \
-                _gaussian_nll_without_value_check(), amp, stops:  # export records autocast's casts
+                _gaussian_nll_without_value_check(), _distributions_without_value_checks(), \
+                amp, stops:  # export records autocast's casts
             out = self._build_fn(*args)
         try:
             leaves, record.out_tree = flatten(out, "output")
@@ -174,6 +175,21 @@ def _gaussian_nll_without_value_check() -> Iterator[None]:
         yield
     finally:
         F.gaussian_nll_loss = original
+
+
+@contextlib.contextmanager
+def _distributions_without_value_checks() -> Iterator[None]:
+    """torch.distributions check their parameters and samples by default (`Normal(mu,
+    sigma).log_prob(x)` asks whether all of sigma is positive): branches on data that export
+    cannot trace. While tracing they default to validate_args=False (a distribution built with
+    validate_args=True still checks, and fails to trace)."""
+    distribution = torch.distributions.Distribution
+    saved = distribution._validate_args
+    distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        distribution.set_default_validate_args(saved)
 
 
 @contextlib.contextmanager

@@ -251,3 +251,40 @@ def test_dropout2d_and_randn_like_under_a_dynamic_batch() -> None:
     for rows in (64, 3):
         out = noisy(torch.zeros(rows, 500), torch.zeros(rows, 500))
         assert out.shape == (rows, 500) and abs(out.std().item() - 1) < 0.1
+
+
+def test_torch_distributions_trace_and_train_as_in_eager() -> None:
+    """torch.distributions validate their arguments by default (a branch on data export cannot
+    trace: every Normal(...).log_prob was a TraceError). A policy-gradient style loss with
+    log_prob, entropy and a KL term trains step for step as eager; rsample draws fresh noise."""
+    from torch import distributions as D
+
+    def loss_fn(out, target):
+        mu, log_sigma = out.chunk(2, -1)
+        normal = D.Normal(mu, log_sigma.exp())
+        categorical = D.Categorical(logits=out)
+        prior = D.Normal(torch.zeros_like(mu), torch.ones_like(mu))
+        return (-normal.log_prob(target).sum(-1) - 0.1 * categorical.entropy()
+                + D.kl_divergence(normal, prior).sum(-1)).mean()
+
+    torch.manual_seed(0)
+    model = nn.Linear(5, 4)
+    eager = copy.deepcopy(model)
+    graph = TrainGraph(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for _ in range(3):
+        x, target = torch.randn(6, 5), torch.randn(6, 2)
+        loss = graph(x, target)
+        optimizer.zero_grad()
+        expected = loss_fn(eager(x), target)
+        expected.backward()
+        optimizer.step()
+        torch.testing.assert_close(loss, expected.detach(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    sampler = Draw(lambda x, p: D.Normal(x, p).rsample())
+    mean, spread = torch.zeros(200, 200), torch.full((200, 200), 2.0)
+    first = sampler(mean, spread)
+    assert not torch.equal(first, sampler(mean, spread))
+    assert _ks_distance(first, torch.randn(200, 200) * 2) < KS_LIMIT
