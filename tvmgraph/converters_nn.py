@@ -184,7 +184,9 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
     indices = None
     if _output_used(node, 1):
         _static_tail(data, f"max_pool{rank}d indices", rank)
-        indices = bb.emit_te(_pool_indices, data, values, kernel, stride, padding, dilation)
+        # behind no_grad: the tuple's adjoint would reach the kernel (max_unpool reads both fields)
+        indices = bb.emit(relax.op.grad.no_grad(bb.emit_te(_pool_indices, data, values, kernel, stride, padding,
+                                                           dilation)))
     if unbatched:
         values = bb.emit(relax.op.squeeze(values, axis=[0]))
         indices = bb.emit(relax.op.squeeze(indices, axis=[0])) if indices is not None else None
@@ -345,7 +347,7 @@ def adaptive_max_pool(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     indices = values
     if _output_used(node, 1):
         _static_shape(x, f"adaptive_max_pool{rank}d indices")
-        indices = bb.emit_te(_adaptive_max_indices, x, out_size)
+        indices = bb.emit(relax.op.grad.no_grad(bb.emit_te(_adaptive_max_indices, x, out_size)))
     # Unused indices are never computed; the tuple still needs a second field.
     return bb.emit(relax.Tuple([values, indices]))
 

@@ -183,6 +183,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
     from relay_passes.simplify_power import SimplifyPower
     from relay_passes.straighten import StraightenBindings
+    from relay_passes.unwrap_tuple_reads import UnwrapTupleReads
 
     from .schedules.bitwise_isnan import BitwiseIsNaN
     from .schedules.bool_order import BoolOrder
@@ -228,6 +229,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         # 4. Every Relax op becomes a call to a TIR PrimFunc.
         LowerCallTIRWithGrad(),
         T.LegalizeOps(),
+        #    `(x,)[0]` (how legalized index_tensor reads its indices) becomes `x`: FuseOps lost
+        #    the binding of an `x` it fused when x was read only inside such a tuple.
+        UnwrapTupleReads(),
         # 4. Operator fusion: group element-wise/injective ops with their producers.
         #    (No FoldConstant: parameters are inputs, so little folds, and folding compiles and
         #    runs every constant kernel once: 4 s of a 19 s CNN training-graph compile.)

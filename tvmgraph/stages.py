@@ -29,7 +29,8 @@ from .binding import TensorBinder
 from .compiled_program import CompiledProgram, entry_name
 from .vm_results import releasing
 from .config import CompileOptions, GraphConfig, compile_options, settings
-from .errors import DeviceMismatchError, StaleGraphError, UnsupportedOptionError
+from .errors import (DeviceMismatchError, StaleGraphError, TraceError, TvmGraphError, UnsupportedOptionError,
+                     reason_of)
 from .index_guard import IndexGuard
 from .inputs import runnable_all
 from .native_output import to_debug_log
@@ -76,7 +77,16 @@ class TracedGraph:
         """Decompose to core ATen, check every op, import into Relax; with a `plan`, append
         autodiff and the optimizer update. Passes say what they did through `report`."""
         lowering.check_no_dropped_mutations(self.result.exported, self.graph_name)
-        exported = lowering.decompose(self.result.exported)
+        try:
+            exported = lowering.decompose(self.result.exported)
+        except TvmGraphError:
+            raise
+        except Exception as e:  # noqa: BLE001  (torch raises any type from a decomposition)
+            raise TraceError(
+                f"{self.graph_name}: torch could not decompose build()'s program into core ATen ops "
+                f"({type(e).__name__}: {reason_of(e, lines=2)}). A torch.autograd.Function or a legacy "
+                f"module (nn.CrossMapLRN2d) is the usual cause: rewrite it with torch ops, or run it "
+                f"eagerly outside the graph.") from e
         lowering.check_no_parameter_mutations(exported, self.graph_name)
         lowering.check_supported(exported, self.graph_name)
         lowering.check_dtypes(exported, self.graph_name)

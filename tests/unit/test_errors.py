@@ -120,6 +120,16 @@ def test_data_dependent_control_flow_is_a_trace_error() -> None:
         graph(torch.ones(3))
 
 
+def test_a_module_torch_cannot_decompose_is_a_trace_error_not_a_tvm_bug() -> None:
+    """nn.CrossMapLRN2d's legacy autograd.Function fails inside torch's decompositions; it was a
+    CompileError saying "failed inside TVM ... This is a tvmgraph bug"."""
+    graph = ModuleGraph(nn.Sequential(nn.Conv2d(4, 4, 1), nn.CrossMapLRN2d(3)))
+    with pytest.raises(errors.TraceError,
+                       match=rf"{graph.name}: torch could not decompose build\(\)'s program into core ATen ops .*"
+                             r"torch.autograd.Function or a legacy module"):
+        graph(torch.randn(2, 4, 6, 6))
+
+
 def test_dot_data_in_build_names_detach() -> None:
     """torch.export's own message ("a fake tensor in the exported program constant's list")
     says nothing a user can act on."""

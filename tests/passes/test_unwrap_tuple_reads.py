@@ -1,0 +1,84 @@
+"""UnwrapTupleReads: a field read from a tuple literal is the field itself, so that FuseOps
+keeps the binding it would lose (max_unpool's training graph failed to compile)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import tvm
+from torch import nn
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from relay_passes.unwrap_tuple_reads import UnwrapTupleReads
+from tests.conftest import SGDStep
+
+
+@I.ir_module
+class IndexRead:
+    """How LegalizeOps reads index_tensor's indices: through `(i,)[0]`."""
+
+    @R.function
+    def main(x: R.Tensor((6,), "float32"), j: R.Tensor((3,), "int64")):
+        with R.dataflow():
+            i = R.reshape(j, R.shape([3]))
+            k = (i,)[0]
+            y = R.take(x, k, axis=0)
+            R.output(y)
+        return y
+
+
+def test_tuple_literal_read_becomes_the_field() -> None:
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((6,), "float32"), j: R.Tensor((3,), "int64")):
+            with R.dataflow():
+                i = R.reshape(j, R.shape([3]))
+                k = i
+                y = R.take(x, k, axis=0)
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(UnwrapTupleReads()(IndexRead), Expected)
+
+
+def test_a_read_of_a_tuple_variable_stays() -> None:
+    """Only literals unwrap: a tuple bound to a variable (a kernel's results) is read as it is."""
+
+    @I.ir_module
+    class ThroughVariable:
+        @R.function
+        def main(x: R.Tensor((6,), "float32"), j: R.Tensor((3,), "int64")):
+            with R.dataflow():
+                t = (j, x)
+                k = t[0]
+                y = R.take(x, k, axis=0)
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(UnwrapTupleReads()(ThroughVariable), ThroughVariable)
+
+
+def test_max_unpool_trains_as_in_eager() -> None:
+    """max_unpool2d scatters into zeros with index_put; its gradient reads the pooling indices
+    (a kernel behind no_grad) with index_tensor. Before: autodiff reached the indices kernel,
+    then FuseOps left an ill-formed module."""
+
+    class Unpool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            return F.max_unpool2d(*F.max_pool2d(self.conv(x), 2, return_indices=True), 2).pow(2).sum()
+
+    torch.manual_seed(0)
+    model, x = Unpool(), torch.randn(2, 4, 6, 6)
+    reference = Unpool()
+    reference.load_state_dict(model.state_dict())
+    reference(x).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    SGDStep(model)(x)
+    for b, p, r in zip(before, model.parameters(), reference.parameters()):
+        torch.testing.assert_close(b - p.detach(), r.grad, atol=1e-5, rtol=1e-4)
