@@ -9,6 +9,7 @@ import pytest
 import torch
 import tvm
 from torch import nn
+from torch.nn import functional as F
 
 import tvmgraph
 
@@ -276,6 +277,27 @@ def test_fills_of_the_batch_shape_train_like_eager() -> None:
     torch.manual_seed(0)
     batches = [(torch.randint(0, 10, (n, 5)), torch.randn(n, 2)) for n in (4, 1, 7)]
     graph = run_dynamic_side_by_side(Gated(), batches, loss_fn=nn.MSELoss())
+    assert graph.num_compiled == 1
+
+
+def test_causal_padding_and_amax_train_like_eager() -> None:
+    """A WaveNet's causal `F.pad` of the time axis and a max over time (`amax`): their gradients
+    read static shapes only, so the dynamic batch failed ("relax.nn.pad: tvmgraph.gradients
+    need static shapes"); now the unpadded batch axis may be symbolic."""
+
+    class CausalConv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(3, 6, 3, dilation=2)
+            self.out = nn.Linear(12, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.conv(F.pad(x, (4, 0))))
+            return self.out(torch.cat([h.amax(-1), h.amin(-1)], -1))
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(n, 3, 10), torch.randn(n, 2)) for n in (4, 1, 7)]
+    graph = run_dynamic_side_by_side(CausalConv(), batches, loss_fn=nn.MSELoss())
     assert graph.num_compiled == 1
 
 

@@ -51,8 +51,17 @@ def register(op_name: str, *, fixes_tvm: bool = False) -> Callable[[FGradient], 
             logger.debug("%s already has a gradient; keeping it", op_name)
             return fgradient
         level = FIX_LEVEL if fixes_tvm else TVM_LEVEL
+
+        def named(*args):  # a gradient that cannot handle its input says which op it is
+            try:
+                return fgradient(*args)
+            except NotImplementedError as e:
+                if op_name in str(e):
+                    raise
+                raise NotImplementedError(f"{op_name}: {e}") from None
+
         try:
-            register_gradient(op_name, fgradient, level=level)
+            register_gradient(op_name, named, level=level)
         except tvm.error.InternalError as err:
             if "already registered with same plevel" not in str(err):
                 raise

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dtype_of, normalize_axes, register, shape_of
+from ._common import dims_of, dtype_of, normalize_axes, register
 
 op = relax.op
 
@@ -21,7 +21,7 @@ def _extremum_grad(
     """
     x = orig_call.args[0]
     attrs = orig_call.attrs
-    axes = normalize_axes(attrs.axis, len(shape_of(x)))
+    axes = normalize_axes(attrs.axis, len(dims_of(x)))  # any dims: a dynamic batch too
     y, grad = orig_var, output_grad
     if not attrs.keepdims:
         y, grad = op.expand_dims(y, axes), op.expand_dims(grad, axes)

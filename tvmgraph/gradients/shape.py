@@ -153,9 +153,12 @@ def pad_grad(
             "only constant padding with non-negative widths is supported"
         )
     x = orig_call.args[0]
-    x_shape = shape_of(x)
-    axes = list(range(len(x_shape)))
-    begin = widths[0::2]
-    end = [b + d for b, d in zip(begin, x_shape)]
-    grad = op.strided_slice(output_grad, axes, begin, end)
+    dims = dims_of(x)
+    # Only the padded axes are sliced: an unpadded one may be symbolic (a dynamic batch).
+    axes = [a for a in range(len(dims)) if widths[2 * a] or widths[2 * a + 1]]
+    if any(not isinstance(dims[a], int) for a in axes):
+        shape_of(x)  # raises: a padded symbolic axis
+    begin = [widths[2 * a] for a in axes]
+    end = [widths[2 * a] + dims[a] for a in axes]
+    grad = op.strided_slice(output_grad, axes, begin, end) if axes else output_grad
     return [grad, *(grad_op.no_grad(arg) for arg in orig_call.args[1:])]

@@ -305,7 +305,7 @@ def unscale_per_optimizer(bb: relax.BlockBuilder, plan: TrainingPlan, grads: lis
 
 
 # The NotImplementedError messages of tvmgraph/gradients: a configuration they do not cover.
-_NOT_COVERED = re.compile(r"gradient of relax\.[\w.]+ .*|tvmgraph\.gradients need static shapes.*")
+_NOT_COVERED = re.compile(r"gradient of relax\.[\w.]+ .*|(relax\.[\w.]+: )?tvmgraph\.gradients need static shapes.*")
 
 
 def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, graph: str,
