@@ -23,7 +23,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import tvm
 from tvm import relax, te, tirx as tir
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
@@ -92,9 +91,8 @@ def _randint(seed: te.Tensor, salt: int, linear: tir.PrimExpr, low: int, high: i
 def _read(t: te.Tensor, out_shape: Sequence[tir.PrimExpr], index: Sequence[tir.Var]) -> tir.PrimExpr:
     """t broadcast to the output (aligned on the right, size-1 axes repeated)."""
     offset = len(out_shape) - len(t.shape)
-    return t(*[tir.const(0, "int64") if isinstance(d, tir.IntImm) and int(d) == 1 and not (
-        isinstance(out_shape[offset + k], tir.IntImm) and int(out_shape[offset + k]) == 1) else index[offset + k]
-        for k, d in enumerate(t.shape)])
+    return t(*[tir.const(0, "int64") if isinstance(d, tir.IntImm) and int(d) == 1 else index[offset + k]
+               for k, d in enumerate(t.shape)])
 
 
 def random_kernel(*tensors: te.Tensor, kind: str, salt: int, dtype: str, shape: tuple | None,
