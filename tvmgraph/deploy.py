@@ -190,6 +190,8 @@ def _tree(tree: TreeDef) -> dict[str, Any]:
         doc["children"] = [_tree(c) for c in tree.children]
     if tree.kind == "dict":
         doc["keys"] = list(tree.keys)
+    if tree.cls is not None:  # a namedtuple: the loaded graph rebuilds one of its name and fields
+        doc["namedtuple"] = {"name": tree.cls.__name__, "fields": list(tree.cls._fields)}
     return doc
 
 

@@ -11,6 +11,7 @@ torch tensors in give torch tensors out (torch is then imported, since the calle
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import platform
@@ -122,7 +123,7 @@ def _device(target: Mapping[str, Any], device: Any):
 class TreeSpec:
     """An argument or output structure from the manifest: tensor, none, list, tuple or dict."""
 
-    __slots__ = ("kind", "children", "keys")
+    __slots__ = ("kind", "children", "keys", "named")
 
     def __init__(self, doc: Any):
         self.kind = doc["kind"]
@@ -130,6 +131,8 @@ class TreeSpec:
             raise ValueError(f"unknown tree kind {self.kind!r}")
         self.children = [TreeSpec(c) for c in doc.get("children", [])]
         self.keys = list(doc.get("keys", []))
+        named = doc.get("namedtuple")  # the user's class is not imported: one of its name and fields
+        self.named = collections.namedtuple(named["name"], named["fields"]) if named else None
         if self.kind == "dict" and len(self.keys) != len(self.children):
             raise ValueError("a dict tree needs one key per child")
 
@@ -160,6 +163,8 @@ class TreeSpec:
         items = [c.unflatten(leaves) for c in self.children]
         if self.kind == "dict":
             return dict(zip(self.keys, items))
+        if self.named is not None:
+            return self.named(*items)
         return items if self.kind == "list" else tuple(items)
 
 

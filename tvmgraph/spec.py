@@ -51,12 +51,14 @@ class TreeDef:
     """The structure of an argument tree with its tensor leaves taken out.
 
     `kind` is "tensor", "none", "list", "tuple" or "dict"; `children` hold the sub-structures,
-    and a dict's `keys` its keys in order (a model's `{"logits": ..., "loss": ...}`).
+    and a dict's `keys` its keys in order (a model's `{"logits": ..., "loss": ...}`). A
+    namedtuple is a "tuple" with its class in `cls`, rebuilt as that class (`out.logits`).
     """
 
     kind: str
     children: tuple[TreeDef, ...] = ()
     keys: tuple[str, ...] = ()
+    cls: type | None = None
 
     @property
     def num_leaves(self) -> int:
@@ -80,6 +82,8 @@ class TreeDef:
         items = [c._build(it) for c in self.children]
         if self.kind == "dict":
             return dict(zip(self.keys, items))
+        if self.cls is not None:
+            return self.cls(*items)
         return items if self.kind == "list" else tuple(items)
 
     def leaf_paths(self, prefix: str) -> list[str]:
@@ -97,6 +101,8 @@ class TreeDef:
         if self.kind == "dict":
             return "{" + ", ".join(f"{k!r}: {c!r}" for k, c in zip(self.keys, self.children)) + "}"
         inner = ", ".join(map(repr, self.children))
+        if self.cls is not None:
+            return f"{self.cls.__name__}({inner})"
         return f"[{inner}]" if self.kind == "list" else f"({inner}{',' if len(self.children) == 1 else ''})"
 
 
@@ -137,7 +143,8 @@ def flatten(tree: Any, path: str = "") -> tuple[list[torch.Tensor], TreeDef]:
             sub_leaves, sub_def = flatten(item, f"{path}[{i}]")
             leaves.extend(sub_leaves)
             children.append(sub_def)
-        return leaves, TreeDef("list" if isinstance(tree, list) else "tuple", tuple(children))
+        named = type(tree) if isinstance(tree, tuple) and hasattr(type(tree), "_fields") else None
+        return leaves, TreeDef("list" if isinstance(tree, list) else "tuple", tuple(children), cls=named)
     if isinstance(tree, dict) and all(isinstance(k, str) for k in tree):
         leaves, children = [], []
         for key, item in tree.items():

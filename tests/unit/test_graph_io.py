@@ -3,6 +3,7 @@ their places among build()'s parameters, and the same structures through tvmgrap
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,35 @@ def test_a_saved_graph_takes_and_returns_the_same_dicts(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.as_tensor(out["logits"]), expected["logits"])
     with pytest.raises(Exception, match=r"must be a dict with keys \['x', 'y'\]"):
         loaded({"x": batch["x"]})
+
+
+Pair = collections.namedtuple("Pair", ["features", "bias"])
+Scores = collections.namedtuple("Scores", ["logits", "probabilities"])
+
+
+class NamedIO(tvmgraph.nn.Graph):
+    """A namedtuple in (read by field) and out (a model output read as `out.logits`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+
+    def build(self, pair):
+        logits = self.head(pair.features) + pair.bias
+        return Scores(logits, logits.softmax(-1))
+
+
+def test_namedtuples_in_and_out_keep_their_class(tmp_path: Path) -> None:
+    """Flattened as plain tuples, `pair.features` failed to trace and `out.logits` was an
+    AttributeError. A saved graph returns a namedtuple of the same name and fields."""
+    graph = NamedIO()
+    pair = Pair(torch.randn(2, 4), torch.randn(2, 3))
+    out = graph(pair)
+    expected = graph.head(pair.features) + pair.bias
+    assert type(out) is Scores
+    torch.testing.assert_close(out.logits, expected)
+    torch.testing.assert_close(out.probabilities, expected.softmax(-1))
+    loaded = tvmgraph.load(tvmgraph.save(graph, tmp_path / "named"))
+    saved = loaded(pair)
+    assert type(saved).__name__ == "Scores" and saved._fields == ("logits", "probabilities")
+    torch.testing.assert_close(torch.as_tensor(saved.logits), expected)
