@@ -288,3 +288,13 @@ def test_torch_distributions_trace_and_train_as_in_eager() -> None:
     first = sampler(mean, spread)
     assert not torch.equal(first, sampler(mean, spread))
     assert _ks_distance(first, torch.randn(200, 200) * 2) < KS_LIMIT
+
+
+def test_alpha_dropout_keeps_a_standard_normal_standard() -> None:
+    """nn.AlphaDropout (SELU networks) keeps mean 0 and variance 1 of its input; it draws its
+    mask with bernoulli_, which TVM's importer returned unchanged (an uninitialized tensor)."""
+    x = torch.randn(400, 400)
+    out = ModuleGraph(nn.AlphaDropout(0.3).train())(x)
+    assert abs(out.mean().item()) < 0.01 and abs(out.std().item() - 1) < 0.01
+    dropped = (out == out.flatten().mode().values).double().mean().item()  # all take one value
+    assert abs(dropped - 0.3) < 0.01
