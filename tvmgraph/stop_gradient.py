@@ -9,6 +9,10 @@ under no_grad was differentiated. `mark(exported)`, run right after export, rewr
 (the identity, with no gradient). Under AMP, build() is traced at the ATen level, where no
 no_grad block is recorded: `StopWhereGradIsOff`, active while build() is traced, stops the
 results of ops run in one.
+
+A tensor a no_grad block updates in place (`var.clamp_(min=eps)`, as F.gaussian_nll_loss does)
+keeps its history in eager: the gradient passes the update unchanged. Both paths give it the
+new value with the identity gradient to the old one (`_straight_through`).
 """
 
 from __future__ import annotations
