@@ -91,6 +91,7 @@ def test_continuous_draws_follow_eagers_distribution(name: str) -> None:
 def test_discrete_draws_have_eagers_frequencies(name: str) -> None:
     draw = DISCRETE[name]
     x, p = _inputs()
+    torch.manual_seed(0)
     graph = Draw(draw)
     got, again = graph(x, p), graph(x, p)
     expected = draw(x, p)
@@ -226,6 +227,7 @@ def test_rrelu_draws_slopes_between_its_bounds_in_training_and_their_mean_in_eva
 
 def test_a_saved_graph_draws_fresh_numbers_after_load(tmp_path) -> None:
     """The deployment artifact keeps the seed input: its runtime draws a seed per call too."""
+    torch.manual_seed(0)  # the KS bound holds with probability 0.999: keep the samples fixed
     graph = Draw(lambda x, p: x + torch.randn_like(x))
     x, p = _inputs()
     loaded = tvmgraph.load(tvmgraph.save(graph, str(tmp_path / "noise"), example_args=(x, p)))
@@ -283,6 +285,7 @@ def test_torch_distributions_trace_and_train_as_in_eager() -> None:
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
+    torch.manual_seed(0)
     sampler = Draw(lambda x, p: D.Normal(x, p).rsample())
     mean, spread = torch.zeros(200, 200), torch.full((200, 200), 2.0)
     first = sampler(mean, spread)
