@@ -73,9 +73,8 @@ def _ks_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return (cdf_a - cdf_b).abs().max().item()
 
 
-@pytest.mark.parametrize("name", sorted(CONTINUOUS))
-def test_continuous_draws_follow_eagers_distribution(name: str) -> None:
-    draw = CONTINUOUS[name]
+def _graph_and_eager_draws(draw) -> tuple[torch.Tensor, torch.Tensor]:
+    """The graph's first draw (checked fresh at a second call) and eager's, of one dtype and shape."""
     x, p = _inputs()
     torch.manual_seed(0)
     graph = Draw(draw)
@@ -83,20 +82,19 @@ def test_continuous_draws_follow_eagers_distribution(name: str) -> None:
     expected = draw(x, p)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     assert not torch.equal(got, again), "the same numbers at two calls"
+    return got, expected
+
+
+@pytest.mark.parametrize("name", sorted(CONTINUOUS))
+def test_continuous_draws_follow_eagers_distribution(name: str) -> None:
+    got, expected = _graph_and_eager_draws(CONTINUOUS[name])
     distance = _ks_distance(got, expected)
     assert distance < KS_LIMIT, f"KS distance {distance:.4f} against eager's samples (limit {KS_LIMIT:.4f})"
 
 
 @pytest.mark.parametrize("name", sorted(DISCRETE))
 def test_discrete_draws_have_eagers_frequencies(name: str) -> None:
-    draw = DISCRETE[name]
-    x, p = _inputs()
-    torch.manual_seed(0)
-    graph = Draw(draw)
-    got, again = graph(x, p), graph(x, p)
-    expected = draw(x, p)
-    assert got.dtype == expected.dtype and got.shape == expected.shape
-    assert not torch.equal(got, again)
+    got, expected = _graph_and_eager_draws(DISCRETE[name])
     values = torch.cat([got.flatten(), expected.flatten()]).unique()
     for value in values.tolist():
         f_got, f_eager = (got == value).double().mean().item(), (expected == value).double().mean().item()
