@@ -555,8 +555,7 @@ def dropout(seed_node: torch.fx.Node | None, salts: dict[torch.fx.Node, int]) ->
         # aten's second output (the keep mask) is rarely used; only build it when it is, so that
         # autodiff never meets its (non-differentiable) kernel.
         keep_used = any(u.target is operator.getitem and u.args[1] == 1 for u in node.users)
-        keep = bb.emit(relax.op.grad.no_grad(bb.emit_te(dropout_kernels.dropout_keep, x, seed, p, salt))) \
-            if keep_used else out
+        keep = stop_gradient.emit_te(bb, dropout_kernels.dropout_keep, x, seed, p, salt) if keep_used else out
         return bb.emit(relax.Tuple([out, keep]))
 
     return convert

@@ -48,6 +48,8 @@ from tvm import relax, te
 from tvm import tirx as tir
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+from . import stop_gradient
+
 _HALF = ("float16", "bfloat16")
 
 
@@ -184,9 +186,8 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
     indices = None
     if _output_used(node, 1):
         _static_tail(data, f"max_pool{rank}d indices", rank)
-        # behind no_grad: the tuple's adjoint would reach the kernel (max_unpool reads both fields)
-        indices = bb.emit(relax.op.grad.no_grad(bb.emit_te(_pool_indices, data, values, kernel, stride, padding,
-                                                           dilation)))
+        # the tuple's adjoint would reach the kernel otherwise (max_unpool reads both fields)
+        indices = stop_gradient.emit_te(bb, _pool_indices, data, values, kernel, stride, padding, dilation)
     if unbatched:
         values = bb.emit(relax.op.squeeze(values, axis=[0]))
         indices = bb.emit(relax.op.squeeze(indices, axis=[0])) if indices is not None else None
@@ -347,7 +348,7 @@ def adaptive_max_pool(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     indices = values
     if _output_used(node, 1):
         _static_shape(x, f"adaptive_max_pool{rank}d indices")
-        indices = bb.emit(relax.op.grad.no_grad(bb.emit_te(_adaptive_max_indices, x, out_size)))
+        indices = stop_gradient.emit_te(bb, _adaptive_max_indices, x, out_size)
     # Unused indices are never computed; the tuple still needs a second field.
     return bb.emit(relax.Tuple([values, indices]))
 

@@ -26,6 +26,7 @@ import torch
 from tvm import relax, te, tirx as tir
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+from . import stop_gradient
 from .counter_rng import bits, linear_index, op_key
 from .errors import UnsupportedOpError
 
@@ -39,12 +40,9 @@ def draws_random_numbers(node: torch.fx.Node) -> bool:
     (`scaled_dot_product_attention(dropout_p=0.0)`, `dropout(x, p, train=False)`)."""
     if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    if getattr(node.target, "_schema", None) is None:
         return True
-    values = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    values.update({a.name: v for a, v in zip(schema.arguments, node.args)})
-    values.update(node.kwargs)
+    values = _arguments(node)
     if values.get("train") is False or values.get("training") is False:
         return False
     # A dropout of probability 0 draws nothing; a bernoulli(x, p=0) still goes through its kernel.
@@ -167,10 +165,9 @@ def _emit(importer: ExportedProgramImporter, node: torch.fx.Node, seed: relax.Ex
     bb = importer.block_builder
     dtype = _dtype_name(node.meta["val"].dtype)
     shape = None if like is not None else _static_shape(node)
-    drawn = bb.emit_te(random_kernel, *tensors, seed, kind=kind, salt=salt, dtype=dtype, shape=shape, like=like,
-                       params=params, primfunc_name_hint=f"random_{kind}")
     # No gradient into the inputs, as in torch; autodiff never reaches the kernel.
-    return bb.emit(relax.op.grad.no_grad(drawn))
+    return stop_gradient.emit_te(bb, random_kernel, *tensors, seed, kind=kind, salt=salt, dtype=dtype, shape=shape,
+                                 like=like, params=params, primfunc_name_hint=f"random_{kind}")
 
 
 def _float_or_tensor(importer: ExportedProgramImporter, value: object) -> tuple[float | None, list[relax.Expr]]:

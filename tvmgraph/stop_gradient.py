@@ -192,6 +192,12 @@ def _is_tensor(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def emit_te(bb: relax.BlockBuilder, func: object, *args: object, **kwargs: object) -> relax.Var:
+    """`bb.emit_te(func, ...)` behind no_grad: a kernel autodiff must never reach (pooling indices,
+    dropout's keep mask, random draws), even through a tuple that holds its result."""
+    return bb.emit(relax.op.grad.no_grad(bb.emit_te(func, *args, **kwargs)))
+
+
 def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     return importer.block_builder.emit(relax.op.grad.no_grad(importer.env[node.args[0]]))
 

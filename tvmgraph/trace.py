@@ -152,7 +152,7 @@ def _gaussian_nll_without_value_check() -> Iterator[None]:
     original = F.gaussian_nll_loss
 
     def gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
-        if isinstance(var, float) or not isinstance(var, torch.Tensor):
+        if not isinstance(var, torch.Tensor):  # a float variance: no branch on data
             return original(input, target, var, full=full, eps=eps, reduction=reduction)
         # torch's shape rules (static: they trace)
         if var.size() != input.size():
