@@ -30,9 +30,10 @@ def _scaler(**kw) -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", **kw)
 
 
-def _eager_amp_step(model, loss_fn, optimizer, scaler, x, y, clip=None):
-    """The eager AMP recipe: autocast forward, scaled backward, unscale, clip, step, update."""
-    with torch.autocast("cpu", torch.bfloat16):
+def _eager_amp_step(model, loss_fn, optimizer, scaler, x, y, clip=None, amp=True):
+    """The eager AMP recipe: autocast forward, scaled backward, unscale, clip, step, update
+    (`amp=False`: the same in float32)."""
+    with torch.autocast("cpu", torch.bfloat16, enabled=amp):
         loss = loss_fn(model(x), y)
     optimizer.zero_grad()
     if scaler is None:
@@ -50,16 +51,16 @@ def _eager_amp_step(model, loss_fn, optimizer, scaler, x, y, clip=None):
     return loss.detach()
 
 
-def _side_by_side(model, make_optimizer, batches, steps, scaler_kw=None, clip=None, loss_fn=None):
-    """Train `model` in an AMP graph and a copy eagerly; return per-step (loss, ref_loss,
-    scale, ref_scale, tracker, ref_tracker) and the two models."""
+def _side_by_side(model, make_optimizer, batches, steps, scaler_kw=None, clip=None, loss_fn=None, amp=True):
+    """Train `model` in an AMP graph and a copy eagerly (`amp=False`: both in float32); return
+    per-step (loss, ref_loss, scale, ref_scale, tracker, ref_tracker) and the two models."""
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     reference = copy.deepcopy(model)
     optimizer, ref_optimizer = make_optimizer(model), make_optimizer(reference)
     if clip is not None:
         optimizer.param_groups[0]["clip_grad_max_norm"] = clip
     graph = TrainGraph(model, loss_fn, optimizer)
-    graph.config.enable_amp(True)
+    graph.config.enable_amp(amp)
     scaler = ref_scaler = None
     if scaler_kw is not None:
         scaler, ref_scaler = _scaler(**scaler_kw), _scaler(**scaler_kw)
@@ -68,7 +69,7 @@ def _side_by_side(model, make_optimizer, batches, steps, scaler_kw=None, clip=No
     for step in range(steps):
         x, y = batches[step % len(batches)]
         loss = graph(x, y)
-        ref_loss = _eager_amp_step(reference, loss_fn, ref_optimizer, ref_scaler, x, y, clip)
+        ref_loss = _eager_amp_step(reference, loss_fn, ref_optimizer, ref_scaler, x, y, clip, amp)
         row = [loss, ref_loss]
         if scaler is not None:
             row += [scaler.get_scale(), ref_scaler.get_scale(),
@@ -547,6 +548,10 @@ def test_bfloat16_kernels_storing_constants_compile() -> None:
     assert torch.equal(graph(x), nn.functional.max_pool2d(x, 3, 1, 1))
 
 
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 class StopsGradients(nn.Module):
     """x * x.detach() and a no_grad block: under autocast, export splits the program into
     regions and loses the no_grad block's own (tvmgraph/stop_gradient.py)."""
@@ -565,17 +570,8 @@ class StopsGradients(nn.Module):
 def test_detach_and_no_grad_stop_gradients_under_amp() -> None:
     """Gradients through the detached tensors would double and triple the update."""
     torch.manual_seed(0)
-    model = StopsGradients()
-    reference = copy.deepcopy(model)
-    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
-    graph.config.enable_amp(True)
-    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    x, target = torch.randn(8, 4), torch.randn(8, 4)
-    graph(x, target)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = nn.MSELoss()(reference(x), target)
-    loss.backward()
-    eager_optimizer.step()
+    _, _, model, reference, *_ = _side_by_side(StopsGradients(), _sgd, [(torch.randn(8, 4), torch.randn(8, 4))], 1,
+                                               loss_fn=nn.MSELoss())
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach(), want.detach(), **BF16_OUT_TOL)
 
@@ -604,18 +600,10 @@ def test_in_place_updates_under_no_grad_pass_the_gradient(amp: bool) -> None:
     """Taking the clamp's gradient (zero where it clamps) moved the weights 28 away from eager's
     under AMP; the -inf mask must not turn into NaN (inf - inf)."""
     torch.manual_seed(0)
-    model = UpdatesInPlaceUnderNoGrad()
-    reference = copy.deepcopy(model)
-    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
-    graph.config.enable_amp(amp)
-    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    x, target = torch.randn(16, 4), torch.randn(16, 1)
-    loss = graph(x, target)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        expected = nn.MSELoss()(reference(x), target)
-    expected.backward()
-    eager_optimizer.step()
-    assert torch.isfinite(loss)
+    rows, _, model, reference, *_ = _side_by_side(UpdatesInPlaceUnderNoGrad(), _sgd,
+                                                  [(torch.randn(16, 4), torch.randn(16, 1))], 1,
+                                                  loss_fn=nn.MSELoss(), amp=amp)
+    assert torch.isfinite(rows[0][0])
     tolerance = BF16_OUT_TOL if amp else dict(atol=1e-5, rtol=1e-4)
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach(), want.detach(), **tolerance)
