@@ -8,10 +8,11 @@ axis goes in the vectors (`vector`), and `rows` consecutive indices of another o
     out[.., row, .., vector] += A[.., row-indexed ..] * B[.., vector-indexed ..]    (over K)
 
 For a weight gradient dW[f, c, ky, kx], `vector` = output channels f, and `row` = the kernel's
-columns kx (3 rows x 4 vectors: 12 accumulators, 768 bytes) or, for a 1x1 kernel, 4 input
+columns kx (3 rows x 4 vectors: 12 accumulators, 768 bytes; with 32 vector registers each of
+2 input channels, an `outer_row`, has its 3: 24 accumulators) or, for a 1x1 kernel, 4 input
 channels (x 2 vectors); K runs over the batch's pixels (conv_grad.py picks the tile). Each step
-of K (the reduction loops, kept as they are) broadcasts `rows` values of A and loads the
-vectors of B.
+of K (the reduction loops, kept as they are) broadcasts one value of A per tile row and loads
+the vectors of B.
 
 Steps:
   1. Each operand whose row/vector axis is not its last one is copied channel-last first
@@ -29,10 +30,10 @@ Steps:
 
 Tried and left out: the same form for forward convolutions on 4x4 images (output columns as
 rows) ran no faster than conv.py's schedule (94 vs 110 GFLOP/s, 512 channels); those run as
-im2col + matmul instead (relay_passes/im2col_conv.py). Limits: static channel extents; tiles of
-at most 12 vectors where oneDNN's hold 24-28 (the tile's rows are the kernel's 3 columns):
-ResNet-18's dW runs at 71% of the FMA peak on 32x32 images, 56-57% on 16x16 (Zen 5, 2 cores,
-in the training step's profile). On 4x4 and 8x8 images (47-54% here) the weight gradients run
+im2col + matmul instead (relay_passes/im2col_conv.py). Limits: static channel extents.
+ResNet-18's dW ran at 71% of the FMA peak on 32x32 images, 56-57% on 16x16 (Zen 5, 2 cores,
+in the training step's profile) with 12-vector tiles; on Sapphire Rapids, where dy's loads
+from L2 bound those, 24-vector tiles took it from 48 to 55% (32x32) and 50 to 58% (16x16). On 4x4 and 8x8 images (47-54% here) the weight gradients run
 as an im2col copy with the batch inside and one matmul instead, at 66-79%
 (relay_passes/im2col_conv.py); an earlier try of that form laid the windows out one row per
 pixel of dy, and that copy alone took 2.6 ms.
@@ -85,9 +86,12 @@ def _make_channel_last(sch: s_tir.Schedule, main: SBlockRV, read: int, var: tirx
 
 def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row: int,
                            reduce: list[int], lanes: int, rows: int = TILE_ROWS,
-                           vectors: int = TILE_VECTORS) -> None:
+                           vectors: int = TILE_VECTORS, outer_row: int | None = None,
+                           outer_rows: int = 1) -> None:
     """Schedule `main` (loop positions: `vector`, `row` among its outputs, `reduce` its
-    reduction loops) as described in the module docstring."""
+    reduction loops) as described in the module docstring. With `outer_row` (another output
+    axis), the tile's rows are `outer_rows` x `rows`: that many indices of `outer_row`, each
+    with `rows` indices of `row`."""
     stmt = sch.get(main)
     ivars = [iv.var for iv in stmt.iter_vars]
     for read in range(len(stmt.reads)):
@@ -96,7 +100,8 @@ def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row
             if ivars[axis] in used:
                 _make_channel_last(sch, main, read, ivars[axis])
     loops = sch.get_loops(main)
-    others = [loops[i] for i in range(len(loops)) if i not in (vector, row, *reduce)]
+    tile_axes = (vector, row) if outer_row is None else (vector, row, outer_row)
+    others = [loops[i] for i in range(len(loops)) if i not in (*tile_axes, *reduce)]
     reduce_loops = [loops[i] for i in reduce]
     blocks = _block_first_reduction(sch, reduce_loops, loops[vector])
     if blocks is not None:
@@ -105,8 +110,13 @@ def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row
     vec_outer, vec_inner = sch.split(loops[vector], [None, vectors * lanes])
     vec_unrolled, lane = sch.split(vec_inner, [vectors, lanes])
     row_outer, row_inner = sch.split(loops[row], [None, rows])
-    sch.reorder(*outermost, vec_outer, row_outer, *others, *reduce_loops, row_inner, vec_unrolled, lane)
-    outer = sch.fuse(vec_outer, row_outer, *others)
+    if outer_row is None:
+        tile_rows, row_tiles = [row_inner], [row_outer]
+    else:
+        outer_tiles, outer_inner = sch.split(loops[outer_row], [None, outer_rows])
+        tile_rows, row_tiles = [outer_inner, row_inner], [outer_tiles, row_outer]
+    sch.reorder(*outermost, vec_outer, *row_tiles, *others, *reduce_loops, *tile_rows, vec_unrolled, lane)
+    outer = sch.fuse(vec_outer, *row_tiles, *others)
     store = sch.cache_write(main, 0, "global")
     # NOTE: the vector axis last in the tile too: LLVM at -O1 keeps the tile in registers only
     # when its vectors are contiguous (8x slower otherwise).
@@ -116,7 +126,8 @@ def schedule_implicit_gemm(sch: s_tir.Schedule, main: SBlockRV, vector: int, row
     if blocks is None:  # the tile's sums are complete: stored from registers per tile
         sch.reverse_compute_at(store, outer, preserve_unit_loops=True)
     sch.parallel(outer)
-    sch.unroll(row_inner)
+    for loop in tile_rows:
+        sch.unroll(loop)
     sch.unroll(vec_unrolled)
     sch.vectorize(lane)
     sch.decompose_reduction(main, blocks[0] if blocks is not None else reduce_loops[0])

@@ -52,6 +52,10 @@ from .loops import (
 # Output tile (rows x columns of accumulators); 4 x 3 x 16 floats = 768 bytes stays on the
 # stack (see matmul.ACCUMULATOR_SCOPE) and leaves registers for the 7 operand vectors.
 TILE = (4, 3)
+# The most accumulator vectors of an implicit GEMM's tile with 32 vector registers (AVX-512):
+# with its 4 vectors of dy and one broadcast, they hold it. With 16 (AVX2) the tile stays at
+# the kernel's columns x up to 4 vectors.
+MAX_ACCUMULATORS = 24
 # The fewest tiles of planes for which the parallel loop runs over them (see `_schedule`).
 MIN_GROUP_TILES = 4
 
@@ -69,10 +73,10 @@ class ConvWeightGradient(ScheduleRule):
         inline_copies_into(sch, main)
         cpu = CPUTarget.from_target(target)
         lanes = cpu.lanes(str(sch.get(main).writes[0].source.dtype))
-        tile = _gemm_tile(sch, main, shape, lanes)
+        tile = _gemm_tile(sch, main, shape, lanes, cpu.num_vector_registers)
         if tile is not None:
             schedule_implicit_gemm(sch, main, tile.vector, tile.row, shape.reduce, lanes,
-                                   tile.rows, tile.vectors)
+                                   tile.rows, tile.vectors, tile.outer_row, tile.outer_rows)
         elif not _schedule(sch, main, shape, lanes):
             return None
         schedule_remaining(sch, cpu)
@@ -87,6 +91,8 @@ class GemmTile(NamedTuple):
     row: int
     rows: int
     vectors: int
+    outer_row: int | None = None
+    outer_rows: int = 1
 
 
 def _contiguous_plane(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape) -> bool:
@@ -107,12 +113,17 @@ def _group_axis(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape) -> str | 
     return next((v.name for v in outputs if any(v in vars_in(r.min) for r in data)), None)
 
 
-def _gemm_tile(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int) -> GemmTile | None:
+def _gemm_tile(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int,
+               num_registers: int = 32) -> GemmTile | None:
     """The implicit GEMM's tile when it applies (not grouped: each operand indexed by one
     output channel axis), else None. Preferred: the kernel's columns (kx, 2-5 of them) as the
-    tile's rows, with up to 4 vectors of output channels: 12 accumulators for a 3x3 kernel, and
-    the data's broadcasts are neighbours in its rows (ResNet-18's dW at 240-305 GFLOP/s against
-    150-230 with 4 input channels as the rows). Else 4 input channels x 2 vectors."""
+    tile's rows, with up to 4 vectors of output channels, and with 32 vector registers as many
+    input channels as fill MAX_ACCUMULATORS (2 x 3 columns x 4 vectors for a 3x3 kernel): each
+    vector of dy loaded serves 6 multiply-adds instead of 3. dy streams from L2, and with 3 it
+    was what bound the tile: ResNet-18's dW on 16x16 images 50 -> 58% of the FMA peak, on 32x32
+    48 -> 55% (Sapphire Rapids); the data's broadcasts are neighbours in its rows (240-305
+    GFLOP/s on Zen 5 against 150-230 with 4 input channels as the rows). Else 4 input channels
+    x 2 vectors."""
     stmt = sch.get(main)
     data_vars, grad_vars = reads_vars(stmt, shape.data_read), reads_vars(stmt, 1 - shape.data_read)
     ivars = [iv.var for iv in stmt.iter_vars]
@@ -128,7 +139,12 @@ def _gemm_tile(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int
     for vectors in (4, 3, 2):
         if (2 <= taps <= 5 and channels_out % (vectors * lanes) == 0
                 and taps * vectors * lanes * dtype_bytes < STACK_BYTES):
-            return GemmTile(vector, shape.x, taps, vectors)
+            per_channel = taps * vectors
+            most = MAX_ACCUMULATORS // per_channel if num_registers >= 32 else 1
+            channel_rows = next(r for r in range(max(1, most), 0, -1) if shape.extents[channel_row] % r == 0)
+            if channel_rows == 1:
+                return GemmTile(vector, shape.x, taps, vectors)
+            return GemmTile(vector, shape.x, taps, vectors, channel_row, channel_rows)
     if not tile_fits(channels_out, shape.extents[channel_row], lanes):
         return None
     return GemmTile(vector, channel_row, TILE_ROWS, TILE_VECTORS)
