@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import tvm
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width
+from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
 
 # A matmul's B that is contiguous along J (x @ W, dY @ W) is read in place, K rows of a panel a
@@ -50,7 +50,7 @@ class CPUTarget:
     def from_target(target: Target) -> CPUTarget:
         """Read the vector width off `target` (128-bit SSE when the target names no CPU), and
         the packing threshold off its CPU name."""
-        bits = llvm_get_vector_width(target)
+        bits = _x86_vector_bits(target) if _is_x86(target) else llvm_get_vector_width(target)
         if bits <= 0:
             bits = 128
         zen = str(target.attrs.get("mcpu", "")).startswith("znver")
@@ -62,6 +62,22 @@ class CPUTarget:
     def lanes(self, dtype: str) -> int:
         """How many `dtype` elements one vector register holds (at least 1)."""
         return max(self.vector_bits // tvm.DataType(dtype).bits, 1)
+
+
+def _is_x86(target: Target) -> bool:
+    triple = str(target.attrs.get("mtriple", "")) or tvm.get_global_func("tvm.codegen.llvm.GetDefaultTargetTriple")()
+    return triple.startswith(("x86_64", "i386", "i686"))
+
+
+def _x86_vector_bits(target: Target) -> int:
+    """The widest vector the target's CPU has. `llvm_get_vector_width` answers with the host's
+    (512 on an AVX-512 host for `mcpu=haswell` too): a program exported for another x86 CPU was
+    scheduled for this one's registers."""
+    if target_has_features("avx512f", target):
+        return 512
+    if target_has_features("avx", target):
+        return 256
+    return 128
 
 
 def is_cpu(target: Target | None) -> bool:
