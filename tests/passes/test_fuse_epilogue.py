@@ -210,6 +210,49 @@ def test_epilogue_that_broadcasts_past_the_product_is_not_taken() -> None:
     tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Before)
 
 
+def test_reshape_that_splits_the_innermost_axis_stays_out() -> None:
+    """A weight gradient as one product, [co, ci * 9] -> [co, ci, 3, 3]: in the group its stores
+    go through `j // 9, j // 3 % 3, j % 3`, 16 scalar stores per vector; left out, the reshape is
+    a view. A reshape that keeps the innermost axis (nn.Linear on a 3-D input) still joins."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(dy: R.Tensor((4, 6), "float32"), cols: R.Tensor((18, 6), "float32")):
+            with R.dataflow():
+                ct = R.permute_dims(cols, axes=[1, 0])
+                y = R.matmul(dy, ct)
+                dw = R.reshape(y, R.shape([4, 2, 3, 3]))
+                R.output(dw)
+            return dw
+
+    @I.ir_module
+    class Expected:
+        @R.function(private=True)
+        def fused_relax_permute_dims_relax_matmul(
+            cols: R.Tensor((18, 6), "float32"), dy: R.Tensor((4, 6), "float32")
+        ) -> R.Tensor((4, 18), "float32"):
+            R.func_attr({"Composite": "tvmgraph.fuse_epilogue", "Primitive": True})
+            with R.dataflow():
+                ct = R.permute_dims(cols, axes=[1, 0])
+                gv = R.matmul(dy, ct)
+                R.output(gv)
+            return gv
+
+        @R.function
+        def main(dy: R.Tensor((4, 6), "float32"), cols: R.Tensor((18, 6), "float32")):
+            cls = Expected
+            with R.dataflow():
+                lv = cls.fused_relax_permute_dims_relax_matmul(cols, dy)
+                dw = R.reshape(lv, R.shape([4, 2, 3, 3]))
+                R.output(dw)
+            return dw
+
+    tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Expected)
+    groups = [gv.name_hint for gv, _ in FuseEpilogue()(Linear).functions_items() if gv.name_hint != "main"]
+    assert groups == ["fused_relax_permute_dims_relax_matmul_relax_add_relax_reshape_relax_nn_gelu_relax_add"]
+
+
 def test_chain_stops_where_the_group_would_read_its_own_output() -> None:
     """Two residual layers in a row (`x = x + relu(a(x)); o = x + b(x)`): the first chain ends
     at its residual add, since the second matmul reads that sum and the last add reads the
