@@ -16,7 +16,12 @@ ones give silently wrong numbers (each found against torch eager; tests/numeric/
   anti-aliasing. Here it is torch's separable triangle filter, written as two matmuls with
   constant weight matrices (so its gradient is the transposed matmuls).
 - `upsample_nearest2d`: the stock converter rounds half-pixel centres (`nearest-exact`); torch's
-  `nearest` takes `floor(dst * in / out)` in float32. Here it is two `take`s with those indices.
+  `nearest` takes `floor(dst * in / out)` in float32. Here it is two `take`s with those indices;
+  1-D and 3-D and `nearest-exact` too (torch's decompositions of those index with broadcast
+  index tensors: a CompileError in 3-D).
+- `upsample_bilinear2d` given a scale factor: the stock resize maps positions by in / out where
+  torch uses 1 / scale_factor (`scale_factor=1.7`: wrong pixels), and computes them in float32
+  (float64 off by 1e-7). Those cases are `take`s of the neighbours blended by constant weights.
 - `native_layer_norm`, `native_group_norm`: the stock converters return only the normalized
   output, so the saved mean and rstd (outputs 1 and 2) were that output again; a group norm
   without weight or bias crashed.
@@ -462,9 +467,15 @@ def upsample_bilinear2d_aa(node: torch.fx.Node, importer: ExportedProgramImporte
     return bb.emit(relax.op.matmul(relax.const(wh.astype(dtype), dtype), rows, out_dtype=dtype))
 
 
-def _linear_weights(in_size: int, out_size: int, align_corners: bool, scale_factor: float | None) -> np.ndarray:
-    """torch's linear interpolation along one axis (aten area_pixel_compute_source_index) as an
-    (out_size, in_size) matrix: two weights per row, on the neighbours of the source position."""
+def _linear_taps(in_size: int, out_size: int, align_corners: bool,
+                 scale_factor: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """torch's linear interpolation along one axis (aten area_pixel_compute_source_index): for
+    each output position, its two neighbouring source positions and the second one's weight.
+    An axis that keeps its size is copied whatever the scale factor, as eager's kernels do
+    (`scale_factor=1.3` on 3 pixels)."""
+    if in_size == out_size:
+        same = np.arange(out_size, dtype=np.int64)
+        return same, same, np.zeros(out_size)
     dst = np.arange(out_size, dtype=np.float64)
     if align_corners:
         src = dst * ((in_size - 1) / (out_size - 1) if out_size > 1 else 0.0)
@@ -473,7 +484,12 @@ def _linear_weights(in_size: int, out_size: int, align_corners: bool, scale_fact
         src = np.maximum(scale * (dst + 0.5) - 0.5, 0.0)
     low = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
     high = np.minimum(low + 1, in_size - 1)
-    frac = src - low
+    return low, high, src - low
+
+
+def _linear_weights(in_size: int, out_size: int, align_corners: bool, scale_factor: float | None) -> np.ndarray:
+    """The same interpolation as an (out_size, in_size) matrix: two weights per row."""
+    low, high, frac = _linear_taps(in_size, out_size, align_corners, scale_factor)
     weights = np.zeros((out_size, in_size))
     np.add.at(weights, (np.arange(out_size), low), 1.0 - frac)
     np.add.at(weights, (np.arange(out_size), high), frac)
@@ -508,6 +524,41 @@ def upsample_linear(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     return out
 
 
+def upsample_bilinear2d(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`interpolate(mode='bilinear')`. The stock converter (TVM's resize2d) maps output to input
+    positions by in / out; torch, given a scale factor (not recomputed: the default), by
+    1 / scale_factor: `scale_factor=1.7` on 4 pixels (6 out) read other pixels, max error 1.4 on
+    values near 8. It also computes positions in float32, so float64 results were off by 1e-7.
+    Those cases are two `take`s of the neighbouring rows blended by constant weights, then the
+    same along the columns; the rest keeps the stock resize."""
+    x = importer.env[node.args[0]]
+    size = _arg(node, 1, "output_size", None)
+    align_corners = bool(_arg(node, 2, "align_corners", False))
+    scales = _arg(node, 3, "scale_factors", None)
+    spatial = _static_tail(x, "interpolate(mode='bilinear')", 2)
+    if size is None:
+        size = [int(math.floor(n * s)) for n, s in zip(spatial, scales)]
+    scales = list(scales) if scales is not None else [None, None]
+    by_scale = not align_corners and any(
+        s is not None and n != int(o) and 1.0 / s != n / int(o) for n, o, s in zip(spatial, size, scales))
+    if not by_scale and _dtype(x) != "float64":
+        return stock_converter(importer, "upsample_bilinear2d.vec")(node)
+    bb = importer.block_builder
+    dtype = _dtype(x)
+    out = bb.emit(relax.op.astype(x, "float32")) if dtype in _HALF else x
+    compute = _dtype(out)
+    for axis, (n, o, s) in zip((-2, -1), zip(spatial, size, scales)):
+        low, high, frac = _linear_taps(n, int(o), align_corners, s)
+        shape = [int(o), 1] if axis == -2 else [int(o)]
+        ndim = x.ty.ndim
+        near = bb.emit(relax.op.take(out, relax.const(low, "int64"), axis=ndim + axis))
+        far = bb.emit(relax.op.take(out, relax.const(high, "int64"), axis=ndim + axis))
+        out = bb.emit(relax.op.add(
+            relax.op.multiply(near, relax.const((1.0 - frac).reshape(shape).astype(compute), compute)),
+            relax.op.multiply(far, relax.const(frac.reshape(shape).astype(compute), compute))))
+    return bb.emit(relax.op.astype(out, dtype)) if dtype in _HALF else out
+
+
 def im2col(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """`F.unfold` (`im2col`, kept whole by lowering.decompose): (N, C * kh * kw, L), the window
     offsets as strided slices of the zero-padded input, stacked in torch's (c, i, j) order.
@@ -533,36 +584,51 @@ def im2col(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
     return bb.emit(relax.op.squeeze(columns, axis=[0])) if unbatched else columns
 
 
-def _nearest_indices(in_size: int, out_size: int, scale_factor: float | None) -> np.ndarray:
-    """torch's `nearest` source rows (aten nearest_idx), float32 arithmetic included."""
-    if out_size == in_size:
+def _nearest_indices(in_size: int, out_size: int, scale_factor: float | None, exact: bool,
+                     shortcuts: bool = False) -> np.ndarray:
+    """torch's source rows, float32 arithmetic included: `nearest` or `nearest-exact`
+    (aten nearest_neighbor[_exact]_compute_source_index, pixel corners or centres). With
+    `shortcuts`, as eager's 2-D `nearest` kernel (aten nearest_idx): out = in copies and
+    out = 2 * in halves whatever the scale factor (`scale_factor=1.3` on 3 pixels keeps all 3;
+    1-D and 3-D, and torch's decompositions, give 0, 0, 1)."""
+    if shortcuts and out_size == in_size:
         return np.arange(out_size, dtype=np.int64)
-    if out_size == 2 * in_size:
+    if shortcuts and out_size == 2 * in_size:
         return np.arange(out_size, dtype=np.int64) >> 1
     if scale_factor:
         scale = np.float32(1.0 / scale_factor)
     else:
         scale = np.float32(in_size) / np.float32(out_size)
-    src = np.floor(np.arange(out_size, dtype=np.float32) * scale).astype(np.int64)
+    dst = np.arange(out_size, dtype=np.float32)
+    src = np.floor((dst + np.float32(0.5)) * scale if exact else dst * scale).astype(np.int64)
     return np.minimum(src, in_size - 1)
 
 
-def upsample_nearest2d(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """`interpolate(mode='nearest')`: a `take` of torch's source rows, then of its columns."""
+def upsample_nearest(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`interpolate(mode='nearest' | 'nearest-exact')` in 1, 2 or 3 dims (`upsample_nearest{1,2,3}d`,
+    `_upsample_nearest_exact{1,2,3}d`, kept whole by lowering.decompose): a `take` of torch's
+    source rows per axis. The stock 2-D converter rounds half-pixel centres (`nearest-exact`)
+    for `nearest`; torch's decompositions of the others index with broadcast index tensors,
+    which the stock `index.Tensor` converter rejects (3-D: a CompileError)."""
     bb = importer.block_builder
     x = importer.env[node.args[0]]
+    exact = "exact" in node.target.__name__
+    rank = int(node.target.__name__.split(".")[0][-2])  # upsample_nearest3d.vec -> 3
     size = _arg(node, 1, "output_size", None)
     scales = _arg(node, 2, "scale_factors", None)
-    in_h, in_w = _static_tail(x, "interpolate(mode='nearest')", 2)
+    mode = "nearest-exact" if exact else "nearest"
+    spatial = _static_tail(x, f"interpolate(mode={mode!r})", rank)
     if size is None:
-        size = [int(math.floor(in_h * scales[0])), int(math.floor(in_w * scales[1]))]
-    scale_h, scale_w = (scales[0], scales[1]) if scales is not None else (None, None)
+        size = [int(math.floor(n * s)) for n, s in zip(spatial, scales)]
     out = x
-    for axis, (n, m, s) in ((-2, (in_h, int(size[0]), scale_h)), (-1, (in_w, int(size[1]), scale_w))):
-        if n == m:
+    for axis in range(rank):
+        n, m = spatial[axis], int(size[axis])
+        index = _nearest_indices(n, m, scales[axis] if scales is not None else None, exact,
+                                 shortcuts=rank == 2 and not exact)
+        if m == n and (index == np.arange(n)).all():
             continue
-        index = relax.const(_nearest_indices(n, m, s), "int64")
-        out = bb.emit(relax.op.take(out, index, axis=x.ty.ndim + axis, mode="clip"))
+        dim = x.ty.ndim - rank + axis
+        out = bb.emit(relax.op.take(out, relax.const(index, "int64"), axis=dim, mode="clip"))
     return out
 
 
@@ -794,7 +860,9 @@ CONVERTERS = {
     "grid_sampler_2d.default": grid_sampler_2d,
     "grid_sampler_3d.default": grid_sampler_3d,
     "_upsample_bilinear2d_aa.default": upsample_bilinear2d_aa,
-    "upsample_nearest2d.vec": upsample_nearest2d,
+    "upsample_bilinear2d.vec": upsample_bilinear2d,
+    **{f"{op}{rank}d.vec": upsample_nearest for op in ("upsample_nearest", "_upsample_nearest_exact")
+       for rank in (1, 2, 3)},
     "upsample_linear1d.vec": upsample_linear,
     "upsample_trilinear3d.vec": upsample_linear,
     "im2col.default": im2col,

@@ -92,9 +92,11 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         table.pop(torch.ops.aten._safe_softmax.default)
         table.update(torch._decomp.get_decompositions(EXTRA_DECOMPOSITIONS))
         # Kept whole: their decompositions index with broadcast index tensors (converters_nn.py).
+        nearest = [getattr(torch.ops.aten, f"{name}{rank}d").vec for name in ("upsample_nearest", "_upsample_nearest_exact")
+                   for rank in (1, 2, 3)]
         for op in (torch.ops.aten.im2col.default, torch.ops.aten.upsample_linear1d.vec,
-                   torch.ops.aten.upsample_trilinear3d.vec):
-            table.pop(op)
+                   torch.ops.aten.upsample_trilinear3d.vec, *nearest):
+            table.pop(op, None)
         # Not in the export table; decomposes to a scatter_add of the gradient at the indices.
         pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
         if pool_backward in torch._decomp.decomposition_table:  # torch < 2.12 has none
