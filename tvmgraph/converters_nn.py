@@ -546,11 +546,10 @@ def upsample_bilinear2d(node: torch.fx.Node, importer: ExportedProgramImporter) 
     bb = importer.block_builder
     dtype = _dtype(x)
     out = bb.emit(relax.op.astype(x, "float32")) if dtype in _HALF else x
-    compute = _dtype(out)
+    compute, ndim = _dtype(out), x.ty.ndim
     for axis, (n, o, s) in zip((-2, -1), zip(spatial, size, scales)):
         low, high, frac = _linear_taps(n, int(o), align_corners, s)
-        shape = [int(o), 1] if axis == -2 else [int(o)]
-        ndim = x.ty.ndim
+        shape = [int(o), 1] if axis == -2 else [int(o)]  # the weights broadcast along the axis
         near = bb.emit(relax.op.take(out, relax.const(low, "int64"), axis=ndim + axis))
         far = bb.emit(relax.op.take(out, relax.const(high, "int64"), axis=ndim + axis))
         out = bb.emit(relax.op.add(

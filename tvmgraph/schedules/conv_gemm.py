@@ -33,8 +33,8 @@ rows) ran no faster than conv.py's schedule (94 vs 110 GFLOP/s, 512 channels); t
 im2col + matmul instead (relay_passes/im2col_conv.py). Limits: static channel extents.
 ResNet-18's dW ran at 71% of the FMA peak on 32x32 images, 56-57% on 16x16 (Zen 5, 2 cores,
 in the training step's profile) with 12-vector tiles; on Sapphire Rapids, where dy's loads
-from L2 bound those, 24-vector tiles took it from 48 to 55% (32x32) and 50 to 58% (16x16). On 4x4 and 8x8 images (47-54% here) the weight gradients run
-as an im2col copy with the batch inside and one matmul instead, at 66-79%
+from L2 bound those, 24-vector tiles took it from 48 to 55% (32x32) and 50 to 58% (16x16).
+On 4x4 and 8x8 images (47-54% here) the weight gradients run as an im2col copy with the batch inside and one matmul instead, at 66-79%
 (relay_passes/im2col_conv.py); an earlier try of that form laid the windows out one row per
 pixel of dy, and that copy alone took 2.6 ms.
 """

@@ -142,9 +142,7 @@ def _gemm_tile(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int
             per_channel = taps * vectors
             most = MAX_ACCUMULATORS // per_channel if num_registers >= 32 else 1
             channel_rows = next(r for r in range(max(1, most), 0, -1) if shape.extents[channel_row] % r == 0)
-            if channel_rows == 1:
-                return GemmTile(vector, shape.x, taps, vectors)
-            return GemmTile(vector, shape.x, taps, vectors, channel_row, channel_rows)
+            return GemmTile(vector, shape.x, taps, vectors, channel_row if channel_rows > 1 else None, channel_rows)
     if not tile_fits(channels_out, shape.extents[channel_row], lanes):
         return None
     return GemmTile(vector, channel_row, TILE_ROWS, TILE_VECTORS)
