@@ -171,9 +171,13 @@ def _open_database(log: TuningLog):
 
 
 def _records(database: Any, kernel: Kernel) -> list[Any]:
+    """Every candidate measured for `kernel`, failed ones included: each is a trial (the
+    report's count adds up to the log's lines). `get_top_k` leaves out the candidates that
+    failed to build or run, which a loaded machine's timeouts make."""
     if not database.has_workload(kernel.mod):
         return []
-    return list(database.get_top_k(database.commit_workload(kernel.mod), 1 << 30))
+    workload = database.commit_workload(kernel.mod)
+    return [r for r in database.get_all_tuning_records() if r.workload.same_as(workload)]
 
 
 def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, build: Any, run: Any,

@@ -162,3 +162,23 @@ def test_metaschedules_default_scheduler_starts_every_kernel_first(monkeypatch: 
     _search([_kernel(32, 1, 1e-3), _kernel(48, 1, 1e-3), _kernel(64, 1, 1e-3)], events, trials=3 * ROUND)
     first_result = [kind for kind, _ in events.log].index("result")
     assert events.log[:first_result] == [("build", ROUND), ("run", ROUND)] * 3
+
+
+def test_a_kernels_failed_candidates_count_as_its_trials() -> None:
+    """A candidate that failed to build or run (a timeout on a loaded machine: MetaSchedule logs
+    it with 1e10 s) is a trial of its kernel, so the report's per-kernel counts add up to the
+    log's records (`get_top_k`, used before, leaves such records out: the full suite's tuning
+    test counted 15 of 16 once); the best is the fastest that ran."""
+    small, other = _kernel(8, 1, 1e-3), _kernel(16, 1, 1e-3)
+    with tempfile.TemporaryDirectory() as tmp:
+        db = ms.database.JSONDatabase(f"{tmp}/w.json", f"{tmp}/r.json", allow_missing=True)
+        target = tvm.target.Target({"kind": "llvm"})
+        trace = tvm.s_tir.Schedule(small.mod).trace
+        for kernel, seconds in ((small, 2e-3), (small, 1e10), (small, 1e-3), (other, 5e-3)):
+            workload = db.commit_workload(kernel.mod)
+            db.commit_tuning_record(ms.database.TuningRecord(
+                trace, workload, [tvm.tirx.FloatImm("float32", seconds)], target))
+        records = tuner._records(db, small)
+        assert len(records) == 3 and len(tuner._records(db, other)) == 1
+        best = tuner.best_record(records)
+        assert best is not None and float(best.run_secs[0]) == 1e-3
