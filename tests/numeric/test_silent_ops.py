@@ -388,6 +388,13 @@ GRADIENTS = [
                  id="upsample_bilinear2d-scale_factor"),
     pytest.param(lambda x: F.interpolate(x, size=(3, 5, 2), mode="nearest"), lambda: torch.randn(2, 2, 4, 3, 5),
                  id="upsample_nearest3d"),
+    # a 3-D adaptive average pool's gradient (its window matrices contract one axis at a time):
+    # a zero-padded product whose fused reshape stored its padded rows over the next batch's
+    # first row (the store's bound taken from the reshaped output); the reshape now stays out
+    pytest.param(lambda x: F.interpolate(x, size=(3, 2, 4), mode="area"), lambda: torch.randn(2, 3, 4, 3, 5),
+                 id="adaptive_avg_pool3d-uneven"),
+    pytest.param(lambda x: F.adaptive_avg_pool3d(x, (5, 4, 6)), lambda: torch.randn(2, 3, 4, 3, 5),
+                 id="adaptive_avg_pool3d-up"),
     pytest.param(lambda x: F.group_norm(x, 3), lambda: torch.randn(2, 6, 5), id="group_norm-no_affine"),
     # padding_idx and scale_grad_by_freq were ignored: the padding row trained like any other
     pytest.param(lambda w: F.embedding(_ids(), w, padding_idx=0), lambda: torch.randn(6, 3), id="embedding-padding_idx"),
