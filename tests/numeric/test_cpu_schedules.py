@@ -209,6 +209,27 @@ def test_matmul_packs_a_b_contiguous_along_j_that_many_rows_reread(mcpu: str, m:
     torch.testing.assert_close(out, torch.relu(a @ b + bias), **TOL)
 
 
+def test_padded_rows_of_a_product_stored_through_a_reshape_stay_out_of_the_output() -> None:
+    """C[n, (b, t)] = A[n, :] @ B[:, (b, t)] with 3 rows, padded to the 4-row tile, stored as
+    out[b * 3 + n, t] (a 3-D adaptive average pool's gradient, one axis at a time). Inlined
+    into the tile's store, the padded row n = 3 passed the bound test of the reshaped index
+    (b * 3 + 3 < 72) and overwrote row 0 of batch b + 1 with zeros. Matches numpy."""
+    n, k, batches, t = 3, 2, 24, 4
+    a = te.placeholder((n, k), name="A")
+    b = te.placeholder((k, batches * t), name="B")
+    r = te.reduce_axis((0, k), name="k")
+    c = te.compute((n, batches * t), lambda i, j: te.sum(a[i, r] * b[r, j], axis=r), name="matmul")
+    out = te.compute((batches * n, t), lambda row, col: c[row % n, row // n * t + col], name="reshape")
+    func = te.create_prim_func([a, b, out])
+    with tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids"}):
+        scheduled = ApplyCPUSchedules()(tvm.IRModule({"main": func}))["main"]
+    assert "T.unroll(" in scheduled.script(), "not register-tiled: the case is not exercised"
+    x, y = torch.randn(n, k), torch.randn(k, batches * t)
+    got, _ = run_prim_func(func, x, y, out_shape=(batches * n, t))
+    want = (x @ y).reshape(n, batches, t).permute(1, 0, 2).reshape(batches * n, t)
+    torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("b_trans", [False, True])
 def test_matmul_packs_b_along_its_own_rows(b_trans: bool) -> None:
     """A panel of B is copied in the order B's rows run. W[k, n] (dy @ W in an input gradient):

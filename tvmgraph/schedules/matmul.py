@@ -250,7 +250,8 @@ class Matmul(ScheduleRule):
         pack = pad_j or not b_contiguous or i_at >= cpu.pack_reused_rows
         panel_major = pack and enough_panels(s_at, j_at, tile)
         packed = _prepare_b(sch, main, b, tile, pack, b_contiguous, schedule=not panel_major)
-        outer, tile_loop = _tile_main(sch, main, tile, panel_major)
+        padded = tuple(axis for axis, pad in ((1, pad_i), (2, pad_j)) if pad)
+        outer, tile_loop = _tile_main(sch, main, tile, panel_major, padded)
         if panel_major:
             sch.compute_at(packed, outer, preserve_unit_loops=True)
             _schedule_pack(sch, packed, tile, b_contiguous, parallel=False)
@@ -524,7 +525,7 @@ def _schedule_pack(sch: s_tir.Schedule, producer: SBlockRV, tile: Tile, b_contig
 
 
 def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile,
-               panel_major: bool = False) -> tuple[LoopRV, LoopRV]:
+               panel_major: bool = False, padded: tuple[int, ...] = ()) -> tuple[LoopRV, LoopRV]:
     """Tile the product; the parallel loop runs over (S, J panels, I tiles), or with
     `panel_major` over (S, J panels) only, the I tiles of a panel in order inside it.
     Returns the parallel loop and the loop over tiles."""
@@ -537,7 +538,7 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile,
     tile_loop = io if panel_major else outer
     store = sch.cache_write(main, 0, ACCUMULATOR_SCOPE)
     sch.reverse_compute_at(store, tile_loop, preserve_unit_loops=True)
-    fuse_epilogue(sch, store, tile_loop, tile.lanes)
+    fuse_epilogue(sch, store, tile_loop, tile.lanes, padded)
     parallelize(sch, [outer], work)
     sch.unroll(ii)
     sch.unroll(ji)
@@ -547,13 +548,23 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile,
     return outer, tile_loop
 
 
-def fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: int) -> None:
+def fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: int,
+                  padded: tuple[int, ...] = ()) -> None:
     """Inline the consumers of the accumulator into its store; compute the rest per tile
-    where they read what the tile computed at its own indices, else after the whole product."""
+    where they read what the tile computed at its own indices, else after the whole product.
+
+    `padded`: the accumulator's axes zero-padded to whole tiles. A consumer is inlined only if
+    it reads each of them at one of its own indices alone: the store then runs over the padded
+    elements too, and its bound test checks the output's indices. Through a reshape that mixes
+    a padded axis into another index, a padded row passed it: a 3-D adaptive average pool's
+    gradient (`[b, 3, t]` products padded to 4 rows, stored as `[b * 3 + i, t]`) wrote row 3
+    of batch b over row 0 of batch b + 1."""
     changed = True
     while changed:
         changed = False
         for consumer in sch.get_consumers(store):
+            if padded and not _keeps_padded_axes(sch.get(consumer), sch.get(store), padded):
+                continue
             try:
                 sch.reverse_compute_inline(consumer)
             except s_tir.ScheduleError:
@@ -576,6 +587,29 @@ def fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: in
         if extent is not None and extent % lanes == 0:
             _, vec = sch.split(inner, [None, lanes])
             sch.vectorize(vec)
+
+
+def _keeps_padded_axes(consumer: s_tir.SBlock, store: s_tir.SBlock, padded: tuple[int, ...]) -> bool:
+    """Whether `consumer` reads each padded axis of what `store` writes (`padded`: positions
+    among the store's iterators, [S, I, J]) at one of its own iterators, used by no other index
+    of that read (so the axis stays an index of its output)."""
+    buffer = store.writes[0].source
+    written = [r.min for r in store.writes[0].region]
+    own = {iv.var for iv in consumer.iter_vars}
+    for axis in padded:
+        var = store.iter_vars[axis].var
+        position = next((i for i, e in enumerate(written) if isinstance(e, tirx.Var) and e.same_as(var)), None)
+        if position is None:
+            return False
+        for region in consumer.reads:
+            if not region.source.same_as(buffer):
+                continue
+            indices = [r.min for r in region.region]
+            index = indices[position]
+            others = set().union(*(vars_in(e) for i, e in enumerate(indices) if i != position))
+            if not (isinstance(index, tirx.Var) and index in own and index not in others):
+                return False
+    return True
 
 
 def _transitive_consumers(sch: s_tir.Schedule, block: SBlockRV) -> list[SBlockRV]:
