@@ -77,11 +77,13 @@ int threads(void) { return omp_get_max_threads(); }
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    workdir = Path(tempfile.mkdtemp(prefix="tvmgraph-peak-"))
-    (workdir / "peak.c").write_text(SOURCE)
-    subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(workdir / "peak.so"),
-                    str(workdir / "peak.c")], check=True)
-    lib = ctypes.CDLL(str(workdir / "peak.so"))
+    # The loaded library stays mapped after its directory is removed (each run left one in /tmp).
+    with tempfile.TemporaryDirectory(prefix="tvmgraph-peak-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "peak.c").write_text(SOURCE)
+        subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(workdir / "peak.so"),
+                        str(workdir / "peak.c")], check=True)
+        lib = ctypes.CDLL(str(workdir / "peak.so"))
     lib.fma_flops.restype = ctypes.c_double
     lib.fma_flops.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_float)]
     lib.copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]

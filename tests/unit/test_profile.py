@@ -92,3 +92,18 @@ def test_profile_needs_at_least_one_repeat() -> None:
     graph = ModuleGraph(mlp((4, 4)))
     with pytest.raises(ValueError, match=r"ModuleGraph_\d+: profile\(repeat=0\) needs repeat >= 1"):
         graph.profile(torch.randn(2, 4), repeat=0)
+
+
+def test_measuring_the_limits_leaves_no_files_behind(tmp_path, monkeypatch) -> None:
+    """The FMA / copy probe is compiled into a temporary directory, removed once the library is
+    loaded (every run of benchmarks.peak left one in /tmp), and still measures."""
+    from tvmgraph import hardware
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(hardware.tempfile, "tempdir", None)  # re-read TMPDIR
+    hardware._library.cache_clear()
+    try:
+        assert hardware.fma_peak_gflops(seconds=0.01, repeats=1) > 0
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        hardware._library.cache_clear()
