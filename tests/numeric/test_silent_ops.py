@@ -171,6 +171,11 @@ FORWARD = [
                  id="upsample_bilinear2d-float64"),
     pytest.param(lambda x: F.interpolate(x, scale_factor=1.7, mode="bilinear"), lambda: (x4().bfloat16(),),
                  id="upsample_bilinear2d-scale_factor-bfloat16"),
+    # 1000 outputs pad to 1008 (the 48-column tile); flattened in the product's store, each
+    # row's padded columns landed on the next row's first ones (other threads' panels: 1.9 off)
+    pytest.param(lambda x, w, b: torch.relu(F.linear(x, w, b)).reshape(-1),
+                 lambda: (torch.randn(256, 512), torch.randn(1000, 512) * 0.05, torch.randn(1000)),
+                 id="linear-1000-outputs-flattened"),
     # an axis that keeps its size (3 pixels at scale 1.3) is a copy in eager's linear kernels
     pytest.param(lambda x: F.interpolate(x, scale_factor=1.3, mode="trilinear"), lambda: (torch.randn(1, 2, 3, 4, 3),),
                  id="upsample_trilinear3d-axis-keeps-size"),
