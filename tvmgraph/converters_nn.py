@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -467,6 +468,13 @@ def upsample_bilinear2d_aa(node: torch.fx.Node, importer: ExportedProgramImporte
     return bb.emit(relax.op.matmul(relax.const(wh.astype(dtype), dtype), rows, out_dtype=dtype))
 
 
+def _output_size(size: Sequence[int] | None, spatial: Sequence[int], scales: Sequence[float] | None) -> list[int]:
+    """An interpolation's output size: `output_size` when given, else floor(input * scale)."""
+    if size is None:
+        return [int(math.floor(n * s)) for n, s in zip(spatial, scales)]
+    return [int(o) for o in size]
+
+
 def _linear_taps(in_size: int, out_size: int, align_corners: bool,
                  scale_factor: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """torch's linear interpolation along one axis (aten area_pixel_compute_source_index): for
@@ -510,14 +518,13 @@ def upsample_linear(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     scales = _arg(node, 3, "scale_factors", None)
     shape = _static_shape(x, f"interpolate(mode={'linear' if rank == 1 else 'trilinear'!r})")
     spatial = shape[2:]
-    if size is None:
-        size = [int(math.floor(n * s)) for n, s in zip(spatial, scales)]
+    size = _output_size(size, spatial, scales)
     dtype = x.ty.dtype.dtype
     out = x
     for axis in reversed(range(rank)):  # (..., n_axis, o_{axis+1}, ...) -> (..., o_axis, ...)
-        n, o = spatial[axis], int(size[axis])
+        n, o = spatial[axis], size[axis]
         weights = relax.const(_linear_weights(n, o, align_corners, scales[axis] if scales else None), dtype)
-        lead, tail = shape[:2 + axis], [int(d) for d in size[axis + 1:]]
+        lead, tail = shape[:2 + axis], size[axis + 1:]
         rows = bb.emit(relax.op.reshape(out, [*lead, n, math.prod(tail)]))
         out = bb.emit(relax.op.matmul(weights, rows, out_dtype=dtype))
         out = bb.emit(relax.op.reshape(out, [*lead, o, *tail]))
@@ -536,11 +543,10 @@ def upsample_bilinear2d(node: torch.fx.Node, importer: ExportedProgramImporter) 
     align_corners = bool(_arg(node, 2, "align_corners", False))
     scales = _arg(node, 3, "scale_factors", None)
     spatial = _static_tail(x, "interpolate(mode='bilinear')", 2)
-    if size is None:
-        size = [int(math.floor(n * s)) for n, s in zip(spatial, scales)]
+    size = _output_size(size, spatial, scales)
     scales = list(scales) if scales is not None else [None, None]
     by_scale = not align_corners and any(
-        s is not None and n != int(o) and 1.0 / s != n / int(o) for n, o, s in zip(spatial, size, scales))
+        s is not None and n != o and 1.0 / s != n / o for n, o, s in zip(spatial, size, scales))
     if not by_scale and _dtype(x) != "float64":
         return stock_converter(importer, "upsample_bilinear2d.vec")(node)
     bb = importer.block_builder
@@ -548,8 +554,8 @@ def upsample_bilinear2d(node: torch.fx.Node, importer: ExportedProgramImporter) 
     out = bb.emit(relax.op.astype(x, "float32")) if dtype in _HALF else x
     compute, ndim = _dtype(out), x.ty.ndim
     for axis, (n, o, s) in zip((-2, -1), zip(spatial, size, scales)):
-        low, high, frac = _linear_taps(n, int(o), align_corners, s)
-        shape = [int(o), 1] if axis == -2 else [int(o)]  # the weights broadcast along the axis
+        low, high, frac = _linear_taps(n, o, align_corners, s)
+        shape = [o, 1] if axis == -2 else [o]  # the weights broadcast along the axis
         near = bb.emit(relax.op.take(out, relax.const(low, "int64"), axis=ndim + axis))
         far = bb.emit(relax.op.take(out, relax.const(high, "int64"), axis=ndim + axis))
         out = bb.emit(relax.op.add(
@@ -617,11 +623,10 @@ def upsample_nearest(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     scales = _arg(node, 2, "scale_factors", None)
     mode = "nearest-exact" if exact else "nearest"
     spatial = _static_tail(x, f"interpolate(mode={mode!r})", rank)
-    if size is None:
-        size = [int(math.floor(n * s)) for n, s in zip(spatial, scales)]
+    size = _output_size(size, spatial, scales)
     out = x
     for axis in range(rank):
-        n, m = spatial[axis], int(size[axis])
+        n, m = spatial[axis], size[axis]
         index = _nearest_indices(n, m, scales[axis] if scales is not None else None, exact,
                                  shortcuts=rank == 2 and not exact)
         if m == n and (index == np.arange(n)).all():
