@@ -36,7 +36,7 @@ from . import artifact, codegen
 from .artifact_format import document_digest, files_table, write_file
 from .binding import TensorBinder
 from .compiled_program import CompiledProgram
-from .deploy_runtime import FORMAT, KIND, MANIFEST, host_machine
+from .deploy_runtime import FORMAT, KIND, MANIFEST, host_machine, machine_of
 from .deploy_train_step import train_step_program
 from .entry import tuning_log_for
 from .errors import SaveError, UnsupportedOptionError
@@ -143,7 +143,7 @@ def resolve_target(name: str, target: Any, arch: str | None, device: torch.devic
                    options: Any) -> tuple[tvm.target.Target, list[str]]:
     """The TVM target for `target`, and what a machine needs to run the build."""
     if isinstance(target, tvm.target.Target):
-        kind = "cuda" if target.kind.name == "cuda" else _machine_of(target)
+        kind = "cuda" if target.kind.name == "cuda" else machine_of(target)
     elif target in TARGETS:
         kind = target
     else:
@@ -179,11 +179,6 @@ def resolve_target(name: str, target: Any, arch: str | None, device: torch.devic
     return tvm_target, needs
 
 
-def _machine_of(target: tvm.target.Target) -> str:
-    triple = str(target.attrs.get("mtriple", "")) or TRIPLE_OF[host_machine()]
-    return triple.split("-")[0]
-
-
 def _tree(tree: TreeDef) -> dict[str, Any]:
     doc: dict[str, Any] = {"kind": tree.kind}
     if tree.kind in ("list", "tuple", "dict"):
@@ -213,7 +208,7 @@ def _manifest(graph: Graph, traced: TracedGraph, lowered: LoweredGraph, target: 
     outputs = [{"name": f"output_{i}", "dtype": str(f.dtype), "shape": [int(d) for d in f.shape.values]}
                for i, f in enumerate(fields[n_mut:n_mut + sig.num_user_outputs])]
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
-    machine = host_machine() if kind == "cuda" else _machine_of(target)
+    machine = host_machine() if kind == "cuda" else machine_of(target)
     return {
         "format": FORMAT,
         "kind": KIND,
@@ -288,7 +283,7 @@ def zig_cc(triple: str):
 
 def export(executable: Any, path: Path, target: tvm.target.Target) -> None:
     """Export the library for `target`: this machine's linker, or zig's for another CPU."""
-    machine = _machine_of(target.host if target.kind.name == "cuda" and target.host else target)
+    machine = machine_of(target.host if target.kind.name == "cuda" and target.host else target)
     if machine == host_machine():
         codegen.export_library(executable, path)
         return

@@ -40,6 +40,13 @@ def host_machine() -> str:
     return _MACHINES.get(platform.machine().lower(), platform.machine().lower())
 
 
+def machine_of(target: Any) -> str:
+    """The architecture an llvm target builds for: its triple's (`x86_64`, `aarch64`), else,
+    with no triple, this machine's."""
+    triple = str(target.attrs.get("mtriple", ""))
+    return triple.split("-")[0] if triple else host_machine()
+
+
 class _HideTorch:
     """A meta-path finder under which `import torch` fails (see `_import_tvm`)."""
 

@@ -15,6 +15,8 @@ import tvm
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
+from ..deploy_runtime import machine_of
+
 
 # A matmul's B that is contiguous along J (x @ W, dY @ W) is read in place, K rows of a panel a
 # whole row of B apart, unless this many rows of A reread each panel; then each panel is first
@@ -50,7 +52,8 @@ class CPUTarget:
     def from_target(target: Target) -> CPUTarget:
         """Read the vector width off `target` (128-bit SSE when the target names no CPU), and
         the packing threshold off its CPU name."""
-        bits = _x86_vector_bits(target) if _is_x86(target) else llvm_get_vector_width(target)
+        x86 = machine_of(target) in ("x86_64", "i386", "i686")
+        bits = _x86_vector_bits(target) if x86 else llvm_get_vector_width(target)
         if bits <= 0:
             bits = 128
         zen = str(target.attrs.get("mcpu", "")).startswith("znver")
@@ -62,11 +65,6 @@ class CPUTarget:
     def lanes(self, dtype: str) -> int:
         """How many `dtype` elements one vector register holds (at least 1)."""
         return max(self.vector_bits // tvm.DataType(dtype).bits, 1)
-
-
-def _is_x86(target: Target) -> bool:
-    triple = str(target.attrs.get("mtriple", "")) or tvm.get_global_func("tvm.codegen.llvm.GetDefaultTargetTriple")()
-    return triple.startswith(("x86_64", "i386", "i686"))
 
 
 def _x86_vector_bits(target: Target) -> int:
