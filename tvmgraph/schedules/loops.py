@@ -120,14 +120,17 @@ def reads_at_its_own_indices(sch: s_tir.Schedule, block: SBlockRV, producers: li
     flattened rows, reshaped back, with the pre-reshape value also a result of the kernel)."""
     written = [region.source for p in producers for region in sch.get(p).writes]
     stmt = sch.get(block)
-    own = [iv.var for iv in stmt.iter_vars]
     for region in stmt.reads:
         if not any(region.source.same_as(b) for b in written):
             continue
-        for axis in region.region:
-            if not (isinstance(axis.min, tirx.Var) and any(axis.min.same_as(v) for v in own)):
-                return False
+        if not all(is_own_iterator(axis.min, stmt) for axis in region.region):
+            return False
     return True
+
+
+def is_own_iterator(index: tirx.PrimExpr, block: s_tir.SBlock) -> bool:
+    """Whether `index` is one of `block`'s iterators itself (not an expression of them)."""
+    return isinstance(index, tirx.Var) and any(index.same_as(iv.var) for iv in block.iter_vars)
 
 
 def inline_spatial_blocks(

@@ -58,6 +58,7 @@ from .fallback import schedule_remaining
 from .loops import (
     inline_copies_into,
     inline_spatial_blocks,
+    is_own_iterator,
     is_spatial,
     parallelize,
     reads_at_its_own_indices,
@@ -595,7 +596,6 @@ def _keeps_padded_axes(consumer: s_tir.SBlock, store: s_tir.SBlock, padded: tupl
     of that read (so the axis stays an index of its output)."""
     buffer = store.writes[0].source
     written = [r.min for r in store.writes[0].region]
-    own = {iv.var for iv in consumer.iter_vars}
     for axis in padded:
         var = store.iter_vars[axis].var
         position = next((i for i, e in enumerate(written) if isinstance(e, tirx.Var) and e.same_as(var)), None)
@@ -607,7 +607,7 @@ def _keeps_padded_axes(consumer: s_tir.SBlock, store: s_tir.SBlock, padded: tupl
             indices = [r.min for r in region.region]
             index = indices[position]
             others = set().union(*(vars_in(e) for i, e in enumerate(indices) if i != position))
-            if not (isinstance(index, tirx.Var) and index in own and index not in others):
+            if not is_own_iterator(index, consumer) or any(index.same_as(v) for v in others):
                 return False
     return True
 
