@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import tvm
+import tvm_ffi
 from tvm import relax, s_tir
 
 from tvmgraph.errors import ConfigError, TuningError
@@ -176,8 +177,9 @@ def _records(database: Any, kernel: Kernel) -> list[Any]:
     failed to build or run, which a loaded machine's timeouts make."""
     if not database.has_workload(kernel.mod):
         return []
-    workload = database.commit_workload(kernel.mod)
-    return [r for r in database.get_all_tuning_records() if r.workload.same_as(workload)]
+    # By the kernel's IR, not the workload object: a record committed with its own Workload
+    # (a MemoryDatabase, a record built by hand) names an equal module through another object.
+    return [r for r in database.get_all_tuning_records() if tvm_ffi.structural_equal(r.workload.mod, kernel.mod)]
 
 
 def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, build: Any, run: Any,

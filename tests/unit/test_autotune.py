@@ -203,23 +203,20 @@ def test_a_tuned_schedule_is_used_only_where_it_measured_faster() -> None:
     record beat it by more than the timing noise; failed candidates never win."""
     from types import SimpleNamespace
 
-    def record(us: float):
-        return SimpleNamespace(run_secs=[us * 1e-6])
+    def record(kernel: str, us: float):
+        return SimpleNamespace(workload=SimpleNamespace(mod=kernel), run_secs=[us * 1e-6])
 
     kernels = [SimpleNamespace(name=n, workload=n, flops=1.0, calls=1, default_s=d * 1e-6, mod=n)
                for n, d in (("faster", 10.0), ("slower", 10.0), ("noise", 10.0), ("failed", 10.0))]
-    records = {"faster": [record(4.0), record(7.0)], "slower": [record(12.0)], "noise": [record(9.9)],
-               "failed": [record(1e10 * 1e6)]}
+    records = [record("faster", 4.0), record("faster", 7.0), record("slower", 12.0), record("noise", 9.9),
+               record("failed", 1e10 * 1e6)]
 
     class Database:
         def has_workload(self, mod):
             return True
 
-        def commit_workload(self, mod):
-            return mod
-
-        def get_top_k(self, workload, k):
-            return records[workload]
+        def get_all_tuning_records(self):
+            return records
 
     import autotune.tuner as tuner
 
