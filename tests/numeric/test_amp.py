@@ -242,6 +242,17 @@ def _zoo_case(name: str):
     return make(), x, y, nn.CrossEntropyLoss()
 
 
+def _eager_bf16_lstm_runs() -> bool:
+    """Whether eager's LSTM runs under CPU autocast here: oneDNN's bfloat16 LSTM fails to
+    create its primitive on CPUs without AVX-512 (an AMD Zen 3 raised RuntimeError)."""
+    try:
+        with torch.autocast("cpu", torch.bfloat16):
+            nn.LSTM(4, 4, batch_first=True)(torch.randn(1, 2, 4))
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gru", "lstm", "unet", "vit", "gpt", "llama"])
 def test_models_no_one_here_wrote_train_under_amp_like_eager(name: str) -> None:
@@ -250,6 +261,8 @@ def test_models_no_one_here_wrote_train_under_amp_like_eager(name: str) -> None:
     three SGD steps, losses against eager autocast (observed within 8e-3)."""
     torch.manual_seed(0)
     model, x, y, loss_fn = _zoo_case(name)
+    if name == "lstm" and not _eager_bf16_lstm_runs():
+        pytest.skip("eager has no bfloat16 LSTM on this CPU (oneDNN's needs AVX-512 BF16): no reference")
     rows, *_ = _side_by_side(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05), [(x, y)], 3,
                              loss_fn=loss_fn)
     for step, (loss, ref_loss) in enumerate(rows):
