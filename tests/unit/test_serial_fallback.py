@@ -28,7 +28,9 @@ def test_a_bfloat16_slice_scatter_compiles_and_matches_eager(caplog: pytest.LogC
     assert torch.equal(actual[0], expected[0])
     torch.testing.assert_close(actual[1], expected[1], atol=0, rtol=1e-2)
     serial = [r.getMessage() for r in caplog.records if "built serial" in r.getMessage()]
-    assert len(serial) == 1 and "IntImm can only take scalar" in serial[0], serial
+    # Where the vector form fails (AVX-512's 32 lanes; AVX2's 16 built fine on a Zen 3), that
+    # one kernel is rebuilt serial, and no other.
+    assert len(serial) <= 1 and all("IntImm can only take scalar" in m for m in serial), serial
 
 
 def test_a_kernel_failing_serial_too_raises_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
