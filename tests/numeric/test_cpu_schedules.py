@@ -251,11 +251,12 @@ def test_matmul_packs_b_along_its_own_rows(b_trans: bool) -> None:
 
 @pytest.mark.parametrize("a_trans, per_tile", [(False, True), (True, False)])
 def test_matmul_pads_a_per_tile_when_its_rows_run_along_k(a_trans: bool, per_tile: bool) -> None:
-    """128 rows and a 6-row tile: A is zero-padded to 132 rows. Rows of A along K (attention's
+    """130 rows, which no fast tile divides: A is zero-padded to whole tiles (a 6-row tile: 132
+    rows; 128 rows are a 4-row tile's, unpadded, with 16 registers). Rows of A along K (attention's
     Q, a layer's input) are copied tile by tile inside the parallel loop, a buffer of 6 x K;
     all of A padded up front stayed in TVM's workspace pool (2 MiB per attention product). A
     transposed A (dy in a weight gradient) keeps the one copy: per tile it would be gathered."""
-    batch, m, n, k = 4, 128, 128, 64
+    batch, m, n, k = 4, 130, 128, 64
     func = te_matmul(m, n, k, a_trans, False, batch)
     a = torch.randn(batch, k, m) if a_trans else torch.randn(batch, m, k)
     b, bias = torch.randn(batch, k, n), torch.randn(n)
@@ -669,6 +670,16 @@ def test_tiles_follow_the_core_family() -> None:
     assert (zen.mi, zen.nvec) == (4, 3)
     assert CPUTarget.from_target(Target({"kind": "llvm", "mcpu": "znver4"})).core == "zen"
     assert CPUTarget.from_target(Target({"kind": "llvm", "mcpu": "sapphirerapids"})).core == "intel"
+
+
+def test_with_16_registers_a_tile_that_divides_i_beats_padding_it() -> None:
+    """AVX2 (8 lanes, 16 registers): padding I copies each tile's rows of A once per 16-24-column
+    panel, 17-45% of the product on Zen 3, more than padding J = 64 to 72; over 1024 or 64 rows a
+    4-row tile is taken, over 1020 (no padding of I) the 6 x 2 tile, the fastest there."""
+    for rows in (1024, 64):
+        assert rows % choose_tile(rows, 64, 8, 16, 256, 4, False, core="zen").mi == 0
+    tile = choose_tile(1020, 64, 8, 16, 256, 4, False, core="zen")
+    assert (tile.mi, tile.nvec) == (6, 2)
 
 
 @pytest.mark.parametrize("target, bits, registers", [

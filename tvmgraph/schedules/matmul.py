@@ -103,13 +103,23 @@ _INTEL_TILES_32_REGS = {
     (12, 2): 0.8, (8, 4): 0.7, (3, 4): 0.63, (16, 1): 0.6, (4, 2): 0.54, (2, 4): 0.4,
     (1, 4): 0.18, (1, 1): 0.05,
 }
+# AVX2 (Zen 3, 16 ymm registers): with B packed (`relu(x @ w.T + b)`, 1020 x 240..480 x
+# 256..1024, nothing padded) 6 x 2 ran at 75-77% of the FMA peak, 4 x 3 and 4 x 2 within 4-6% of
+# it; but with B read in place 4 x 2 took 1.5-2x as long as 4 x 3 (an MLP's weight gradients,
+# 1024 x 784..1024 x 64; 64 x 1024 x 1024: 2.77 against 1.30 ms), which loads fewer vectors per
+# multiply-add: 4 x 2 keeps its lower figure.
 _TILES_16_REGS = {
     (6, 2): 1.0, (4, 3): 1.0, (4, 2): 0.8, (3, 2): 0.7, (2, 2): 0.5, (1, 2): 0.25, (1, 1): 0.1,
 }
 TILES = {("zen", 32): _ZEN_TILES_32_REGS, ("intel", 32): _INTEL_TILES_32_REGS,
          ("zen", 16): _TILES_16_REGS, ("intel", 16): _TILES_16_REGS}
 
-_PADDING_PENALTY = 1.05
+# A static I padded to whole tiles: each tile's rows of A copied (zero-padded) once per B panel.
+# With 32 registers (panels of 32-64 columns) that cost about 5%; with 16 (16-24 columns) each
+# copy serves half as many multiply-adds: on Zen 3 a 6-row tile over 1024 or 64 rows ran 17-25%
+# slower than over 1026 or 66 (4 x 2, 4 x 3 need no padding there and ran faster), a 4-row tile
+# over 1026 rows 45% slower than over 1024.
+_PADDING_PENALTY = {32: 1.05, 16: 1.25}
 # A symbolic axis padded at run time: a zero-filled copy of all of A, made under a bounds test
 # TVM cannot simplify (the transformer's 8192 x 1024 x 256 product over a dynamic batch: 2.3x
 # its static time with a 6-row tile, which pads n * 128 rows); or A padded along a static I
@@ -148,7 +158,8 @@ def choose_tile(
     padding I when K is symbolic (`symbolic_k`: the padded copy of A then runs a symbolic loop).
     `core`: the core family whose measurements to use (CPUTarget.core).
     """
-    table = TILES[core, 32 if num_registers >= 32 else 16]
+    registers = 32 if num_registers >= 32 else 16
+    table = TILES[core, registers]
     best: tuple[float, Tile] | None = None
     for (mi, nvec), speed in table.items():
         if i_extent == 1 and mi != 1:
@@ -158,7 +169,7 @@ def choose_tile(
         pads_j = j_pad != j_extent if j_multiple is None else j_multiple % (nvec * lanes) != 0
         cost = i_pad * j_pad / speed
         if pads_i:  # the zero-padded copy of A
-            cost *= _SYMBOLIC_PADDING_PENALTY if i_multiple is not None or symbolic_k else _PADDING_PENALTY
+            cost *= _SYMBOLIC_PADDING_PENALTY if i_multiple is not None or symbolic_k else _PADDING_PENALTY[registers]
         if mi * nvec * lanes * dtype_bytes >= STACK_BYTES:
             cost *= 1.0 + _ALLOC_COST_IN_K_STEPS[core] / max(k_extent, 1)
         if b_contiguous and pads_j:
