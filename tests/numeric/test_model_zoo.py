@@ -73,9 +73,7 @@ def test_zoo_training_matches_eager(name: str) -> None:
     for step in range(10):
         x, y = batches[step % len(batches)]
         for other in (reference, eager32):  # this step from the graph's weights (module docstring)
-            with torch.no_grad():
-                for mine, theirs in zip(model.state_dict().values(), other.state_dict().values()):
-                    theirs.copy_(mine)
+            other.load_state_dict(model.state_dict())
         loss = graph(x, y)
         ref_loss = eager_step(reference, entry.loss, [optimizers[1]], _double(x), y)
         loss32 = eager_step(eager32, entry.loss, [optimizers[2]], x, y)
