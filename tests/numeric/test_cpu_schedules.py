@@ -192,12 +192,14 @@ def test_matmul_packs_b_panel_by_panel_when_there_are_enough_panels(monkeypatch:
 
 @pytest.mark.parametrize("mcpu, m, packed", [
     ("znver5", 64, False), ("znver5", 96, True), ("znver5", 256, True),
+    ("znver3", 8, False), ("znver3", 16, True), ("znver3", 64, True),
     ("sapphirerapids", 16, False), ("sapphirerapids", 32, True), ("rocketlake", 64, True),
 ])
 def test_matmul_packs_a_b_contiguous_along_j_that_many_rows_reread(mcpu: str, m: int, packed: bool) -> None:
     """x @ W with W[k, n] read in place by few rows; from CPUTarget.pack_reused_rows rows of x on
-    (96 on Zen, 32 on Intel cores), each panel of W is first copied contiguous (on Zen 5 the
-    large MLP's input gradient: 0.80x the time; on Sapphire Rapids the batch-64 MLP's: 0.53x).
+    (96 on Zen 5, 16 on Zen 3 with its 16 registers, 32 on Intel cores), each panel of W is
+    first copied contiguous (on Zen 5 the large MLP's input gradient: 0.80x the time; on
+    Sapphire Rapids the batch-64 MLP's: 0.53x; on Zen 3 64 x 1024 x 1024: 0.37x).
     The schedule is decided for `mcpu`; the result is checked on this machine's CPU."""
     n, k = 768, 64  # a multiple of every tile width: no padding, which would pack B anyway
     func = te_matmul(m, n, k, False, False)

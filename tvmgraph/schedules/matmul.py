@@ -17,7 +17,7 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      whole with its rows along K first, unless K is short (TRANSPOSED_A_COPY_K).
   3. Pack B into panels B[S, J / nj, K, nj] (nj = nvec * lanes) when B is not already
      contiguous along J, when J needs padding, or when enough rows of A reread each panel
-     (CPUTarget.pack_reused_rows: 96 on Zen, 32 on Intel): a panel row is then one contiguous read.
+     (CPUTarget.pack_reused_rows: 96 on Zen with AVX-512, 16 with AVX2, 32 on Intel): a panel row is then one contiguous read.
   4. Loops: parallel(S, J/nj) > [pack this panel] > I/mi > K > unroll(mi) > unroll(nvec) >
      vector(lanes) when there are at least PANELS_PER_THREAD panels per thread: each panel is
      packed right before its tiles read it (still in cache), into a workspace of one panel per
