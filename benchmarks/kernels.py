@@ -11,6 +11,12 @@ lowered with tvmgraph's default pipeline with and without `ApplyCPUSchedules`. T
 the minimum and median over `rounds` rounds that rotate through the three engines (other jobs
 on the machine shift all three alike); GFLOP/s counts one multiply-add as 2 FLOP and is left
 out for memory-bound kernels. Ratios above 1.00 mean the scheduled kernel is faster.
+
+"of limit" is each engine's best time as a share of this machine's limit (tvmgraph/hardware.py,
+measured once and cached; `python -m benchmarks.peak` measures again): a kernel whose FLOPs per
+byte of its arguments and result reach the ridge point (FMA peak / bandwidth) is given as a
+share of the fp32 FMA peak (FMA), any other as a share of the copy bandwidth (BW), the rule
+`graph.profile` uses.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch.nn.functional as F
 import tvm
 from tvm import relax
 
+from tvmgraph.hardware import Limits, limits
+from tvmgraph.profile import KernelTime
 from tvmgraph.schedules import ApplyCPUSchedules
 
 TARGET = tvm.target.Target(
@@ -98,6 +106,11 @@ KERNELS = [
            _linear, lambda x, w, b: F.relu(F.linear(x, w, b)), _mm(256, 4096, 4096)),
     Kernel("dX = dY W 256x4096 (K=4096)", "mlp_large", ((256, 4096), (4096, 4096)),
            lambda dy, w: relax.op.matmul(dy, w), lambda dy, w: dy @ w, _mm(256, 4096, 4096)),
+    # At batch 1 both read 64 MiB of W once: bound by memory bandwidth.
+    Kernel("linear+relu 1x4096->4096", "mlp_large", ((1, 4096), (4096, 4096), (4096,)),
+           _linear, lambda x, w, b: F.relu(F.linear(x, w, b)), _mm(1, 4096, 4096)),
+    Kernel("dX = dY W 1x4096 (K=4096)", "mlp_large", ((1, 4096), (4096, 4096)),
+           lambda dy, w: relax.op.matmul(dy, w), lambda dy, w: dy @ w, _mm(1, 4096, 4096)),
     # ---- MLP training step -------------------------------------------------------------------
     Kernel("dW = dY^T X 1024x784 (K=64)", "train", ((64, 1024), (64, 784)),
            lambda dy, x: relax.op.matmul(relax.op.permute_dims(dy), x),
@@ -198,6 +211,16 @@ def _timer(fn: Callable[[], object], seconds: float) -> Callable[[], float]:
     return sample
 
 
+def limit_share(kernel: Kernel, seconds: float, machine: Limits) -> str:
+    """One engine's time as a share of the machine's limit, e.g. "68% FMA" or "41% BW"."""
+    # The bytes a kernel must move at least: its arguments read and its result written once.
+    with torch.no_grad():
+        result = kernel.torch_fn(*(torch.zeros(s) for s in kernel.shapes))
+    nbytes = 4 * (sum(int(np.prod(s)) for s in kernel.shapes) + result.numel())
+    share = KernelTime(kernel.name, 1, seconds, kernel.flops, nbytes).limit_share(machine)
+    return f"{share[0] * 100:.0f}% {share[1]}" if share else "-"
+
+
 def run(kernel: Kernel, rounds: int, seconds: float, with_default: bool) -> dict[str, list[float]]:
     """Interleaved timings (seconds per call) of torch, TVM default and TVM scheduled."""
     rng = np.random.default_rng(0)
@@ -232,10 +255,14 @@ def main() -> None:
     args = parser.parse_args()
     groups = args.cases.split(",")
     only = [s for s in args.only.split(",") if s]
+    machine = limits()
     print(f"target {TARGET.attrs['mcpu']}, torch {torch.__version__} with "
           f"{torch.get_num_threads()} threads; min / median of {args.rounds} interleaved rounds")
+    print(f"limits of {machine.cpu} ({machine.threads} threads): fp32 FMA peak "
+          f"{machine.fma_gflops:.1f} GFLOP/s, copy {machine.bandwidth_gbs:.1f} GB/s")
     print(f"{'kernel':38s} {'torch ms':>17s} {'TVM default ms':>17s} {'scheduled ms':>17s} "
-          f"{'GFLOP/s t/d/s':>17s} {'vs torch':>8s} {'vs default':>10s}")
+          f"{'GFLOP/s t/d/s':>17s} {'of limit: torch':>15s} {'scheduled':>10s} "
+          f"{'vs torch':>8s} {'vs default':>10s}")
     for kernel in KERNELS:
         if kernel.group not in groups or (only and not any(o in kernel.name for o in only)):
             continue
@@ -251,6 +278,8 @@ def main() -> None:
         vs_default = f"{best['default'] / best['scheduled']:9.1f}x" if "default" in best else "-"
         print(f"{kernel.name:38s} {cell('torch'):>17s} {cell('default'):>17s} "
               f"{cell('scheduled'):>17s} {rate:>17s} "
+              f"{limit_share(kernel, best['torch'], machine):>15s} "
+              f"{limit_share(kernel, best['scheduled'], machine):>10s} "
               f"{best['torch'] / best['scheduled']:7.2f}x {vs_default:>10s}", flush=True)
 
 
