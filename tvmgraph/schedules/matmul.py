@@ -265,7 +265,7 @@ class Matmul(ScheduleRule):
         panel_major = pack and enough_panels(s_at, j_at, tile)
         packed = _prepare_b(sch, main, b, tile, pack, b_contiguous, schedule=not panel_major)
         padded = tuple(axis for axis, pad in ((1, pad_i), (2, pad_j)) if pad)
-        chunks = _row_chunks(s_at, i_at, j_at, k_at, tile) if not pack else None
+        chunks = None if pack else _row_chunks(*extents, tile)  # static extents only
         if chunks is not None:
             outer = tile_loop = _tile_one_row_by_k_steps(sch, main, tile, chunks)
         else:
