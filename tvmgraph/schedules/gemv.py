@@ -2,7 +2,8 @@
 W in place.
 
 Matches what `matmul.py` matches, `C[S, I, J] += A[S, I, K] * B[S, J, K]`, when both A and B
-are contiguous along K and A has few rows (I <= K / 16, and at most 128 KiB of A): nn.Linear
+are contiguous along K and A has few rows (I <= K / 16, and at most 128 KiB of A unless W has at
+most 128 rows, a classifier head): nn.Linear
 at small batch, where B is the weight W[out, in]. The matmul rule would pack W into panels on
 every call (a transposing copy of W that costs more than the product itself when I is small:
 700 us of 1270 us for 64 x 1024 x 1024 on one core); this rule reads every row of W straight
@@ -58,6 +59,11 @@ MAX_ROWS_PER_K = 16
 # 64 x 1024 x 1024, 1.24 at 16 x 4096 x 4096 and 2.9 at 64 x 256 x 1024 (256 KiB); 2.8 at
 # 256 x 4096 x 4096 (4 MiB: the large MLP's layers, 46% of the FMA peak before this limit).
 MAX_A_BYTES = 128 * 1024
+# ... unless W has at most this many rows (a classifier head): A is then read only J / rj times,
+# from L2. On Zen 3 (2 threads), this rule against the matmul rule, which packs W: 64 x 1024 ->
+# 10 22 against 47 us, 64 x 1280 -> 10 23 against 41, 64 x 1024 -> 100 117 against 179,
+# 256 x 4096 -> 10 (4 MiB of A) 307 against 321; at 64 x 1024 -> 1024 it lost (above).
+MAX_ROWS_OF_W_REREADING_A = 128
 # Below this many multiply-adds the kernel runs on one thread: waking TVM's worker costs more
 # than a small product (the MLP's 1024 x 10 head). Above it both cores read W: a batch-1 layer
 # reads its weight at ~75 GB/s on one Zen 5 core (a 1024 x 1024 weight in 48 us), about 30 GB/s
@@ -87,7 +93,8 @@ class MatrixVector(ScheduleRule):
         if s_ext is None or i_ext is None or k_ext is None or i_ext * MAX_ROWS_PER_K > k_ext:
             return None
         a_bytes = tvm.DataType(str(stmt.reads[a].source.dtype)).bits // 8
-        if i_ext > 1 and i_ext * k_ext * a_bytes > MAX_A_BYTES:
+        few_rows_of_w = j_ext is not None and j_ext <= MAX_ROWS_OF_W_REREADING_A
+        if i_ext > 1 and i_ext * k_ext * a_bytes > MAX_A_BYTES and not few_rows_of_w:
             return None
         cpu = CPUTarget.from_target(target)
         width = cpu.lanes(str(sch.get(main).writes[0].source.dtype))
