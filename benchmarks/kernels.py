@@ -212,12 +212,15 @@ def _timer(fn: Callable[[], object], seconds: float) -> Callable[[], float]:
     return sample
 
 
-def limit_share(kernel: Kernel, seconds: float, machine: Limits) -> str:
-    """One engine's time as a share of the machine's limit, e.g. "68% FMA" or "41% BW"."""
-    # The bytes a kernel must move at least: its arguments read and its result written once.
+def moved_bytes(kernel: Kernel) -> int:
+    """The bytes the kernel must move at least: its arguments read and its result written once."""
     with torch.no_grad():
         result = kernel.torch_fn(*(torch.zeros(s) for s in kernel.shapes))
-    nbytes = 4 * (sum(int(np.prod(s)) for s in kernel.shapes) + result.numel())
+    return 4 * (sum(int(np.prod(s)) for s in kernel.shapes) + result.numel())
+
+
+def limit_share(kernel: Kernel, seconds: float, nbytes: int, machine: Limits) -> str:
+    """One engine's time as a share of the machine's limit, e.g. "68% FMA" or "41% BW"."""
     share = KernelTime(kernel.name, 1, seconds, kernel.flops, nbytes).limit_share(machine)
     return f"{share[0] * 100:.0f}% {share[1]}" if share else "-"
 
@@ -277,10 +280,11 @@ def main() -> None:
         rate = "/".join(f"{kernel.flops / best[k] / 1e9:.0f}" if kernel.flops else "-"
                         for k in ("torch", "default", "scheduled") if k in best)
         vs_default = f"{best['default'] / best['scheduled']:9.1f}x" if "default" in best else "-"
+        nbytes = moved_bytes(kernel)
         print(f"{kernel.name:38s} {cell('torch'):>17s} {cell('default'):>17s} "
               f"{cell('scheduled'):>17s} {rate:>17s} "
-              f"{limit_share(kernel, best['torch'], machine):>15s} "
-              f"{limit_share(kernel, best['scheduled'], machine):>10s} "
+              f"{limit_share(kernel, best['torch'], nbytes, machine):>15s} "
+              f"{limit_share(kernel, best['scheduled'], nbytes, machine):>10s} "
               f"{best['torch'] / best['scheduled']:7.2f}x {vs_default:>10s}", flush=True)
 
 

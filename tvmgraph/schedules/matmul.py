@@ -575,7 +575,7 @@ ROW_STEP = 8
 
 
 def _row_chunks(s_extent: int | None, i_extent: int | None, j_extent: int | None,
-                k_extent: int | None, tile: Tile, threads: int | None = None) -> int | None:
+                k_extent: int | None, tile: Tile) -> int | None:
     """The number of parallel chunks of J for a one-row product read in place in steps of K,
     or None where that does not apply (more than one row, symbolic extents, short or ragged K,
     a padded J, or one chunk on several threads: the panels then run in parallel each over all
@@ -585,7 +585,7 @@ def _row_chunks(s_extent: int | None, i_extent: int | None, j_extent: int | None
     if k_extent < 4 * ROW_STEP or k_extent % ROW_STEP or j_extent % tile.nj:
         return None
     panels = j_extent // tile.nj
-    threads = threads or os.cpu_count() or 1
+    threads = os.cpu_count() or 1
     # The most chunks, up to one per thread, that divide the panels evenly.
     chunks = max(c for c in range(1, min(threads, panels) + 1) if panels % c == 0)
     return chunks if chunks > 1 or threads == 1 else None
