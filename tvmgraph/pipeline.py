@@ -178,6 +178,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.im2col_conv import Im2colConv
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
     from relay_passes.recompute_late_reads import RecomputeLateReads
+    from relay_passes.recompute_shared_layouts import RecomputeSharedLayouts
     from relay_passes.recompute_upcasts import RecomputeUpcasts
     from relay_passes.separate_backward import SeparateBackward
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
@@ -236,6 +237,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    (No FoldConstant: parameters are inputs, so little folds, and folding compiles and
         #    runs every constant kernel once: 4 s of a 19 s CNN training-graph compile.)
         T.AnnotateTIROpPattern(),
+        #    A layout kernel (reshape, transpose, slice) that several element-wise kernels read
+        #    is redone in each, so that it fuses into them (MHA's q/k/v split).
+        RecomputeSharedLayouts(report),
         T.FuseOps(),
         T.FuseTIR(),
         # 5. The tuning stage: kernels the graph's tuning log has a faster schedule for get

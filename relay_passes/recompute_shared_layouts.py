@@ -1,0 +1,133 @@
+"""RecomputeSharedLayouts: a layout kernel that several element-wise kernels read is redone in
+each of them instead of written out once.
+
+    qkv = call_tir(reshape_transpose, (proj,))        q = call_tir(reshape_transpose, (proj,))
+    q = call_tir(slice0_scale, (qkv,))          ->    q = call_tir(slice0_scale, (q_qkv,))
+    k = call_tir(slice1, (qkv,))                      k_qkv = call_tir(reshape_transpose, (proj,))
+                                                      k = call_tir(slice1, (k_qkv,))
+
+FuseOps fuses an injective producer into its reader only when it has one reader: with several
+it stays a kernel of its own, which writes its whole result and has each reader read it back.
+torch's multi-head attention splits its packed q/k/v projection that way (`unflatten`,
+`unsqueeze`, `transpose`, `squeeze`, then `proj[0]`, `proj[1]`, `proj[2]`): a 3 MiB copy per
+layer at batch 8 that the three slices read again. A kernel that only moves elements (each of its
+blocks stores a plain load of an input) costs nothing to redo inside a reader that moves or
+computes element-wise; with one copy per reader, FuseOps fuses each into its reader, which then
+reads the projection directly. Readers that are not element-wise (a matmul, a reduction) keep the
+kernel as it was: they would not fuse with it, and it would run once per reader.
+
+Only dataflow variables are redone (a block output stays computed once), repeatedly, so that a
+chain of layout kernels (reshape, expand_dims, transpose, squeeze) moves into its readers whole.
+
+Position: after AnnotateTIROpPattern (it reads each PrimFunc's op_pattern), before FuseOps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import relax, s_tir, tirx
+from tvm.ir.expr import TensorLoad
+
+from relay_passes import report_counts
+
+from tvmgraph.schedules.loops import root_blocks
+
+from .bindings import Substitute, rebound, rewrite_dataflow_blocks, vars_in
+
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+_INJECTIVE = 2  # TVM's OpPatternKind: 0 element-wise, 1 broadcast, 2 injective
+
+
+def _callee(mod: tvm.IRModule, value: relax.Expr) -> tirx.PrimFunc | None:
+    """The PrimFunc `value` calls with call_tir, if it is one."""
+    if not (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)):
+        return None
+    func = mod[value.args[0]] if value.args[0] in mod.get_global_vars() else None
+    return func if isinstance(func, tirx.PrimFunc) else None
+
+
+def _pattern(func: tirx.PrimFunc) -> int | None:
+    attrs = func.attrs or {}
+    return int(attrs["op_pattern"]) if "op_pattern" in attrs else None
+
+
+def moves_elements_only(func: tirx.PrimFunc) -> bool:
+    """True for an injective PrimFunc each of whose blocks stores a plain load of a buffer: a
+    reshape, transpose, slice, squeeze or chain of them, with no arithmetic to redo."""
+    pattern = _pattern(func)
+    if pattern is None or pattern > _INJECTIVE:
+        return False
+    sch = s_tir.Schedule(func)
+    blocks = [sch.get(b) for b in root_blocks(sch)]
+    return bool(blocks) and all(isinstance(b.body, tirx.BufferStore) and isinstance(b.body.value, TensorLoad)
+                                for b in blocks)
+
+
+def _is_elementwise_reader(mod: tvm.IRModule, value: relax.Expr) -> bool:
+    func = _callee(mod, value)
+    pattern = _pattern(func) if func is not None else None
+    return pattern is not None and pattern <= _INJECTIVE
+
+
+def recompute(mod: tvm.IRModule, block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, int]:
+    """`block` with each shared layout kernel redone once per element-wise reader (until none
+    is left), and how many copies it made."""
+    bindings = list(block.bindings)
+    copies = 0
+    while True:
+        readers: dict[relax.Var, list[int]] = {}
+        for i, b in enumerate(bindings):
+            for v in set(vars_in(b.value)):
+                readers.setdefault(v, []).append(i)
+        shared = next((i for i in reversed(range(len(bindings))) if _shared_layout(mod, bindings, i, readers)), None)
+        if shared is None:
+            return relax.DataflowBlock(bindings), copies
+        layout = bindings[shared]
+        out: list[relax.Binding] = []
+        for i, b in enumerate(bindings):
+            if i == shared:
+                continue
+            if i in readers[layout.var]:
+                mine = relax.DataflowVar(f"{layout.var.name}_{b.var.name}", layout.var.ty)
+                out.append(relax.VarBinding(mine, layout.value))
+                b = rebound(b, Substitute({layout.var: mine}))
+                copies += 1
+            out.append(b)
+        bindings = out
+
+
+def _shared_layout(mod: tvm.IRModule, bindings: list[relax.Binding], i: int,
+                   readers: dict[relax.Var, list[int]]) -> bool:
+    b = bindings[i]
+    if not (isinstance(b, relax.VarBinding) and isinstance(b.var, relax.DataflowVar)):
+        return False
+    mine = readers.get(b.var, [])
+    if len(mine) < 2:
+        return False
+    func = _callee(mod, b.value)
+    return (func is not None and moves_elements_only(func)
+            and all(isinstance(bindings[j], relax.VarBinding) and _is_elementwise_reader(mod, bindings[j].value)
+                    for j in mine))
+
+
+@tvm.transform.module_pass(opt_level=0, name="RecomputeSharedLayouts")
+class RecomputeSharedLayouts:
+    """Redo a layout kernel read by several element-wise kernels once per reader."""
+
+    def __init__(self, report: Callable[[str], None] | None = None) -> None:
+        self.report = report or (lambda msg: None)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        counts = []
+
+        def rewrite(block: relax.DataflowBlock) -> list[relax.DataflowBlock]:
+            block, n = recompute(mod, block)
+            counts.append(n)
+            return [block]
+
+        mod, _ = rewrite_dataflow_blocks(mod, rewrite)
+        if sum(counts):
+            report_counts(self.report, "RecomputeSharedLayouts", {"layout kernel redone in a reader": sum(counts)})
+        return mod
