@@ -53,8 +53,7 @@ from .loops import (
 # stack (see matmul.ACCUMULATOR_SCOPE) and leaves registers for the 7 operand vectors.
 TILE = (4, 3)
 # The most accumulator vectors of an implicit GEMM's tile with 32 vector registers (AVX-512):
-# with its 4 vectors of dy and one broadcast, they hold it. With 16 (AVX2) the tile stays at
-# the kernel's columns x up to 4 vectors.
+# with its 4 vectors of dy and one broadcast, they hold it.
 MAX_ACCUMULATORS = 24
 # The fewest tiles of planes for which the parallel loop runs over them (see `_schedule`).
 MIN_GROUP_TILES = 4
@@ -93,6 +92,20 @@ class GemmTile(NamedTuple):
     vectors: int
     outer_row: int | None = None
     outer_rows: int = 1
+
+
+def _channel_rows(per_channel: int, vectors: int, channels: int, num_registers: int) -> int:
+    """How many input channels an implicit GEMM's tile takes, each with `per_channel`
+    accumulators: the most that divide `channels` and, with `vectors` vectors of dy and one
+    broadcast, fit the register file (at most MAX_ACCUMULATORS accumulators); 0 when not even
+    one channel's fits.
+
+    With 16 registers (AVX2) the 3 x 4 tile of one channel (12 accumulators, 4 vectors of dy)
+    spilled: ResNet-18's dW 64 x 64 x 3 x 3 on 32 x 32 images took 16-18 ms on Zen 3; 3 columns
+    x 2 vectors x 2 channels (12 accumulators, 2 vectors of dy) 10.0-10.3 ms, 3 x 3 x 1 15-18,
+    3 x 2 x 1 12.2-12.7 (128 channels on 16 x 16: 17.5-18.0, 10.4-10.8, 17.4-21.3, 15.9-16.4)."""
+    most = min(MAX_ACCUMULATORS // per_channel, (num_registers - vectors - 1) // per_channel)
+    return next((r for r in range(most, 0, -1) if channels % r == 0), 0)
 
 
 def _contiguous_plane(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape) -> bool:
@@ -136,13 +149,17 @@ def _gemm_tile(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int
         return None  # grouped: one operand's planes depend on both channels
     taps, channels_out = shape.extents[shape.x], shape.extents[vector]
     dtype_bytes = tvm.runtime.DataType(str(stmt.writes[0].source.dtype)).bits // 8
-    for vectors in (4, 3, 2):
-        if (2 <= taps <= 5 and channels_out % (vectors * lanes) == 0
-                and taps * vectors * lanes * dtype_bytes < STACK_BYTES):
-            per_channel = taps * vectors
-            most = MAX_ACCUMULATORS // per_channel if num_registers >= 32 else 1
-            channel_rows = next(r for r in range(max(1, most), 0, -1) if shape.extents[channel_row] % r == 0)
-            return GemmTile(vector, shape.x, taps, vectors, channel_row if channel_rows > 1 else None, channel_rows)
+    fitting = [vectors for vectors in (4, 3, 2)
+               if (2 <= taps <= 5 and channels_out % (vectors * lanes) == 0
+                   and taps * vectors * lanes * dtype_bytes < STACK_BYTES)]
+    tiles = [(vectors, rows) for vectors in fitting
+             if (rows := _channel_rows(taps * vectors, vectors, shape.extents[channel_row], num_registers))]
+    if num_registers < 32:
+        # The most accumulators (more vectors first on a tie).
+        tiles = sorted(tiles, key=lambda t: -taps * t[0] * t[1])
+    if tiles:
+        vectors, channel_rows = tiles[0]
+        return GemmTile(vector, shape.x, taps, vectors, channel_row if channel_rows > 1 else None, channel_rows)
     if not tile_fits(channels_out, shape.extents[channel_row], lanes):
         return None
     return GemmTile(vector, channel_row, TILE_ROWS, TILE_VECTORS)
