@@ -40,14 +40,6 @@ _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _INJECTIVE = 2  # TVM's OpPatternKind: 0 element-wise, 1 broadcast, 2 injective
 
 
-def _callee(mod: tvm.IRModule, value: relax.Expr) -> tirx.PrimFunc | None:
-    """The PrimFunc `value` calls with call_tir, if it is one."""
-    if not (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)):
-        return None
-    func = mod[value.args[0]] if value.args[0] in mod.get_global_vars() else None
-    return func if isinstance(func, tirx.PrimFunc) else None
-
-
 def _pattern(func: tirx.PrimFunc) -> int | None:
     attrs = func.attrs or {}
     return int(attrs["op_pattern"]) if "op_pattern" in attrs else None
@@ -65,29 +57,63 @@ def moves_elements_only(func: tirx.PrimFunc) -> bool:
                                 for b in blocks)
 
 
-def _is_elementwise_reader(mod: tvm.IRModule, value: relax.Expr) -> bool:
-    func = _callee(mod, value)
-    pattern = _pattern(func) if func is not None else None
-    return pattern is not None and pattern <= _INJECTIVE
+class _Kernels:
+    """What the pass asks of the PrimFunc a binding calls, each answer computed once per kernel."""
+
+    def __init__(self, mod: tvm.IRModule) -> None:
+        self.funcs = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+        self.answers: dict[str, tuple[bool, bool]] = {}
+
+    def _ask(self, value: relax.Expr) -> tuple[bool, bool]:
+        """(moves elements only, element-wise or injective) for a call_tir, else (False, False)."""
+        if not (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)):
+            return False, False
+        name = value.args[0].name_hint
+        if name not in self.answers:
+            func = self.funcs.get(name)
+            pattern = _pattern(func) if func is not None else None
+            self.answers[name] = (func is not None and moves_elements_only(func),
+                                  pattern is not None and pattern <= _INJECTIVE)
+        return self.answers[name]
+
+    def is_layout(self, value: relax.Expr) -> bool:
+        return self._ask(value)[0]
+
+    def is_elementwise(self, value: relax.Expr) -> bool:
+        return self._ask(value)[1]
 
 
 def recompute(mod: tvm.IRModule, block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, int]:
     """`block` with each shared layout kernel redone once per element-wise reader (until none
     is left), and how many copies it made."""
+    kernels = _Kernels(mod)
+    reads: dict[relax.Binding, set[relax.Var]] = {}
+
+    def read_by(b: relax.Binding) -> set[relax.Var]:
+        if b not in reads:
+            reads[b] = set(vars_in(b.value))
+        return reads[b]
+
+    def shared(b: relax.Binding, readers: dict[relax.Var, list[int]]) -> bool:
+        mine = readers.get(b.var, []) if isinstance(b.var, relax.DataflowVar) else []
+        return (len(mine) >= 2 and isinstance(b, relax.VarBinding) and kernels.is_layout(b.value)
+                and all(isinstance(bindings[j], relax.VarBinding) and kernels.is_elementwise(bindings[j].value)
+                        for j in mine))
+
     bindings = list(block.bindings)
     copies = 0
     while True:
         readers: dict[relax.Var, list[int]] = {}
         for i, b in enumerate(bindings):
-            for v in set(vars_in(b.value)):
+            for v in read_by(b):
                 readers.setdefault(v, []).append(i)
-        shared = next((i for i in reversed(range(len(bindings))) if _shared_layout(mod, bindings, i, readers)), None)
-        if shared is None:
+        at = next((i for i in reversed(range(len(bindings))) if shared(bindings[i], readers)), None)
+        if at is None:
             return relax.DataflowBlock(bindings), copies
-        layout = bindings[shared]
+        layout = bindings[at]
         out: list[relax.Binding] = []
         for i, b in enumerate(bindings):
-            if i == shared:
+            if i == at:
                 continue
             if i in readers[layout.var]:
                 mine = relax.DataflowVar(f"{layout.var.name}_{b.var.name}", layout.var.ty)
@@ -96,20 +122,6 @@ def recompute(mod: tvm.IRModule, block: relax.DataflowBlock) -> tuple[relax.Data
                 copies += 1
             out.append(b)
         bindings = out
-
-
-def _shared_layout(mod: tvm.IRModule, bindings: list[relax.Binding], i: int,
-                   readers: dict[relax.Var, list[int]]) -> bool:
-    b = bindings[i]
-    if not (isinstance(b, relax.VarBinding) and isinstance(b.var, relax.DataflowVar)):
-        return False
-    mine = readers.get(b.var, [])
-    if len(mine) < 2:
-        return False
-    func = _callee(mod, b.value)
-    return (func is not None and moves_elements_only(func)
-            and all(isinstance(bindings[j], relax.VarBinding) and _is_elementwise_reader(mod, bindings[j].value)
-                    for j in mine))
 
 
 @tvm.transform.module_pass(opt_level=0, name="RecomputeSharedLayouts")

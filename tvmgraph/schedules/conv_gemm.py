@@ -9,7 +9,8 @@ axis goes in the vectors (`vector`), and `rows` consecutive indices of another o
 
 For a weight gradient dW[f, c, ky, kx], `vector` = output channels f, and `row` = the kernel's
 columns kx (3 rows x 4 vectors: 12 accumulators, 768 bytes; with 32 vector registers each of
-2 input channels, an `outer_row`, has its 3: 24 accumulators) or, for a 1x1 kernel, 4 input
+2 input channels, an `outer_row`, has its 3: 24 accumulators; with 16, 2 input channels x 3 rows
+x 2 vectors, conv_grad._channel_rows) or, for a 1x1 kernel, 4 input
 channels (x 2 vectors); K runs over the batch's pixels (conv_grad.py picks the tile). Each step
 of K (the reduction loops, kept as they are) broadcasts one value of A per tile row and loads
 the vectors of B.
