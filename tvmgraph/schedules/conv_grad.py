@@ -135,8 +135,10 @@ def _gemm_tile(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int
     vector of dy loaded serves 6 multiply-adds instead of 3. dy streams from L2, and with 3 it
     was what bound the tile: ResNet-18's dW on 16x16 images 50 -> 58% of the FMA peak, on 32x32
     48 -> 55% (Sapphire Rapids); the data's broadcasts are neighbours in its rows (240-305
-    GFLOP/s on Zen 5 against 150-230 with 4 input channels as the rows). Else 4 input channels
-    x 2 vectors."""
+    GFLOP/s on Zen 5 against 150-230 with 4 input channels as the rows). With 16 (AVX2) the
+    tile with the most accumulators that leaves registers for its vectors of dy and one
+    broadcast (`_channel_rows`: 2 input channels x 3 columns x 2 vectors for a 3x3 kernel).
+    Else 4 input channels x 2 vectors."""
     stmt = sch.get(main)
     data_vars, grad_vars = reads_vars(stmt, shape.data_read), reads_vars(stmt, 1 - shape.data_read)
     ivars = [iv.var for iv in stmt.iter_vars]
