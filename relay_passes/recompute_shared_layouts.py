@@ -45,12 +45,9 @@ def _pattern(func: tirx.PrimFunc) -> int | None:
     return int(attrs["op_pattern"]) if "op_pattern" in attrs else None
 
 
-def moves_elements_only(func: tirx.PrimFunc) -> bool:
-    """True for an injective PrimFunc each of whose blocks stores a plain load of a buffer: a
-    reshape, transpose, slice, squeeze or chain of them, with no arithmetic to redo."""
-    pattern = _pattern(func)
-    if pattern is None or pattern > _INJECTIVE:
-        return False
+def stores_plain_loads(func: tirx.PrimFunc) -> bool:
+    """True when each block of `func` stores a plain load of a buffer: for an injective PrimFunc,
+    a reshape, transpose, slice, squeeze or chain of them, with no arithmetic to redo."""
     sch = s_tir.Schedule(func)
     blocks = [sch.get(b) for b in root_blocks(sch)]
     return bool(blocks) and all(isinstance(b.body, tirx.BufferStore) and isinstance(b.body.value, TensorLoad)
@@ -58,7 +55,8 @@ def moves_elements_only(func: tirx.PrimFunc) -> bool:
 
 
 class _Kernels:
-    """What the pass asks of the PrimFunc a binding calls, each answer computed once per kernel."""
+    """What the pass asks of the PrimFunc a binding calls, each answer computed once per kernel
+    of the module."""
 
     def __init__(self, mod: tvm.IRModule) -> None:
         self.funcs = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
@@ -72,8 +70,8 @@ class _Kernels:
         if name not in self.answers:
             func = self.funcs.get(name)
             pattern = _pattern(func) if func is not None else None
-            self.answers[name] = (func is not None and moves_elements_only(func),
-                                  pattern is not None and pattern <= _INJECTIVE)
+            injective = pattern is not None and pattern <= _INJECTIVE
+            self.answers[name] = (injective and stores_plain_loads(func), injective)
         return self.answers[name]
 
     def is_layout(self, value: relax.Expr) -> bool:
@@ -83,10 +81,9 @@ class _Kernels:
         return self._ask(value)[1]
 
 
-def recompute(mod: tvm.IRModule, block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, int]:
+def recompute(kernels: _Kernels, block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, int]:
     """`block` with each shared layout kernel redone once per element-wise reader (until none
     is left), and how many copies it made."""
-    kernels = _Kernels(mod)
     reads: dict[relax.Binding, set[relax.Var]] = {}
 
     def read_by(b: relax.Binding) -> set[relax.Var]:
@@ -133,9 +130,10 @@ class RecomputeSharedLayouts:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         counts = []
+        kernels = _Kernels(mod)
 
         def rewrite(block: relax.DataflowBlock) -> list[relax.DataflowBlock]:
-            block, n = recompute(mod, block)
+            block, n = recompute(kernels, block)
             counts.append(n)
             return [block]
 
