@@ -234,6 +234,30 @@ def test_padded_rows_of_a_product_stored_through_a_reshape_stay_out_of_the_outpu
     torch.testing.assert_close(got, want, **TOL)
 
 
+def test_a_reshape_reading_a_padded_axis_through_a_modulo_is_fused_into_the_store() -> None:
+    """Legalized, `reshape(x @ W.T, (2, 128, n))` reads the product at
+    `[(b * 128 + v // n + t) % 256, v % n]`. With J padded to whole tiles, the padded axis was
+    read at `v % n`, not at a plain iterator, so the reshape stayed out of the tile's store and
+    the whole padded product went through a workspace (the GPT's logits: 16 MiB above eager's
+    inference peak, and a pass over them). Simplified under the iterators' ranges, it reads
+    `[b * 128 + t, v]` and fuses. Matches torch."""
+    m, n, k = 256, 100, 64
+    a = te.placeholder((m, k), name="A")
+    w = te.placeholder((n, k), name="W")
+    r = te.reduce_axis((0, k), name="k")
+    c = te.compute((m, n), lambda i, j: te.sum(a[i, r] * w[j, r], axis=r), name="matmul")
+    out = te.compute((2, 128, n), lambda b, t, v: c[(b * 128 + v // n + t) % m, v % n], name="reshape")
+    func = te.create_prim_func([a, w, out])
+    with TARGET:
+        scheduled = ApplyCPUSchedules()(tvm.IRModule({"main": func}))["main"]
+    script = scheduled.script()
+    assert "T.unroll(" in script, "not register-tiled: the case is not exercised"
+    assert 'T.sblock("reshape")' not in script, script
+    x, y = torch.randn(m, k), torch.randn(n, k)
+    got, _ = run_prim_func(func, x, y, out_shape=(2, 128, n))
+    torch.testing.assert_close(got, (x @ y.T).reshape(2, 128, n), **TOL)
+
+
 @pytest.mark.parametrize("b_trans", [False, True])
 def test_matmul_packs_b_along_its_own_rows(b_trans: bool) -> None:
     """A panel of B is copied in the order B's rows run. W[k, n] (dy @ W in an input gradient):

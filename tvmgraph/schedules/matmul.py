@@ -662,6 +662,9 @@ def _keeps_padded_axes(consumer: s_tir.SBlock, store: s_tir.SBlock, padded: tupl
     of that read (so the axis stays an index of its output)."""
     buffer = store.writes[0].source
     written = [r.min for r in store.writes[0].region]
+    analyzer = Analyzer()
+    for iv in consumer.iter_vars:
+        analyzer.bind(iv.var, iv.dom)
     for axis in padded:
         var = store.iter_vars[axis].var
         position = next((i for i, e in enumerate(written) if isinstance(e, tirx.Var) and e.same_as(var)), None)
@@ -670,7 +673,11 @@ def _keeps_padded_axes(consumer: s_tir.SBlock, store: s_tir.SBlock, padded: tupl
         for region in consumer.reads:
             if not region.source.same_as(buffer):
                 continue
-            indices = [r.min for r in region.region]
+            # Under the consumer's ranges, as reverse_compute_inline maps them: a legalized
+            # reshape reads `[(b * 128 + v // n + t) % m, v % n]`, i.e. `[b * 128 + t, v]`. Read
+            # literally, its padded axis `v % n` kept it out of the store, and the whole padded
+            # product went through a workspace (the GPT's logits: 16 MiB).
+            indices = [analyzer.simplify(r.min) for r in region.region]
             index = indices[position]
             others = set().union(*(vars_in(e) for i, e in enumerate(indices) if i != position))
             if not is_own_iterator(index, consumer) or any(index.same_as(v) for v in others):
