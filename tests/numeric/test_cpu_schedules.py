@@ -192,6 +192,37 @@ def test_matmul_packs_b_panel_by_panel_when_there_are_enough_panels(monkeypatch:
     assert (first_parallel < pack < tiles) is panel_major, text[:3000]
 
 
+@pytest.mark.parametrize("m, n, k, row_blocks", [
+    (1030, 200, 600, True),  # A 2.4 MiB, taller than B; I and J padded to whole tiles
+    (1024, 256, 256, False),  # A 1 MiB: panels outermost
+    (256, 1024, 2048, False),  # B taller than A
+])
+def test_a_tall_operand_too_big_for_l2_is_read_in_blocks_of_rows(monkeypatch: pytest.MonkeyPatch, m: int, n: int,
+                                                                  k: int, row_blocks: bool) -> None:
+    """A weight gradient x.T @ dy over many rows of x (a GPT's tied embedding: 4096 x 256 summed
+    over 1024 tokens): with B's panels outermost, every panel read all of A from L3. From
+    ROW_BLOCK_MIN_A_BYTES of A, when A is taller than B, the parallel loop runs over blocks of
+    A's rows instead, each block's tiles meeting every panel of B in turn: loops
+    parallel(blocks) > panels > the block's tiles > K > tile. Matches torch either way."""
+    from tvmgraph.schedules import matmul
+
+    monkeypatch.setattr(matmul.os, "cpu_count", lambda: 2)
+    func = te_matmul(m, n, k, True, False)
+    a, b, bias = torch.randn(k, m), torch.randn(k, n), torch.randn(n)
+    out, _ = run_prim_func(func, a, b, bias, out_shape=(m, n))
+    torch.testing.assert_close(out, torch.relu(a.T @ b + bias), **TOL)
+    sch = Matmul().apply(func, TARGET, False)
+    extents = [int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock("matmul_update"))]
+    kinds = [sch.get(loop).kind for loop in sch.get_loops(sch.get_sblock("matmul_update"))]
+    assert kinds[0] == tirx.ForKind.PARALLEL
+    if row_blocks:
+        blocks, panels, tiles, _, mi, nvec, lanes = extents
+        assert blocks * tiles * mi >= m > (blocks * tiles - 1) * mi and blocks >= 8, extents
+        assert panels == -(-n // (nvec * lanes)), extents
+    else:
+        assert len(extents) < 7, extents
+
+
 @pytest.mark.parametrize("mcpu, m, packed", [
     ("znver5", 64, False), ("znver5", 96, True), ("znver5", 256, True),
     ("znver3", 8, False), ("znver3", 16, True), ("znver3", 64, True),
