@@ -1,0 +1,105 @@
+"""`relax.grad.take_backward` (an embedding's or a gather's gradient) as a parallel kernel.
+
+`dx = take_backward(dy, x, indices, axis)` adds each slice `dy[..., l, ...]` into
+`dx[..., indices[l], ...]`; repeated indices add up. TVM 0.27 legalizes it into one serial
+loop nest that zero-fills `dx` and then, for each element of a row, walks every index: a GPT's
+tied-embedding gradient (1024 tokens into 4096 x 256) took 2.5 ms of its training step on one
+core, the writes 1 KiB apart.
+
+Here the columns after `axis` (the embedding dimension) are cut into chunks, one parallel
+iteration per (leading index, chunk): each clears its own chunk of `dx` and adds the rows of
+`dy` into it index by index, a vector at a time. No two iterations write the same element, so
+repeated indices need no atomics and add up in index order, as the serial loop did.
+
+Shapes must be static and `axis` given (tvmgraph's gradients always pass it, with 1-D indices);
+anything else keeps TVM's legalization. Importing this module registers it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tvm
+from tvm import relax, te, tirx
+from tvm.relax.transform.legalize_ops import grad as _stock
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+from tvm.tirx.script.builder.utils import buffer_proxy
+
+_LEVEL = 11  # above TVM's own (10)
+
+# A chunk is at least this many columns (one cache line of floats per row, at least): narrower
+# chunks share cache lines between threads.
+MIN_CHUNK_COLUMNS = 16
+VECTOR_COLUMNS = 8
+
+
+def _static(shape) -> list[int] | None:
+    dims = [d for d in shape]
+    return [int(d) for d in dims] if all(isinstance(d, tirx.IntImm) for d in dims) else None
+
+
+def column_chunks(leading: int, columns: int, threads: int) -> int:
+    """How many chunks to cut `columns` into: the fewest, dividing it evenly and at least
+    MIN_CHUNK_COLUMNS wide, that give every thread some (leading x chunks) iterations."""
+    best = 1
+    for chunks in range(1, columns + 1):
+        if columns % chunks or columns // chunks < MIN_CHUNK_COLUMNS:
+            continue
+        best = chunks
+        if leading * chunks >= threads:
+            break
+    return best
+
+
+def _parallel_take_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    axis = call.attrs.axis
+    dy, x, indices = call.args
+    x_shape, dy_shape = _static(x.ty.shape), _static(dy.ty.shape)
+    idx_shape = _static(indices.ty.shape) if isinstance(indices.ty, relax.TensorType) else None
+    if axis is None or x_shape is None or dy_shape is None or idx_shape is None or len(idx_shape) != 1:
+        return _stock._grad_take_backward(bb, call)
+    axis = int(axis) % len(x_shape)
+    leading = 1
+    for d in x_shape[:axis]:
+        leading *= d
+    columns = 1
+    for d in x_shape[axis + 1:]:
+        columns *= d
+    rows, count = x_shape[axis], idx_shape[0]
+    chunks = column_chunks(leading, columns, os.cpu_count() or 1)
+    width = columns // chunks
+    vector = VECTOR_COLUMNS if width % VECTOR_COLUMNS == 0 else 1
+
+    def kernel(dy_t: te.Tensor, x_t: te.Tensor, idx_t: te.Tensor):
+        def gen_ir(dy_ptr, _x_ptr, idx_ptr, out_ptr):
+            out, grad, idx = buffer_proxy(out_ptr), buffer_proxy(dy_ptr), buffer_proxy(idx_ptr)
+            zero = tirx.const(0, x_t.dtype)
+            i64 = lambda n: tirx.IntImm("int64", n)  # noqa: E731  (relax shapes are int64)
+            with IRBuilder() as ib:
+                with T.parallel(i64(leading * chunks)) as task:
+                    lead = task // chunks
+                    first = task % chunks * width
+                    out_base = lead * rows * columns + first
+                    grad_base = lead * count * columns + first
+                    with T.serial(i64(rows)) as r:
+                        with T.serial(i64(width // vector)) as c:
+                            with T.vectorized(i64(vector)) as v:
+                                out[out_base + r * columns + c * vector + v] = zero
+                    with T.serial(i64(count)) as l:
+                        row = tirx.Cast("int64", idx[l]) * columns
+                        with T.serial(i64(width // vector)) as c:
+                            with T.vectorized(i64(vector)) as v:
+                                at = out_base + row + c * vector + v
+                                out[at] = out[at] + grad[grad_base + l * columns + c * vector + v]
+            return ib.get()
+
+        out_buf = tirx.decl_buffer(x_t.shape, x_t.dtype, "out_buf")
+        return te.extern([x_t.shape], [dy_t, x_t, idx_t],
+                         lambda ins, outs: gen_ir(ins[0], ins[1], ins[2], outs[0]),
+                         dtype=x_t.dtype, out_buffers=[out_buf], name="take_backward", tag="take_backward")
+
+    return bb.call_te(kernel, dy, x, indices, primfunc_name_hint="take_backward")
+
+
+tvm.ir.register_op_attr("relax.grad.take_backward", "FLegalize", _parallel_take_backward, level=_LEVEL)
