@@ -38,8 +38,9 @@ transformer's n * 128 rows), and a symbolic I or J is zero-padded to whole tiles
 provably divides it (a 1x1 convolution's J, n * H * W, usually is).
 
 Limits: float types only; no K blocking (fine while a B panel, K * nj
-floats, fits in L2: K up to ~4096); a transposed B is packed with strided reads (about a
-third of the time of a 64 x 1024 x 1024 product goes to that); a matrix-vector product with
+floats, fits in L2: K up to ~4096); B is packed on every call, even a weight an inference
+graph reads unchanged: at 64 x 1024 x 1024 that caps the product at 61-67% of the FMA peak on
+Zen 3, where panels packed once ran at 76-83% (docs/benchmarks.md); a matrix-vector product with
 a transposed B packs it too (a dot-product kernel would read it once).
 """
 
