@@ -561,6 +561,16 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile,
     work = tile.mi * tile.nj * work_extent(sch, k) * (work_extent(sch, io) if panel_major else 1)
     outer = sch.fuse(s, jo) if panel_major else sch.fuse(s, jo, io)
     tile_loop = io if panel_major else outer
+    _finish_tiles(sch, main, tile, outer, tile_loop, work, (ii, ji, jv, k), padded)
+    return outer, tile_loop
+
+
+def _finish_tiles(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, outer: LoopRV, tile_loop: LoopRV,
+                  work: int, inner: tuple[LoopRV, LoopRV, LoopRV, LoopRV], padded: tuple[int, ...]) -> None:
+    """What every tiling of the product shares: the accumulator tile kept in registers and
+    stored, with its epilogue, once per `tile_loop` iteration; `outer` parallel; the tile's
+    rows and vectors (`inner`: ii, ji, jv and the K loop outside them) unrolled and vectorized."""
+    ii, ji, jv, k = inner
     store = sch.cache_write(main, 0, ACCUMULATOR_SCOPE)
     sch.reverse_compute_at(store, tile_loop, preserve_unit_loops=True)
     fuse_epilogue(sch, store, tile_loop, tile.lanes, padded)
@@ -570,7 +580,6 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile,
     sch.vectorize(jv)
     init = sch.decompose_reduction(main, k)
     sch.vectorize(sch.get_loops(init)[-1])
-    return outer, tile_loop
 
 
 # A taller than B and too big for L2 (a weight gradient dy.T @ x over many tokens, the GPT's
@@ -615,15 +624,7 @@ def _tile_row_blocks(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, per_block:
     jo, ji, jv = sch.split(j, [None, tile.nvec, tile.lanes])
     sch.reorder(s, ib, jo, io, k, ii, ji, jv)
     outer = sch.fuse(s, ib)
-    store = sch.cache_write(main, 0, ACCUMULATOR_SCOPE)
-    sch.reverse_compute_at(store, io, preserve_unit_loops=True)
-    fuse_epilogue(sch, store, io, tile.lanes, padded)
-    parallelize(sch, [outer], work)
-    sch.unroll(ii)
-    sch.unroll(ji)
-    sch.vectorize(jv)
-    init = sch.decompose_reduction(main, k)
-    sch.vectorize(sch.get_loops(init)[-1])
+    _finish_tiles(sch, main, tile, outer, io, work, (ii, ji, jv, k), padded)
     return outer, io
 
 
