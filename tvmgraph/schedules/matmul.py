@@ -14,7 +14,7 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      that fits the register file, and zero-pad I and J up to whole tiles (`pad_einsum`); a
      padded A whose rows run along K is copied a tile's rows at a time, right before the tile
      (`_pad_a_per_tile`); an A whose rows run across K (x.T in a weight gradient) is copied
-     whole with its rows along K first, unless K is short (TRANSPOSED_A_COPY_K).
+     whole with its rows along K first, unless K is short or A small (TRANSPOSED_A_COPY_K, _MIN_BYTES).
   3. Pack B into panels B[S, J / nj, K, nj] (nj = nvec * lanes) when B is not already
      contiguous along J, when J needs padding, or when enough rows of A reread each panel
      (CPUTarget.pack_reused_rows: 96 on Zen with AVX-512, 16 with AVX2, 32 on Intel): a panel row is then one contiguous read.
@@ -264,7 +264,9 @@ class Matmul(ScheduleRule):
         pad_j = not _divides(sch, j_loop, tile.nj)
         if pad_i or pad_j:
             sch.pad_einsum(main, [1, tile.mi if pad_i else 1, tile.nj if pad_j else 1, 1])
-        padded_a = _prepare_a(sch, main, a, copy=not a_rows_along_k and k_at >= TRANSPOSED_A_COPY_K)
+        copy_a = (not a_rows_along_k and k_at >= TRANSPOSED_A_COPY_K
+                  and i_at * k_at * tvm.DataType(str(dtype)).bits // 8 > TRANSPOSED_A_COPY_MIN_BYTES)
+        padded_a = _prepare_a(sch, main, a, copy=copy_a)
         pack = pad_j or not b_contiguous or i_at >= cpu.pack_reused_rows
         row_blocks = _row_block_tiles(sch, main, tile, pack)
         panel_major = pack and enough_panels(s_at, j_at, tile) and row_blocks is None
@@ -481,6 +483,10 @@ def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int, copy: bool) -> SBloc
 # 1024 x 1024 x 256 weight gradient took 4.6 ms so on Sapphire Rapids, 2.1 ms with A first
 # copied with its rows along K. Short sums (K = 64, a batch-64 MLP) stay in place.
 TRANSPOSED_A_COPY_K = 128
+# ... and only where A (per batch) outgrows the caches: an attention gradient P^T @ dO reads a
+# 128 x 128 P per head, whose rows the tiles share from L1/L2; copied it took 0.62 ms, read in
+# place 0.54 (32 heads x 128 x 64 x 128 on Zen 3).
+TRANSPOSED_A_COPY_MIN_BYTES = 256 << 10
 
 
 def _pad_a_per_tile(sch: s_tir.Schedule, padded: SBlockRV, tile_loop: LoopRV, tile: Tile) -> None:
