@@ -17,6 +17,7 @@ anything else keeps TVM's legalization. Importing this module registers it.
 
 from __future__ import annotations
 
+import math
 import os
 
 import tvm
@@ -35,8 +36,7 @@ VECTOR_COLUMNS = 8
 
 
 def _static(shape) -> list[int] | None:
-    dims = [d for d in shape]
-    return [int(d) for d in dims] if all(isinstance(d, tirx.IntImm) for d in dims) else None
+    return [int(d) for d in shape] if all(isinstance(d, tirx.IntImm) for d in shape) else None
 
 
 def column_chunks(leading: int, columns: int, threads: int) -> int:
@@ -60,12 +60,7 @@ def _parallel_take_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.E
     if axis is None or x_shape is None or dy_shape is None or idx_shape is None or len(idx_shape) != 1:
         return _stock._grad_take_backward(bb, call)
     axis = int(axis) % len(x_shape)
-    leading = 1
-    for d in x_shape[:axis]:
-        leading *= d
-    columns = 1
-    for d in x_shape[axis + 1:]:
-        columns *= d
+    leading, columns = math.prod(x_shape[:axis]), math.prod(x_shape[axis + 1:])
     rows, count = x_shape[axis], idx_shape[0]
     chunks = column_chunks(leading, columns, os.cpu_count() or 1)
     width = columns // chunks

@@ -14,8 +14,9 @@ from tvm.relax.op import grad as relax_grad
 import tvmgraph.pipeline  # noqa: F401  (registers the legalization)
 from tests.conftest import SGDStep, assert_close
 from tvmgraph.take_backward import MIN_CHUNK_COLUMNS, column_chunks
+from tvmgraph.target import host_cpu
 
-TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()})
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": host_cpu()})
 
 
 def take_backward_module(x_shape: tuple[int, ...], count: int, axis: int) -> tvm.IRModule:

@@ -211,8 +211,12 @@ def _divides(sch: s_tir.Schedule, loop: LoopRV, factor: int) -> bool:
 def enough_panels(s_extent: int, j_extent: int, tile: Tile, threads: int | None = None) -> bool:
     """Whether the product has enough B panels to run panel by panel in parallel (see `Matmul`;
     a symbolic extent comes at batch 64, loops.work_extent)."""
-    panels = s_extent * ((j_extent + tile.nj - 1) // tile.nj)
-    return panels >= PANELS_PER_THREAD * (threads or os.cpu_count() or 1)
+    return _enough_per_thread(s_extent * ((j_extent + tile.nj - 1) // tile.nj), threads)
+
+
+def _enough_per_thread(iterations: int, threads: int | None = None) -> bool:
+    """Whether a parallel loop of `iterations` unequal ones gives each thread PANELS_PER_THREAD."""
+    return iterations >= PANELS_PER_THREAD * (threads or os.cpu_count() or 1)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -249,6 +253,7 @@ class Matmul(ScheduleRule):
             return None
         cpu = CPUTarget.from_target(target)
         dtype = sch.get(main).writes[0].source.dtype
+        dtype_bytes = tvm.DataType(str(dtype)).bits // 8
         lanes = cpu.lanes(dtype)
         b_contiguous = _b_contiguous(func, sch, main, lanes)
         # A symbolic axis (a dynamic batch) is tiled as at batch 64 (loops.work_extent), the
@@ -256,8 +261,7 @@ class Matmul(ScheduleRule):
         # unless the tile provably divides it (a 1x1 convolution's J, n * H * W).
         s_loop, i_loop, j_loop, k_loop = sch.get_loops(main)
         s_at, i_at, j_at, k_at = (work_extent(sch, loop) for loop in (s_loop, i_loop, j_loop, k_loop))
-        tile = choose_tile(i_at, j_at, lanes, cpu.num_vector_registers, k_at,
-                           tvm.DataType(str(dtype)).bits // 8, b_contiguous,
+        tile = choose_tile(i_at, j_at, lanes, cpu.num_vector_registers, k_at, dtype_bytes, b_contiguous,
                            _known_multiple(sch, i_loop), _known_multiple(sch, j_loop),
                            _known_multiple(sch, k_loop) is not None, core=cpu.core)
         pad_i = not _divides(sch, i_loop, tile.mi)
@@ -265,10 +269,10 @@ class Matmul(ScheduleRule):
         if pad_i or pad_j:
             sch.pad_einsum(main, [1, tile.mi if pad_i else 1, tile.nj if pad_j else 1, 1])
         copy_a = (not a_rows_along_k and k_at >= TRANSPOSED_A_COPY_K
-                  and i_at * k_at * tvm.DataType(str(dtype)).bits // 8 > TRANSPOSED_A_COPY_MIN_BYTES)
+                  and i_at * k_at * dtype_bytes > TRANSPOSED_A_COPY_MIN_BYTES)
         padded_a = _prepare_a(sch, main, a, copy=copy_a)
         pack = pad_j or not b_contiguous or i_at >= cpu.pack_reused_rows
-        row_blocks = _row_block_tiles(sch, main, tile, pack)
+        row_blocks = _row_block_tiles(sch, main, tile, pack, dtype_bytes)
         panel_major = pack and enough_panels(s_at, j_at, tile) and row_blocks is None
         packed = _prepare_b(sch, main, b, tile, pack, b_contiguous, schedule=not panel_major)
         padded = tuple(axis for axis, pad in ((1, pad_i), (2, pad_j)) if pad)
@@ -599,7 +603,8 @@ ROW_BLOCK_MIN_A_BYTES = 2 << 20
 ROW_BLOCK_BYTES = 256 << 10  # one block of A: half of Zen 3's L2, 64 rows at K = 1024
 
 
-def _row_block_tiles(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, pack: bool) -> int | None:
+def _row_block_tiles(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, pack: bool,
+                     dtype_bytes: int) -> int | None:
     """Register tiles of rows per block when the product runs in blocks of A's rows (see
     ROW_BLOCK_MIN_A_BYTES), else None: the largest divisor of I's tiles that keeps a block
     within ROW_BLOCK_BYTES (no block is partial) and leaves PANELS_PER_THREAD blocks per
@@ -608,14 +613,12 @@ def _row_block_tiles(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, pack: bool
     if None in extents or not pack:
         return None
     s, i, j, k = extents
-    dtype_bytes = tvm.DataType(str(sch.get(main).writes[0].source.dtype)).bits // 8
     if i * k * dtype_bytes < ROW_BLOCK_MIN_A_BYTES or i < j:
         return None
     tiles = i // tile.mi  # I is padded to whole tiles by now
     most = max(1, ROW_BLOCK_BYTES // (dtype_bytes * k * tile.mi))
-    blocks_needed = PANELS_PER_THREAD * (os.cpu_count() or 1)
     fits = [d for d in range(1, min(tiles, most) + 1)
-            if tiles % d == 0 and s * (tiles // d) >= blocks_needed]
+            if tiles % d == 0 and _enough_per_thread(s * (tiles // d))]
     return max(fits) if fits else None
 
 
