@@ -3,7 +3,7 @@
 Matches any PrimFunc with a reduction block that the matmul and convolution rules left alone.
 Spatial blocks are first inlined into spatial consumers, and into a reduction when it is their
 only consumer and reads them element for element (so `(x - mean)^2` folds into the variance
-sum, but the `exp` of a softmax, read twice, stays materialized). Then one of two schedules:
+sum, but the `exp` of a softmax, read twice, stays materialized). Then one of three schedules:
 
 Row fusion (softmax, layer_norm, mean over trailing axes): when every block starts with the
 same spatial "row" loops, the rows run in parallel and every block is computed at the row
@@ -11,8 +11,14 @@ loop, so a row is read from cache by each block in turn. Reductions along the ro
 vectorized with rfactor: up to ROW_CHAINS vectors of partial results (independent chains of
 additions), added into one vector, whose lanes are summed at the end.
 
-Block by block (everything else, e.g. batch-norm statistics over N, H, W of an NCHW tensor,
-and bias gradients summed over the batch axis): each loop nest is scheduled on its own. A
+Channel by channel (training batch-norm: its mean and variance over N, H, W of NCHW and the
+normalization, all reading x): when every reduction keeps one axis, every other block reads
+their results at that axis, and some block reads again an input an earlier one read, all the
+blocks run under one parallel loop over that axis (`_schedule_channels`), so each channel's
+data comes from memory once and from cache after.
+
+Block by block (everything else, e.g. a channel mean applied to another tensor, and bias
+gradients summed over the batch axis): each loop nest is scheduled on its own. A
 reduction whose input is contiguous along a reduced axis gets the rfactor vectorization; one
 whose input is contiguous along a kept axis ("column" reduction, `dy.sum(0)`) loops over the
 reduced axes outside and vectorizes the kept axis inside, parallel over chunks of it.
