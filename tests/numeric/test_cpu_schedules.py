@@ -77,13 +77,16 @@ def finish(mod: tvm.IRModule) -> tvm.runtime.Executable:
 
 
 def run_relax(mod: tvm.IRModule, *inputs: torch.Tensor,
-              extra: tuple[tvm.transform.Pass, ...] = ()) -> tuple[torch.Tensor, tvm.IRModule]:
-    """Compile `mod` with the CPU schedules, run main; returns (output, scheduled module)."""
+              extra: tuple[tvm.transform.Pass, ...] = ()) -> tuple[torch.Tensor | list[torch.Tensor], tvm.IRModule]:
+    """Compile `mod` with the CPU schedules, run main; returns (output, or the list of outputs
+    of a tuple result, and the scheduled module)."""
     with TARGET:
         scheduled = ApplyCPUSchedules()(fuse(mod, *extra))
     vm = relax.VirtualMachine(finish(scheduled), tvm.cpu())
     out = vm["main"](*[tvm.runtime.tensor(x.numpy()) for x in inputs])
-    return torch.from_numpy(out.numpy()), scheduled
+    if hasattr(out, "numpy"):
+        return torch.from_numpy(out.numpy()), scheduled
+    return [torch.from_numpy(o.numpy()) for o in out], scheduled
 
 
 def run_prim_func(func: tirx.PrimFunc, *inputs: torch.Tensor,
@@ -894,15 +897,6 @@ def _channel_module(shape: tuple[int, ...], body) -> tvm.IRModule:
     return bb.get()
 
 
-def _run_channel_module(mod: tvm.IRModule, *inputs: torch.Tensor) -> tuple[list[torch.Tensor], tirx.PrimFunc]:
-    with TARGET:
-        scheduled = ApplyCPUSchedules()(fuse(mod))
-    out = relax.VirtualMachine(finish(scheduled), tvm.cpu())["main"](*[tvm.runtime.tensor(t.numpy()) for t in inputs])
-    outs = [out] if hasattr(out, "numpy") else list(out)
-    (func,) = prim_funcs(scheduled).values()
-    return [torch.from_numpy(o.numpy()) for o in outs], func
-
-
 def test_batch_norm_statistics_and_normalization_run_channel_by_channel() -> None:
     """Training batch-norm's mean, variance and normalization all read x: one parallel loop
     over the channels runs the three for one channel in turn, so that the channel comes from
@@ -913,7 +907,8 @@ def test_batch_norm_statistics_and_normalization_run_channel_by_channel() -> Non
     x, y = torch.randn(*shape) * 2 + 1, torch.randn(*shape)
     g, b, mean, var = torch.rand(channels) + 0.5, torch.randn(channels), torch.randn(channels), torch.rand(channels) + 1
     mod = _channel_module(shape, lambda x, y, g, b, m, v: relax.op.nn.batch_norm(x, g, b, m, v, axis=1, training=True))
-    (out, new_mean, new_var), func = _run_channel_module(mod, x, y, g, b, mean, var)
+    (out, new_mean, new_var), scheduled = run_relax(mod, x, y, g, b, mean, var)
+    (func,) = prim_funcs(scheduled).values()
     running_mean, running_var = mean.clone(), var.clone()
     expected = torch.nn.functional.batch_norm(x, running_mean, running_var, g, b, training=True, momentum=0.1)
     torch.testing.assert_close(out, expected, **TOL)
@@ -930,7 +925,8 @@ def test_a_channel_statistic_of_one_tensor_applied_to_another_runs_block_by_bloc
     shape = (32, channels, 32, 32)  # a channel: 128 KiB
     x, y = torch.randn(*shape), torch.randn(*shape)
     mod = _channel_module(shape, lambda x, y, *_: relax.op.multiply(relax.op.mean(x, axis=[0, 2, 3], keepdims=True), y))
-    (out,), func = _run_channel_module(mod, x, y, *torch.ones(4, channels))
+    out, scheduled = run_relax(mod, x, y, *torch.ones(4, channels))
+    (func,) = prim_funcs(scheduled).values()
     torch.testing.assert_close(out, x.mean((0, 2, 3), keepdim=True) * y, **TOL)
     assert func.script().count("T.parallel(") == 2
 

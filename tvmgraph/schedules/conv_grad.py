@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import LoopRV, SBlockRV
@@ -40,6 +39,7 @@ from .cpu_target import CPUTarget
 from .fallback import schedule_remaining
 from .matmul import STACK_BYTES
 from .loops import (
+    element_bytes,
     inline_copies_into,
     inline_spatial_blocks,
     loop_binding,
@@ -150,7 +150,7 @@ def _gemm_tile(sch: s_tir.Schedule, main: SBlockRV, shape: ConvShape, lanes: int
     if ivars[vector] in data_vars or ivars[channel_row] in grad_vars:
         return None  # grouped: one operand's planes depend on both channels
     taps, channels_out = shape.extents[shape.x], shape.extents[vector]
-    dtype_bytes = tvm.runtime.DataType(str(stmt.writes[0].source.dtype)).bits // 8
+    dtype_bytes = element_bytes(stmt.writes[0].source.dtype)
     fitting = [vectors for vectors in (4, 3, 2)
                if (2 <= taps <= 5 and channels_out % (vectors * lanes) == 0
                    and taps * vectors * lanes * dtype_bytes < STACK_BYTES)]

@@ -27,7 +27,6 @@ ri * rj * width scalar adds per tile (I * J * width in all), which is why large 
 
 from __future__ import annotations
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule import SBlockRV
@@ -35,6 +34,7 @@ from tvm.target import Target
 
 from .cpu_target import CPUTarget
 from .fallback import schedule_remaining
+from .loops import element_bytes
 from .matmul import (
     ACCUMULATOR_SCOPE,
     canonicalize,
@@ -92,7 +92,7 @@ class MatrixVector(ScheduleRule):
         s_ext, i_ext, j_ext, k_ext = extents
         if s_ext is None or i_ext is None or k_ext is None or i_ext * MAX_ROWS_PER_K > k_ext:
             return None
-        a_bytes = tvm.DataType(str(stmt.reads[a].source.dtype)).bits // 8
+        a_bytes = element_bytes(stmt.reads[a].source.dtype)
         few_rows_of_w = j_ext is not None and j_ext <= MAX_ROWS_OF_W_REREADING_A
         if i_ext > 1 and i_ext * k_ext * a_bytes > MAX_A_BYTES and not few_rows_of_w:
             return None

@@ -7,6 +7,8 @@ transform loops skip blocks that do not have that shape instead of failing.
 
 from __future__ import annotations
 
+import os
+
 import tvm
 import tvm.ir.expr as E
 from tvm import s_tir, tirx
@@ -20,6 +22,17 @@ from tvm_ffi.structural import structural_mutate
 # pool takes 6-10 us on the 2-core Zen 5 test machine, while one core adds 256K floats to
 # 256K floats in about 30 us (measured with benchmarks/kernels.py's harness).
 MIN_PARALLEL_ELEMENTS = 1 << 18
+
+
+def element_bytes(dtype: object) -> int:
+    """Bytes per element of a buffer's dtype."""
+    return tvm.DataType(str(dtype)).bits // 8
+
+
+def enough_per_thread(iterations: int, per_thread: int, threads: int | None = None) -> bool:
+    """Whether a parallel loop of `iterations` unequal ones gives each of `threads` (default:
+    this machine's CPUs) at least `per_thread` of them."""
+    return iterations >= per_thread * (threads or os.cpu_count() or 1)
 
 
 def root_blocks(sch: s_tir.Schedule) -> list[SBlockRV]:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad, TensorRegion
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -62,6 +61,8 @@ from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
 from .fallback import schedule_remaining
 from .loops import (
+    element_bytes,
+    enough_per_thread,
     inline_copies_into,
     inline_spatial_blocks,
     is_own_iterator,
@@ -211,12 +212,7 @@ def _divides(sch: s_tir.Schedule, loop: LoopRV, factor: int) -> bool:
 def enough_panels(s_extent: int, j_extent: int, tile: Tile, threads: int | None = None) -> bool:
     """Whether the product has enough B panels to run panel by panel in parallel (see `Matmul`;
     a symbolic extent comes at batch 64, loops.work_extent)."""
-    return _enough_per_thread(s_extent * ((j_extent + tile.nj - 1) // tile.nj), threads)
-
-
-def _enough_per_thread(iterations: int, threads: int | None = None) -> bool:
-    """Whether a parallel loop of `iterations` unequal ones gives each thread PANELS_PER_THREAD."""
-    return iterations >= PANELS_PER_THREAD * (threads or os.cpu_count() or 1)
+    return enough_per_thread(s_extent * ((j_extent + tile.nj - 1) // tile.nj), PANELS_PER_THREAD, threads)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -253,7 +249,7 @@ class Matmul(ScheduleRule):
             return None
         cpu = CPUTarget.from_target(target)
         dtype = sch.get(main).writes[0].source.dtype
-        dtype_bytes = tvm.DataType(str(dtype)).bits // 8
+        dtype_bytes = element_bytes(dtype)
         lanes = cpu.lanes(dtype)
         b_contiguous = _b_contiguous(func, sch, main, lanes)
         # A symbolic axis (a dynamic batch) is tiled as at batch 64 (loops.work_extent), the
@@ -618,7 +614,7 @@ def _row_block_tiles(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, pack: bool
     tiles = i // tile.mi  # I is padded to whole tiles by now
     most = max(1, ROW_BLOCK_BYTES // (dtype_bytes * k * tile.mi))
     fits = [d for d in range(1, min(tiles, most) + 1)
-            if tiles % d == 0 and _enough_per_thread(s * (tiles // d))]
+            if tiles % d == 0 and enough_per_thread(s * (tiles // d), PANELS_PER_THREAD)]
     return max(fits) if fits else None
 
 

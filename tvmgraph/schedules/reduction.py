@@ -37,9 +37,7 @@ lane.
 from __future__ import annotations
 
 import math
-import os
 
-import tvm
 from tvm import s_tir, tirx
 from tvm.sym import Analyzer
 from tvm.s_tir.dlight.base import ScheduleRule
@@ -49,6 +47,8 @@ from tvm.target import Target
 from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
 from .loops import (
+    element_bytes,
+    enough_per_thread,
     inline_spatial_blocks,
     is_spatial,
     iter_kinds,
@@ -86,8 +86,7 @@ class Reduction(ScheduleRule):
         # NOTE: not only ScheduleError: TVM's rfactor has raised InternalError on shapes this
         # rule did not foresee; the block-by-block schedule below is the fallback for any.
         except Exception:  # noqa: BLE001
-            pass
-        sch = _prepared(func)
+            sch = _prepared(func)
         for block in root_blocks(sch):
             lanes = _lanes(sch, block, cpu)
             if is_spatial(sch, block):
@@ -177,8 +176,8 @@ def _schedule_channels(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
     batch-norm statistics over N, H, W of NCHW) and the blocks that read their results at that
     channel (the normalization, the running statistics), under one parallel loop over the
     channels. Each channel's data then goes through memory once and is read again from cache,
-    where block by block every block read the whole tensor from memory. False (nothing
-    changed that matters: the caller starts again) if the function is not shaped so."""
+    where block by block every block read the whole tensor from memory. False, with `sch`
+    untouched, if the function is not shaped so."""
     blocks = root_blocks(sch)
     if len(blocks) < 2:
         return False
@@ -238,9 +237,10 @@ def _schedule_channels(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
         return False
     (channels,) = extents
     largest = max(math.prod(work_extent(sch, l) for l in sch.get_loops(b)) for b in blocks)
-    itemsize = max(tvm.DataType(str(sch.get(b).writes[0].source.dtype)).bits // 8 for b in blocks)
-    if largest // channels * itemsize > CHANNEL_BYTES or channels < CHANNELS_PER_THREAD * (os.cpu_count() or 1):
+    itemsize = max(element_bytes(sch.get(b).writes[0].source.dtype) for b in blocks)
+    if largest // channels * itemsize > CHANNEL_BYTES or not enough_per_thread(channels, CHANNELS_PER_THREAD):
         return False
+    # Only now does the schedule change.
     partials = []
     for block, loop in zip(blocks, loops):
         others = [l for l in sch.get_loops(block) if not sch.get(l).same_as(sch.get(loop))]
@@ -317,7 +317,7 @@ def _rfactor_row(
     fused = sch.fuse(*reduce_loops[-count:]) if count > 1 else reduce_loops[-1]
     extent = static_extent(sch, fused) or width
     # Each chain at least two vectors long, else the chains' sum costs what they save.
-    chains = next(c for c in (ROW_CHAINS, 2, 1) if extent % (width * c) == 0 and extent >= 2 * width * c or c == 1)
+    chains = next((c for c in (ROW_CHAINS, 2) if extent % (width * c) == 0 and extent >= 2 * width * c), 1)
     _, lane = sch.split(fused, [None, width * chains])
     # The partial sums go last in their buffer, so that one vector store writes them all.
     axis = len(sch.get(block).writes[0].region)
