@@ -74,12 +74,13 @@ class Reduction(ScheduleRule):
         sch = _prepared(func)
         if sch is None:
             return None
+        # NOTE: both fusions leave `sch` untouched when they return False; only a failure
+        # half-way needs a fresh one.
         try:
             if _schedule_rows(sch, cpu):
                 return sch
         except s_tir.ScheduleError:
-            pass
-        sch = _prepared(func)
+            sch = _prepared(func)
         try:
             if _schedule_channels(sch, cpu):
                 return sch
@@ -120,7 +121,8 @@ def _leading_spatial(kinds: str) -> int:
 
 
 def _schedule_rows(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
-    """Compute every block at the shared row loop of the output block; False if not shaped so."""
+    """Compute every block at the shared row loop of the output block; False, with `sch`
+    untouched, if not shaped so."""
     blocks = root_blocks(sch)
     if len(blocks) < 2 or not is_spatial(sch, blocks[-1]):
         return False
