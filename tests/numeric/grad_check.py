@@ -87,6 +87,11 @@ def vjp_module(
     return relax.transform.Gradient("main", require_grads=require)(mod)
 
 
+def without_main(mod: tvm.IRModule) -> tvm.IRModule:
+    """`main_adjoint` and the kernels a gradient added (batch_norm_backward), without `main`."""
+    return tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint != "main"})
+
+
 class CompiledVJP:
     """A compiled :func:`vjp_module`: ``loss(*arrays)`` and ``grads(*arrays)``.
 
@@ -95,7 +100,7 @@ class CompiledVJP:
     """
 
     def __init__(self, mod: tvm.IRModule) -> None:
-        adjoint = tvm.IRModule({"main_adjoint": mod["main_adjoint"]})
+        adjoint = without_main(mod)
         self.vm = relax.VirtualMachine(tvm.compile(adjoint, target=TARGET), tvm.cpu())
 
     def loss(self, *arrays: np.ndarray) -> float:
@@ -286,7 +291,7 @@ class CompiledLossGrad:
         require = [var for var in state_vars if var.name in parameters]
         assert len(require) == len(parameters), "every parameter must be a function input"
         mod = relax.transform.Gradient("main", require_grads=require, target_index=0)(mod)
-        adjoint = tvm.IRModule({"main_adjoint": mod["main_adjoint"]})
+        adjoint = without_main(mod)
         self.vm = relax.VirtualMachine(tvm.compile(adjoint, target=TARGET), tvm.cpu())
         self.state_names = [targets[var.name] for var in state_vars]
         self.parameter_names = [targets[var.name] for var in require]

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
+from .batch_norm_backward import batch_norm_backward
 from ._common import const, dims_of, normalize_axes, prod, register, shape_of, sum_to_shape
 from ._common import tuple_field_grad
 
@@ -48,7 +49,9 @@ def batch_norm_grad(
 
     ``A`` is every axis but ``axis`` (the channel), ``n`` its element count, ``m`` the momentum.
 
-    * training: mu and var are the batch statistics, so ``dx`` is the general formula above;
+    * training: mu and var are the batch statistics, so ``dx`` is the general formula above,
+      computed with dgamma and dbeta by one kernel (batch_norm_backward.py) unless the running
+      statistics reach the loss;
       the running-stat outputs ``new_mean = (1-m) mean + m mu`` and
       ``new_var = (1-m) var + m var_b`` add ``m/n * d(new_mean)`` and
       ``2m/n * (x - mu) * d(new_var)`` to ``dx``, and ``(1-m)`` times their gradients to the
@@ -72,6 +75,14 @@ def batch_norm_grad(
     d_new_mean = tuple_field_grad(ctx, output_grad, 1)
     d_new_var = tuple_field_grad(ctx, output_grad, 2)
 
+    if attrs.training and dy is not None and d_new_mean is None and d_new_var is None:
+        # The usual case (only y feeds the loss): one kernel (batch_norm_backward.py).
+        grads = ctx.emit_te(batch_norm_backward, x, dy, gamma if attrs.scale else None, axis,
+                            float(attrs.epsilon), primfunc_name_hint="batch_norm_backward")
+        dx, dgamma, dbeta = (relax.TupleGetItem(grads, i) for i in range(3))
+        return [dx, dgamma if attrs.scale else grad_op.no_grad(gamma),
+                dbeta if attrs.center else grad_op.no_grad(beta),
+                grad_op.no_grad(moving_mean), grad_op.no_grad(moving_var)]
     if attrs.training:
         centered, var = _statistics(x, axes)
     else:
