@@ -316,6 +316,12 @@ def _rfactor_row(
     if suffix is None:
         return []
     count, width = suffix
+    # Too few elements for every chain (batch-norm sums over 8 x 8 images: one chain of one
+    # vector), the vector takes in the next loops out while they continue one contiguous run.
+    run = _contiguous_run(sch, block, reduce_loops)
+    extents = [static_extent(sch, l) for l in reduce_loops]
+    while count < run and math.prod(extents[-count:]) < 2 * width * ROW_CHAINS:
+        count += 1
     fused = sch.fuse(*reduce_loops[-count:]) if count > 1 else reduce_loops[-1]
     extent = static_extent(sch, fused) or width
     # Each chain at least two vectors long, else the chains' sum costs what they save.
@@ -330,6 +336,29 @@ def _rfactor_row(
         _, lane = sch.split(sch.get_loops(block)[-1], [None, width])
         partials.append(sch.rfactor(lane, factor_axis=axis))
     return partials
+
+
+def _contiguous_run(sch: s_tir.Schedule, block: SBlockRV, loops: list) -> int:
+    """How many of the innermost `loops` (at least one) walk the block's largest read as one
+    contiguous run: each reads one trailing axis of it, whole, in order (NCHW's H and W). Their
+    fused index then flattens back to one offset, and vector loads stay contiguous."""
+    stmt = sch.get(block)
+    realize = sch.get(sch.get_loops(block)[-1]).body
+    bound = {iv.var: value for iv, value in zip(stmt.iter_vars, realize.iter_values)}
+    reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
+    read = max(reads, key=lambda r: len(r.region))
+    shape = read.source.shape
+    run = 0
+    for loop, region, dim in zip(reversed(loops), reversed(read.region), reversed(shape)):
+        var = sch.get(loop).loop_var
+        index = region.min
+        if not (isinstance(index, tirx.Var) and index in bound and bound[index].same_as(var)):
+            break
+        extent = static_extent(sch, loop)
+        if extent is None or not isinstance(dim, tirx.IntImm) or int(dim) != extent:
+            break
+        run += 1
+    return max(run, 1)
 
 
 def _vector_suffix(extents: list[int | None], lanes: int) -> tuple[int, int] | None:
