@@ -37,7 +37,13 @@ as CNHW with dy read as IOHW) is one matmul over the batch's pixels:
 
 when its images are narrower than a vector, its conv strided or its kernel 1x1. The copies
 are kh * kw times the smaller image: ResNet-18's largest is 9.4 MiB, live only until the next
-kernel has read it.
+kernel has read it. A 1x1 one with stride 1 and no padding needs no copy: NCHW is already
+[channels, pixels] per image, so
+
+    dw = R.reshape(R.sum(R.matmul(R.reshape(dy, [N, F, H * W]),
+                                  R.permute_dims(R.reshape(x, [N, C, H * W]), [0, 2, 1])), axis=[0]), [F, C, 1, 1])
+
+(x first when it has more channels), while the per-image products are no larger than dy and x.
 
 Exact up to the order of the sums (the matmul adds the C * kh * kw products in its own order).
 
@@ -113,6 +119,9 @@ class _Rewriter(PyExprMutator):
         if name == "relax.nn.conv2d" and _worth_it(call, "OIHW"):
             self.counts["conv2d as im2col + matmul"] += 1
             return self._im2col_matmul(call)
+        if name == "relax.nn.conv2d" and _pointwise_weight_grad(call):
+            self.counts["1x1 weight gradient as per-image matmuls"] += 1
+            return self._per_image_weight_grad(call)
         if name == "relax.nn.conv2d" and _weight_grad_worth_it(call):
             self.counts["weight gradient as im2col + matmul"] += 1
             return self._weight_grad_matmul(call)
@@ -170,6 +179,27 @@ class _Rewriter(PyExprMutator):
                                           out_dtype=str(call.ty.dtype)))
         return relax.op.reshape(product, [f, c, kh, kw])
 
+    def _per_image_weight_grad(self, call: relax.Call) -> relax.Expr:
+        """dw of a 1x1 conv with stride 1: the sum over the images of dy[n] @ x[n]^T, both read
+        as [channels, pixels], which NCHW already is; the operand with more channels is the
+        matmul's A, read in place, and the other one's transpose is packed by the matmul."""
+        bb = self.builder_
+        data, dy = call.args
+        batch, f, ho, wo = dy.ty.shape.values
+        c = data.ty.shape.values[1]
+        dy_rows = bb.emit(relax.op.reshape(dy, [batch, f, ho * wo]))
+        x_rows = bb.emit(relax.op.reshape(data, [batch, c, ho * wo]))
+        out_dtype = str(call.ty.dtype)
+        if int(f) >= int(c):
+            per_image = bb.emit(relax.op.matmul(dy_rows, bb.emit(relax.op.permute_dims(x_rows, [0, 2, 1])),
+                                                out_dtype=out_dtype))
+            dw = relax.op.sum(per_image, axis=[0])
+        else:
+            per_image = bb.emit(relax.op.matmul(x_rows, bb.emit(relax.op.permute_dims(dy_rows, [0, 2, 1])),
+                                                out_dtype=out_dtype))
+            dw = relax.op.permute_dims(bb.emit(relax.op.sum(per_image, axis=[0])), [1, 0])
+        return relax.op.reshape(bb.emit(dw), [f, c, 1, 1])
+
     def _matmul_col2im(self, call: relax.Call) -> relax.Expr:
         """conv2d_transpose(dy, w): every pixel of dy times the kernel (one matmul, w read in
         place), then each output pixel sums the products that land on it (col2im)."""
@@ -218,6 +248,26 @@ def _static_shapes(call: relax.Call, layouts: tuple[str, str, str]) -> list | No
     if any(str(a.ty.dtype) not in inputs for a in call.args):
         return None
     return dims
+
+
+def _pointwise_weight_grad(call: relax.Call) -> bool:
+    """A 1x1 conv's weight gradient, stride 1 and no padding, whose per-image products [F, C]
+    are no larger than their operands [F + C, pixels]. As one matmul over the batch's pixels,
+    both operands were first copied to [channels, N * pixels] (a 25 MiB dy for the CNN's 96
+    channels at 32 x 32); per image, NCHW is read in place: 3.6 -> 1.5 ms there, 28% -> 66% of
+    the FMA peak (Zen 3). With more products than pixels (512 x 256 channels at 4 x 4) the
+    per-image results would outgrow the tensors they come from."""
+    dims = _static_shapes(call, ("CNHW", "IOHW", "CNHW"))
+    if dims is None:
+        return False
+    data, dy, out = dims
+    attrs = call.attrs
+    if [int(d) for d in out[2:]] != [1, 1] or [int(d) for d in data[2:]] != [int(d) for d in dy[2:]]:
+        return False
+    if _ints(attrs.padding) != [0, 0, 0, 0] or _ints(attrs.dilation) != [1, 1]:
+        return False
+    f, c, pixels = int(dy[1]), int(data[1]), int(dy[2]) * int(dy[3])
+    return f * c <= (f + c) * pixels
 
 
 def _weight_grad_worth_it(call: relax.Call) -> bool:

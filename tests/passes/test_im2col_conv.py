@@ -183,7 +183,7 @@ WEIGHT_GRAD_CASES = {
     "3x3-s2": ((2, 8, 7, 7), (5, 8, 3, 3), 2, 1, 1),
     "3x3-dilated": ((2, 4, 8, 7), (3, 4, 3, 3), 1, 2, 2),
     "5x3-s2-no-padding": ((1, 6, 9, 7), (4, 6, 5, 3), 2, 0, 1),
-    "1x1": ((2, 8, 6, 6), (5, 8, 1, 1), 1, 0, 1),
+    "1x1-more-products-than-pixels": ((2, 16, 2, 2), (12, 16, 1, 1), 1, 0, 1),
     "3x3-s2-wide": ((2, 4, 31, 31), (3, 4, 3, 3), 2, 1, 1),  # strided: at any width
 }
 
@@ -208,6 +208,28 @@ def test_rewritten_weight_gradient_equals_torch_in_float64(case: tuple) -> None:
                 if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir")
     assert [int(d) for d in cols.ty.shape.values] == [data[1], kh, kw, data[0], *out]
     want = torch.nn.grad.conv2d_weight(torch.from_numpy(x), weight, torch.from_numpy(dy), stride, padding, dilation)
+    np.testing.assert_allclose(run(mod, x, dy), want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("channels", [(12, 5), (5, 12)], ids=["more-out-channels", "more-in-channels"])
+def test_1x1_weight_gradient_is_a_matmul_per_image_reading_nchw_in_place(channels: tuple) -> None:
+    """A 1x1 weight gradient (stride 1, unpadded) sums dy[n] @ x[n]^T over the images: no
+    im2col and no transposed copy of dy, only views, one batched matmul (the operand with more
+    channels first) and the sum; torch's dw within 1e-12."""
+    f, c = channels
+    data, grad = (3, c, 6, 5), (3, f, 6, 5)
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal(data), rng.standard_normal(grad)
+    messages: list[str] = []
+    mod = Im2colConv(messages.append)(weight_grad_module(data, grad, 1, 0, 1))
+    assert messages == ["Im2colConv: 1x1 weight gradient as per-image matmuls x1"]
+    ops = [b.value.op.name for b in mod["main"].body.blocks[0].bindings if isinstance(b.value, relax.Call)]
+    transposes = ["relax.permute_dims"] * (1 if f >= c else 2)
+    assert sorted(ops) == sorted(["relax.reshape"] * 3 + ["relax.matmul", "relax.sum"] + transposes), ops
+    matmul = next(b.value for b in mod["main"].body.blocks[0].bindings
+                  if isinstance(b.value, relax.Call) and b.value.op.name == "relax.matmul")
+    assert int(matmul.args[0].ty.shape[1]) == max(f, c)
+    want = torch.nn.grad.conv2d_weight(torch.from_numpy(x), (f, c, 1, 1), torch.from_numpy(dy))
     np.testing.assert_allclose(run(mod, x, dy), want.numpy(), rtol=1e-12, atol=1e-12)
 
 
