@@ -189,15 +189,13 @@ class _Rewriter(PyExprMutator):
         c = data.ty.shape.values[1]
         dy_rows = bb.emit(relax.op.reshape(dy, [batch, f, ho * wo]))
         x_rows = bb.emit(relax.op.reshape(data, [batch, c, ho * wo]))
-        out_dtype = str(call.ty.dtype)
-        if int(f) >= int(c):
-            per_image = bb.emit(relax.op.matmul(dy_rows, bb.emit(relax.op.permute_dims(x_rows, [0, 2, 1])),
-                                                out_dtype=out_dtype))
-            dw = relax.op.sum(per_image, axis=[0])
-        else:
-            per_image = bb.emit(relax.op.matmul(x_rows, bb.emit(relax.op.permute_dims(dy_rows, [0, 2, 1])),
-                                                out_dtype=out_dtype))
-            dw = relax.op.permute_dims(bb.emit(relax.op.sum(per_image, axis=[0])), [1, 0])
+        swapped = int(c) > int(f)
+        a, b = (x_rows, dy_rows) if swapped else (dy_rows, x_rows)
+        per_image = bb.emit(relax.op.matmul(a, bb.emit(relax.op.permute_dims(b, [0, 2, 1])),
+                                            out_dtype=str(call.ty.dtype)))
+        dw = relax.op.sum(per_image, axis=[0])
+        if swapped:  # [C, F]
+            dw = relax.op.permute_dims(bb.emit(dw), [1, 0])
         return relax.op.reshape(bb.emit(dw), [f, c, 1, 1])
 
     def _matmul_col2im(self, call: relax.Call) -> relax.Expr:

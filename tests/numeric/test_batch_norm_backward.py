@@ -14,6 +14,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.script import relax as R
 
+from tests.numeric.grad_check import without_main
 from tests.numeric.test_cpu_schedules import TARGET, finish, fuse, prim_funcs
 from tvmgraph.gradients.batch_norm_backward import batch_norm_backward
 from tvmgraph.schedules import ApplyCPUSchedules, ApplyGPUSchedules
@@ -34,8 +35,7 @@ def _adjoint_module(shape: tuple) -> tvm.IRModule:
             y = bb.emit(relax.TupleGetItem(relax.op.nn.batch_norm(x, g, b, m, v, axis=1, training=True), 0))
             loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, w)))
         bb.emit_func_output(loss)
-    mod = relax.transform.Gradient("main", require_grads=[x, g, b])(bb.get())
-    return tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint != "main"})
+    return without_main(relax.transform.Gradient("main", require_grads=[x, g, b])(bb.get()))
 
 
 def _run(mod: tvm.IRModule, *inputs: torch.Tensor) -> list[torch.Tensor]:

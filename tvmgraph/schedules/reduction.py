@@ -312,14 +312,14 @@ def _rfactor_row(
     # The vector is cut from the fewest innermost loops whose elements it divides: cut from all
     # of them fused, the loads index with divs and mods that TVM cannot prove contiguous, and
     # gathers them one lane at a time (a (512, 512, 3, 3) gradient: 1.8 ms instead of 0.1).
-    suffix = _vector_suffix([static_extent(sch, l) for l in reduce_loops], lanes)
+    extents = [static_extent(sch, l) for l in reduce_loops]
+    suffix = _vector_suffix(extents, lanes)
     if suffix is None:
         return []
     count, width = suffix
     # Too few elements for every chain (batch-norm sums over 8 x 8 images: one chain of one
     # vector), the vector takes in the next loops out while they continue one contiguous run.
     run = _contiguous_run(sch, block, reduce_loops)
-    extents = [static_extent(sch, l) for l in reduce_loops]
     while count < run and math.prod(extents[-count:]) < 2 * width * ROW_CHAINS:
         count += 1
     fused = sch.fuse(*reduce_loops[-count:]) if count > 1 else reduce_loops[-1]
@@ -345,8 +345,7 @@ def _contiguous_run(sch: s_tir.Schedule, block: SBlockRV, loops: list) -> int:
     stmt = sch.get(block)
     realize = sch.get(sch.get_loops(block)[-1]).body
     bound = {iv.var: value for iv, value in zip(stmt.iter_vars, realize.iter_values)}
-    reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
-    read = max(reads, key=lambda r: len(r.region))
+    read = _largest_read(stmt)
     shape = read.source.shape
     run = 0
     for loop, region, dim in zip(reversed(loops), reversed(read.region), reversed(shape)):
@@ -408,11 +407,14 @@ def _reduces_contiguously(sch: s_tir.Schedule, block: SBlockRV) -> bool:
     """Whether the largest read of `block` is contiguous along a reduction iterator."""
     stmt = sch.get(block)
     reduce_vars = {iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
+    read = _largest_read(stmt)
+    return read is not None and bool(vars_in(read.region[-1].min) & reduce_vars)
+
+
+def _largest_read(stmt: s_tir.SBlock) -> tirx.BufferRegion | None:
+    """The block's read of the most dimensions, its own output (a reduction's update) aside."""
     reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
-    if not reads:
-        return False
-    read = max(reads, key=lambda r: len(r.region))
-    return bool(vars_in(read.region[-1].min) & reduce_vars)
+    return max(reads, key=lambda r: len(r.region)) if reads else None
 
 
 def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None:
