@@ -23,6 +23,7 @@ from tvm import relax
 from tvm.relax import vm_build
 
 from .native_output import to_debug_log
+from .schedules.apply import OPT_LEVEL_ATTR
 from .vm_results import with_release_function
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,18 @@ def _unvectorizable(func: tvm.tirx.PrimFunc) -> bool:
     text = func.script()
     names = _BF16_PARAM.findall(text.split("\n    ", 1)[0])  # the parameters, on the `def` line
     return any(re.search(rf"\b{name}\[[^\n]*\] = T\.bfloat16\(", text) for name in names)
+
+
+def _wanted_opt_level(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> int | None:
+    """The LLVM optimization level a kernel's schedule asked for (OPT_LEVEL_ATTR), when above
+    the target's."""
+    wanted = func.attrs.get(OPT_LEVEL_ATTR) if func.attrs is not None else None
+    current = int(target.attrs.get("opt-level", 3))  # TVM's LLVM default: -O3
+    return int(wanted) if wanted is not None and int(wanted) > current else None
+
+
+def _with_opt_level(target: tvm.target.Target, level: int) -> tvm.target.Target:
+    return tvm.target.Target({**dict(target.export()), "opt-level": level})
 
 
 def _build_part(part: tvm.IRModule, target: tvm.target.Target, vectorize: bool,
@@ -86,7 +99,8 @@ def build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | N
                      kernel_checks: bool = True) -> relax.VMExecutable:
     """`tvm.compile(mod, target, relax_pipeline=None)`, with the kernels built in parallel and
     vm_results.RELEASE added; LLVM's and TVM's C++ warnings go to the debug log
-    (native_output.py).
+    (native_output.py). A kernel whose schedule asked for a higher LLVM opt-level than the
+    target's (schedules/apply.py's OPT_LEVEL_ATTR) is built on its own at that level.
 
     `kernel_checks=False` leaves out each CPU kernel's checks of its arguments (TVM's
     `tirx.disable_assert`). They test every tensor's dtype, shape, strides and device on each
@@ -115,14 +129,19 @@ def _build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | 
     # More parts than threads: a thread that finishes its part takes the next one, so one slow
     # part does not leave the other cores idle (with one part per core, the CNN training step's
     # two parts took 2.0 and 5.0 s to emit).
-    serial = {gv: f for gv, f in tir_mod.functions_items() if _unvectorizable(f)}
-    if serial:
-        tir_mod = tvm.IRModule({gv: f for gv, f in tir_mod.functions_items() if gv not in serial},
-                               attrs=tir_mod.attrs)
-    parts = [(part, True) for part in _parts(tir_mod, jobs * PARTS_PER_THREAD)]
-    parts += [(tvm.IRModule(serial, attrs=tir_mod.attrs), False)] if serial else []
+    functions = dict(tir_mod.functions_items())
+    serial = {gv: f for gv, f in functions.items() if _unvectorizable(f)}
+    levels = {gv: level for gv, f in functions.items()
+              if gv not in serial and (level := _wanted_opt_level(f, target)) is not None}
+    rest = tvm.IRModule({gv: f for gv, f in functions.items() if gv not in serial and gv not in levels},
+                        attrs=tir_mod.attrs)
+    parts = [(part, True, target) for part in _parts(rest, jobs * PARTS_PER_THREAD)]
+    parts += [(tvm.IRModule(serial, attrs=tir_mod.attrs), False, target)] if serial else []
+    # Each on its own, so that the slower -O3 builds spread over the threads.
+    parts += [(tvm.IRModule({gv: functions[gv]}, attrs=tir_mod.attrs), True, _with_opt_level(target, level))
+              for gv, level in levels.items()]
     with ThreadPoolExecutor(jobs) as pool:
-        built = pool.map(lambda item: _build_part_or_split(item[0], target, item[1], kernel_checks), parts)
+        built = pool.map(lambda item: _build_part_or_split(item[0], item[2], item[1], kernel_checks), parts)
         libs = [lib for part_libs in built for lib in part_libs]
     lib = libs[0]
     for other in libs[1:]:

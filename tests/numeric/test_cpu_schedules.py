@@ -459,6 +459,28 @@ def test_conv2d_rules_match_torch(case: tuple) -> None:
     assert_scheduled(unscheduled(scheduled, "conv2d"), parallel=False)
 
 
+@pytest.mark.parametrize("hw", [12, 16, 20])
+def test_conv_tiles_three_rows_with_16_registers_the_last_tile_partial(hw: int) -> None:
+    """With AVX2's 16 vector registers a tile is 4 channels x 3 rows (12 accumulators); rows
+    that are not a multiple of 3 leave a predicated last tile, whose rows (and the fused
+    ReLU6 on them) must stay exact. Run at -O1 and -O3: only the speed may differ."""
+    avx2 = Target({"kind": "llvm", "mcpu": "haswell"})
+    x = torch.randn(2, 8, hw, hw)
+    w = torch.randn(16, 8, 3, 3) * 0.3
+    func = unscheduled(fuse(conv_module(2, 8, 16, 3, 1, 1, 1, hw)), "conv2d")
+    scheduled = Conv2d().apply(func, avx2, False).mod["main"]
+    text = scheduled.script()
+    assert re.search(r"for \w+ in T\.unroll\(T\.int64\(3\)\)", text), text
+    assert ("T.where(" in text) == (hw % 3 != 0)
+    expected = torch.nn.functional.conv2d(x, w, padding=1).clamp(0, 6).numpy()
+    for level in (1, 3):
+        target = Target({"kind": "llvm", "mcpu": "haswell", "opt-level": level})
+        lib = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target)
+        out = tvm.runtime.tensor(np.zeros((2, 16, hw, hw), "float32"))
+        lib["main"](tvm.runtime.tensor(x.numpy()), tvm.runtime.tensor(w.numpy()), out)
+        np.testing.assert_allclose(out.numpy(), expected, **TOL)
+
+
 CONV_GRADS = {
     # id: (cin, cout, stride, groups, hw) of the forward 3x3 (or 1x1) convolution
     "pointwise-1x1": (16, 24, 1, 1, 8, 1),

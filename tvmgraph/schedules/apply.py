@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 # TVM 0.27 spells the attribute "tirx.is_scheduled"; older code (and the brief of this
 # package) says "tir.is_scheduled". Either one marks a function as done.
 SCHEDULED_ATTRS = ("tirx.is_scheduled", "tir.is_scheduled")
+# A kernel whose schedule needs more of LLVM than the target's opt-level (tvmgraph builds at
+# -O1 for compile time) carries the level it needs; codegen.py builds it at that level. A rule
+# asks for it with a class attribute `llvm_opt_level`.
+OPT_LEVEL_ATTR = "tvmgraph.llvm_opt_level"
 
 
 def is_scheduled(func: tirx.PrimFunc) -> bool:
@@ -92,7 +96,11 @@ class ApplyCPUSchedules:
         for rule in self.rules:
             scheduled = _try_rule(rule, func, target, gvar.name_hint)
             if scheduled is not None:
-                return type(rule).__name__, scheduled.with_attr("tirx.is_scheduled", True)
+                scheduled = scheduled.with_attr("tirx.is_scheduled", True)
+                level = getattr(rule, "llvm_opt_level", None)
+                if level is not None:
+                    scheduled = scheduled.with_attr(OPT_LEVEL_ATTR, level)
+                return type(rule).__name__, scheduled
         return "", None
 
 

@@ -6,9 +6,10 @@ matmuls and go to `matmul.py`; this rule comes first and leaves them alone). The
 usually a zero-padding block (`pad_temp`) in front of the convolution.
 
 Schedule, with `vx` output columns per vector (16 floats on AVX-512, fewer for narrow images):
-  * regular conv: a register tile of `tf` output channels x TILE_ROWS rows x one vector of
-    columns; loops parallel(n, f / tf) > y / ty > x / vx > rc > ry > rx > unroll(tf, ty) >
-    vector(vx): each step loads ty row segments of the input and broadcasts `tf` weights.
+  * regular conv: a register tile of `tf` output channels x `ty` rows x one vector of
+    columns (8 x 2 with 32 vector registers, 4 x 3 with 16); loops parallel(n, f / tf) >
+    y / ty > x / vx > rc > ry > rx > unroll(tf, ty) > vector(vx): each step loads ty row
+    segments of the input and broadcasts `tf` weights.
   * depthwise conv (groups = channels): a tile of `ty` output rows x one vector of columns;
     loops parallel(n, c) > y / ty > x / vx > unroll(ry, rx, ty) > vector(vx), with the
     channel's zero-padded plane built right before it (it stays in L1 instead of a padded
@@ -59,6 +60,12 @@ def find_conv(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBlockRV, 
 
 class Conv2d(ScheduleRule):
     """Register-tiled direct convolution for windows larger than 1x1."""
+
+    # Built at -O3 whatever the target's level (apply.OPT_LEVEL_ATTR): LLVM's -O1 leaves the
+    # unrolled window's address arithmetic and the tile's predicates in the inner loop.
+    # ResNet-18's inference 0.88x the time, the CNN's (depthwise) 0.81x, training steps
+    # 0.96-0.97x (A/B, Zen 3, 2026-11-28); the first call's compile time did not move.
+    llvm_opt_level = 3
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not such a convolution."""
@@ -153,6 +160,19 @@ def _largest_divisor(extent: int, candidates: tuple[int, ...]) -> int:
 # two rows share the 8 broadcasts (16 accumulators): ResNet-18's 3x3 convs on 32x32 and 16x16
 # images 3.18 -> 2.65 ms, 80-87% (Zen 5). 4 channels x 4 rows measured the same.
 TILE_ROWS = 2
+# With 16 vector registers (AVX2) the tile is 4 channels x 3 rows: 12 accumulators. 4 x 2
+# kept 8 FMAs in flight, just what two FMA pipes of latency 4 need, and ran ResNet-18's 3x3
+# convs on 32x32 and 16x16 images at 53-60% of the FMA peak; 4 x 3 at 64-72% (Zen 3, in
+# ResNet-18's profile; 4 x 4 spills). Rows that are not a multiple of 3 leave a partial last
+# tile, a predicate on its rows that only -O3 hoists out of the reduction loops
+# (Conv2d.llvm_opt_level): at -O1 the same kernels took 2.5x as long.
+AVX2_TILE_ROWS = 3
+
+
+def _tile_rows(rows: int | None, registers: int) -> int:
+    if registers < 32 and rows is not None and rows >= AVX2_TILE_ROWS:
+        return AVX2_TILE_ROWS
+    return _largest_divisor(rows or 1, (TILE_ROWS,))
 
 
 def _schedule_regular(
@@ -164,7 +184,7 @@ def _schedule_regular(
     vx = _vector_width(static_extent(sch, x) or 1, lanes)
     tf = _largest_divisor(static_extent(sch, f) or 1, (8, 6, 4, 3, 2) if registers >= 32 else
                           (4, 3, 2))
-    ty = _largest_divisor(static_extent(sch, y) or 1, (TILE_ROWS,))
+    ty = _tile_rows(static_extent(sch, y), registers)
     fo, fi = sch.split(f, [None, tf])
     yo, yi = sch.split(y, [None, ty])
     xo, xi = sch.split(x, [None, vx])
