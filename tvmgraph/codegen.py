@@ -135,13 +135,13 @@ def _build_executable(mod: tvm.IRModule, target: tvm.target.Target, jobs: int | 
               if gv not in serial and (level := _wanted_opt_level(f, target)) is not None}
     rest = tvm.IRModule({gv: f for gv, f in functions.items() if gv not in serial and gv not in levels},
                         attrs=tir_mod.attrs)
-    parts = [(part, True, target) for part in _parts(rest, jobs * PARTS_PER_THREAD)]
-    parts += [(tvm.IRModule(serial, attrs=tir_mod.attrs), False, target)] if serial else []
+    parts = [(part, target, True) for part in _parts(rest, jobs * PARTS_PER_THREAD)]
+    parts += [(tvm.IRModule(serial, attrs=tir_mod.attrs), target, False)] if serial else []
     # Each on its own, so that the slower -O3 builds spread over the threads.
-    parts += [(tvm.IRModule({gv: functions[gv]}, attrs=tir_mod.attrs), True, _with_opt_level(target, level))
+    parts += [(tvm.IRModule({gv: functions[gv]}, attrs=tir_mod.attrs), _with_opt_level(target, level), True)
               for gv, level in levels.items()]
     with ThreadPoolExecutor(jobs) as pool:
-        built = pool.map(lambda item: _build_part_or_split(item[0], item[2], item[1], kernel_checks), parts)
+        built = pool.map(lambda part: _build_part_or_split(*part, kernel_checks), parts)
         libs = [lib for part_libs in built for lib in part_libs]
     lib = libs[0]
     for other in libs[1:]:
