@@ -240,6 +240,40 @@ def vectorize_innermost(sch: s_tir.Schedule, loop: LoopRV, lanes: int) -> LoopRV
     return outer
 
 
+def vectorize_tails(sch: s_tir.Schedule, lanes_of) -> None:
+    """Vectorize the rows that `vectorize_innermost` left serial because no vector divides
+    them: the innermost loop of a spatial block, with a static extent above `lanes_of(block)`
+    and not a multiple of it, that walks the block's output contiguously. The loop is cut
+    (`loop_partition`) into whole vectors, vectorized, and a serial tail of fewer than `lanes`.
+
+    Rows of such lengths are common: a ViT's 65 tokens (64 patches and a class token), whose
+    softmax computed every exp one float at a time. Call it last: the cut wraps the block's
+    two parts in blocks of their own, which other primitives do not see through.
+    """
+    for block in root_blocks(sch):
+        stmt = sch.get(block)
+        loops = sch.get_loops(block)
+        if not loops or not stmt.writes or any(iv.iter_type != tirx.IterVar.DataPar for iv in stmt.iter_vars):
+            continue
+        loop = sch.get(loops[-1])
+        lanes = lanes_of(block)
+        extent = static_extent(sch, loops[-1])
+        if (loop.kind != tirx.ForKind.SERIAL or extent is None or extent <= lanes or extent % lanes == 0
+                or not isinstance(loop.body, s_tir.SBlockRealize)):
+            continue
+        # Contiguous: the output's last index is the block iterator this loop alone drives.
+        bound = {iv.var: value for iv, value in zip(stmt.iter_vars, loop.body.iter_values)}
+        last = stmt.writes[0].region[-1].min
+        if not (isinstance(last, tirx.Var) and last in bound and bound[last].same_as(loop.loop_var)):
+            continue
+        try:
+            vectors, _ = sch.loop_partition(loops[-1], factors=[extent - extent % lanes, None])
+            _, lane = sch.split(vectors, [None, lanes])
+            sch.vectorize(lane)
+        except s_tir.ScheduleError:  # each primitive fails before it changes anything
+            continue
+
+
 def parallelize(sch: s_tir.Schedule, loops: list[LoopRV], work_per_iter: int) -> LoopRV | None:
     """Fuse `loops` (outermost first) and mark the result parallel if there is enough work."""
     if not loops:

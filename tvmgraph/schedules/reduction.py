@@ -28,7 +28,11 @@ sqrt(lanes * n) elements (`_chunk_partials`): each chunk is then a row, summed a
 parallel, and the chunks' sums are added at the end. One chain of float32 additions over the
 tensor (or `lanes` chains) lost digits: an MSE loss was off by 5e-5 of its value.
 
-Limits: rfactor needs the contiguous reduced extent to be a multiple of 4; a symbolic reduced
+Last, every element-wise row that no vector divides (a softmax's exp over a ViT's 65 tokens)
+is cut into whole vectors and a serial tail (`loops.vectorize_tails`).
+
+Limits: rfactor needs the contiguous reduced extent to be a multiple of 4 (a row of 65 is
+summed serially); a symbolic reduced
 axis (a dynamic batch) must come before the static ones that the vector runs along; a
 reduction to one value whose length has no divisor near its chunk size stays one chain per
 lane.
@@ -59,6 +63,7 @@ from .loops import (
     static_extent,
     vars_in,
     vectorize_innermost,
+    vectorize_tails,
     work_extent,
 )
 
@@ -71,30 +76,38 @@ class Reduction(ScheduleRule):
         if not is_cpu(target):
             return None
         cpu = CPUTarget.from_target(target)
-        sch = _prepared(func)
-        if sch is None:
-            return None
-        # NOTE: both fusions leave `sch` untouched when they return False; only a failure
-        # half-way needs a fresh one.
-        try:
-            if _schedule_rows(sch, cpu):
-                return sch
-        except s_tir.ScheduleError:
-            sch = _prepared(func)
-        try:
-            if _schedule_channels(sch, cpu):
-                return sch
-        # NOTE: not only ScheduleError: TVM's rfactor has raised InternalError on shapes this
-        # rule did not foresee; the block-by-block schedule below is the fallback for any.
-        except Exception:  # noqa: BLE001
-            sch = _prepared(func)
-        for block in root_blocks(sch):
-            lanes = _lanes(sch, block, cpu)
-            if is_spatial(sch, block):
-                schedule_spatial(sch, block, lanes)
-            else:
-                schedule_reduction(sch, block, lanes)
+        sch = _scheduled(func, cpu)
+        if sch is not None:
+            vectorize_tails(sch, lambda block: _lanes(sch, block, cpu))
         return sch
+
+
+def _scheduled(func: tirx.PrimFunc, cpu: CPUTarget) -> s_tir.Schedule | None:
+    """One of the module docstring's three schedules, or None without a reduction."""
+    sch = _prepared(func)
+    if sch is None:
+        return None
+    # NOTE: both fusions leave `sch` untouched when they return False; only a failure
+    # half-way needs a fresh one.
+    try:
+        if _schedule_rows(sch, cpu):
+            return sch
+    except s_tir.ScheduleError:
+        sch = _prepared(func)
+    try:
+        if _schedule_channels(sch, cpu):
+            return sch
+    # NOTE: not only ScheduleError: TVM's rfactor has raised InternalError on shapes this
+    # rule did not foresee; the block-by-block schedule below is the fallback for any.
+    except Exception:  # noqa: BLE001
+        sch = _prepared(func)
+    for block in root_blocks(sch):
+        lanes = _lanes(sch, block, cpu)
+        if is_spatial(sch, block):
+            schedule_spatial(sch, block, lanes)
+        else:
+            schedule_reduction(sch, block, lanes)
+    return sch
 
 
 def _prepared(func: tirx.PrimFunc) -> s_tir.Schedule | None:
