@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from examples.mobilenet import MobileNetV2Small
-from examples.zoo import GPT, ResNet18
+from examples.zoo import GPT, ResNet18, ViT
 
 
 @dataclass(frozen=True)
@@ -69,5 +69,9 @@ CASES: dict[str, Case] = {
              nn.CrossEntropyLoss),
         Case("gpt", "GPT, tied embeddings, vocab 4096, d 256, 4 heads, 4 layers, seq 128, batch 8",
              lambda: GPT(vocab=4096, d=256, heads=4, layers=4, block=128), _tokens(8, 128, 4096), TokenCrossEntropy),
+        # Sequences that no vector divides: 64 patches and a class token.
+        Case("vit", "ViT, 3x32x32 in 4x4 patches (65 tokens), d 128, 4 heads, 4 layers, batch 16",
+             lambda: ViT(image=32, patch=4, d=128, heads=4, layers=4, classes=10),
+             _classification(16, (3, 32, 32)), nn.CrossEntropyLoss),
     )
 }
