@@ -154,6 +154,7 @@ MATMULS = {
     "batched-attention-qkT": (32, 32, 16, False, True, 4),
     "ragged-needs-padding": (7, 10, 33, False, False, 0),
     "matrix-vector": (1, 96, 80, False, False, 0),
+    "attention-p-v-65-tokens": (65, 32, 65, False, False, 4),
 }
 
 
@@ -781,6 +782,10 @@ def test_with_16_registers_a_tile_that_divides_i_beats_padding_it() -> None:
         assert rows % choose_tile(rows, 64, 8, 16, 256, 4, False, core="zen").mi == 0
     tile = choose_tile(1020, 64, 8, 16, 256, 4, False, core="zen")
     assert (tile.mi, tile.nvec) == (6, 2)
+    # A ViT's 65 tokens (64 patches and a class token): 5 rows, in QK^T and in P @ V.
+    for j, k, b_contiguous in ((65, 32, False), (32, 65, True)):
+        tile = choose_tile(65, j, 8, 16, k, 4, b_contiguous, core="zen")
+        assert (tile.mi, tile.nvec) == (5, 2), (j, k, tile)
 
 
 @pytest.mark.parametrize("mcpu", ["znver3", "sapphirerapids"])
