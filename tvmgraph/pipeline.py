@@ -41,6 +41,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
+    "PadRaggedSoftmax": None,
     "RecomputeLateReads": None,
     "Im2colConv": None,
     "FuseEpilogue": "graph.config.allow_fuse_add_to_output(False)",
@@ -176,6 +177,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.fuse_cast_scale import FuseCastScale
     from relay_passes.fuse_epilogue import FuseEpilogue
     from relay_passes.fuse_model_update import FuseModelUpdate
+    from relay_passes.pad_ragged_softmax import PadRaggedSoftmax
     from relay_passes.im2col_conv import Im2colConv
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
     from relay_passes.recompute_late_reads import RecomputeLateReads
@@ -208,6 +210,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),
         SimplifyPower(report),
+        #    On the CPU, softmax rows that no vector divides (65 tokens) are padded with -inf to
+        #    whole vectors, so that their max and sum vectorize.
+        *([PadRaggedSoftmax(report)] if target.kind.name == "llvm" else []),
         #    bfloat16/float16 matmuls, convolutions, sums and activations compute in float32, as
         #    torch's do (after SimplifyBroadcastMatmul, whose patterns its casts would hide).
         AccumulateFloat32(report),

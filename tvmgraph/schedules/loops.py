@@ -296,7 +296,7 @@ def schedule_spatial(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> bool:
     if kinds is None or "R" in kinds:
         return False
     loops = sch.get_loops(block)
-    if _is_padding(sch, block):
+    if is_padding(sch, block):
         # A zero fill, then a branch-free copy of the interior: both vectorize.
         try:
             fill = sch.decompose_padding(block, loops[0])
@@ -327,7 +327,7 @@ def schedule_spatial(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> bool:
     return True
 
 
-def _is_padding(sch: s_tir.Schedule, block: SBlockRV) -> bool:
+def is_padding(sch: s_tir.Schedule, block: SBlockRV) -> bool:
     """out[...] = if_then_else(in bounds, in[...], constant): a padding block."""
     body = sch.get(block).body
     if not isinstance(body, tirx.BufferStore):

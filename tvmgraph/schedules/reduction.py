@@ -54,6 +54,7 @@ from .loops import (
     element_bytes,
     enough_per_thread,
     inline_spatial_blocks,
+    is_padding,
     is_spatial,
     iter_kinds,
     loop_binding,
@@ -173,6 +174,13 @@ def _schedule_rows(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
     # The row loop is a root-level loop: every block under it has it as its first loop.
     for block in sch.get_child_blocks(row):
         if is_spatial(sch, block) and _is_plain(sch, block, depth=1):
+            if is_padding(sch, block) and len(sch.get_loops(block)) > 1:
+                # A row padded to whole vectors (relay_passes/pad_ragged_softmax.py): a vector
+                # fill, then a copy of the row (vectorize_tails takes it); vectorized as one
+                # block, its bounds test made every element a scalar select.
+                fill = sch.decompose_padding(block, sch.get_loops(block)[1])
+                _vectorize_tail(sch, fill, 1, _lanes(sch, fill, cpu))
+                continue
             _vectorize_tail(sch, block, 1, _lanes(sch, block, cpu))
     # NOTE: last, because splitting off the inits makes later primitives on the row refuse.
     for partial in partials:
