@@ -3,13 +3,10 @@ kernel over rows padded with -inf; torch's numbers, masked rows included."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import tvm
 from tvm import relax
-from tvm.script import ir as I
-from tvm.script import relax as R
 
 from relay_passes.pad_ragged_softmax import PadRaggedSoftmax, padded_extent
 from tvmgraph.schedules import ApplyCPUSchedules
