@@ -195,7 +195,7 @@ def _build(mod: tvm.IRModule, schedule: bool) -> relax.VirtualMachine:
     return relax.VirtualMachine(executable, tvm.cpu(), memory_cfg="pooled")
 
 
-def _timer(fn: Callable[[], object], seconds: float) -> Callable[[], float]:
+def timer(fn: Callable[[], object], seconds: float) -> Callable[[], float]:
     """A sampler returning seconds per call, each sample looping for about `seconds`."""
     fn()
     start = time.perf_counter()
@@ -233,14 +233,14 @@ def run(kernel: Kernel, rounds: int, seconds: float, with_default: bool) -> dict
     tvm_args = [tvm.runtime.tensor(a) for a in arrays]
     samplers: dict[str, Callable[[], float]] = {}
     with torch.no_grad():
-        samplers["torch"] = _timer(lambda: kernel.torch_fn(*tensors), seconds)
+        samplers["torch"] = timer(lambda: kernel.torch_fn(*tensors), seconds)
     engines = (["default"] if with_default else []) + ["scheduled"]
     for engine in engines:
         vm = _build(_module(kernel), schedule=engine == "scheduled")
         result = vm["main"](*tvm_args)
         expected = kernel.torch_fn(*tensors).numpy()
         np.testing.assert_allclose(result.numpy(), expected, rtol=1e-3, atol=1e-3)
-        samplers[engine] = _timer(lambda vm=vm: vm["main"](*tvm_args), seconds)
+        samplers[engine] = timer(lambda vm=vm: vm["main"](*tvm_args), seconds)
     times: dict[str, list[float]] = {name: [] for name in samplers}
     for _ in range(rounds):
         for name, sample in samplers.items():

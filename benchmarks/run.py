@@ -1,6 +1,6 @@
 """Run the reference suite: torch eager, torch.compile and tvmgraph, interleaved in one run.
 
-    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt] [--modes infer,train,train_amp]
+    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt,vit] [--modes infer,train,train_amp]
                              [--engines eager,compile,tvmgraph,tuned] [--rounds 15] [--seconds 0.2]
                              [--tune-trials N] [--tune-minutes M]
                              [--no-memory] [--warm-caches] [--json results.json] [--device cpu|cuda]

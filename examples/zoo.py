@@ -107,12 +107,14 @@ class GPT(nn.Module):
 
 
 class RNNClassifier(nn.Module):
-    """Embedding, a 1-layer LSTM or GRU over the sequence, a linear head on the last state."""
+    """Embedding, an LSTM or GRU (1 layer unless told) over the sequence, a linear head on the
+    last state."""
 
-    def __init__(self, cell: str, vocab: int = 20, d: int = 8, hidden: int = 12, classes: int = 3):
+    def __init__(self, cell: str, vocab: int = 20, d: int = 8, hidden: int = 12, classes: int = 3,
+                 layers: int = 1):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.rnn = (nn.LSTM if cell == "lstm" else nn.GRU)(d, hidden, batch_first=True)
+        self.rnn = (nn.LSTM if cell == "lstm" else nn.GRU)(d, hidden, num_layers=layers, batch_first=True)
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, idx):
@@ -150,13 +152,14 @@ class ViT(nn.Module):
     """ViT: conv patch embedding, class token, learned positions, encoder layers, head."""
 
     def __init__(self, image: int = 16, patch: int = 4, d: int = 16, heads: int = 2, layers: int = 1,
-                 classes: int = 5):
+                 classes: int = 5, activation: str = "relu"):
         super().__init__()
         self.patch = nn.Conv2d(3, d, patch, patch)
         n = (image // patch) ** 2
         self.cls = nn.Parameter(torch.randn(1, 1, d) * 0.02)
         self.pos = nn.Parameter(torch.randn(1, n + 1, d) * 0.02)
-        layer = nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(d, heads, 2 * d, dropout=0.0, activation=activation, batch_first=True,
+                                           norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, classes)
