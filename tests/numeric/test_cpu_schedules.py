@@ -315,12 +315,13 @@ def test_matmul_packs_b_along_its_own_rows(b_trans: bool) -> None:
 
 @pytest.mark.parametrize("a_trans, per_tile", [(False, True), (True, False)])
 def test_matmul_pads_a_per_tile_when_its_rows_run_along_k(a_trans: bool, per_tile: bool) -> None:
-    """130 rows, which no fast tile divides: A is zero-padded to whole tiles (a 6-row tile: 132
-    rows; 128 rows are a 4-row tile's, unpadded, with 16 registers). Rows of A along K (attention's
-    Q, a layer's input) are copied tile by tile inside the parallel loop, a buffer of 6 x K;
-    all of A padded up front stayed in TVM's workspace pool (2 MiB per attention product). A
-    transposed A (dy in a weight gradient) keeps the one copy: per tile it would be gathered."""
-    batch, m, n, k = 4, 130, 128, 64
+    """131 rows, which no fast tile divides: A is zero-padded to whole tiles (a 6-row tile: 132
+    rows; with 16 registers 128 rows are a 4-row tile's and 130 a 5-row tile's, unpadded). Rows
+    of A along K (attention's Q, a layer's input) are copied tile by tile inside the parallel
+    loop, a buffer of 6 x K; all of A padded up front stayed in TVM's workspace pool (2 MiB per
+    attention product). A transposed A (dy in a weight gradient) keeps the one copy: per tile it
+    would be gathered."""
+    batch, m, n, k = 4, 131, 128, 64
     func = te_matmul(m, n, k, a_trans, False, batch)
     a = torch.randn(batch, k, m) if a_trans else torch.randn(batch, m, k)
     b, bias = torch.randn(batch, k, n), torch.randn(n)
