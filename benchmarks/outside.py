@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.engines import LR, MOMENTUM, make_graph
 from benchmarks.kernels import timer
+from benchmarks.suite import Case
 from examples.zoo import RNNClassifier, ViT
 
 
@@ -141,25 +143,16 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _engines(name: str, mode: str, with_compile: bool) -> tuple[dict[str, Callable[[], object]], float, float]:
     """({engine: one call}, largest relative difference from eager, tvmgraph's first call s)."""
-    import tvmgraph
-
     make_model, make_x, make_y, make_loss = CASES[name]
     torch.manual_seed(0)
     model, x, y = make_model(), make_x(), make_y()
     copies = {engine: copy.deepcopy(model) for engine in ("eager", "tvmgraph", "compile")}
+    case = Case(name, name, make_model, lambda: (x, y), make_loss)
+    graph = make_graph(mode, case, copies["tvmgraph"])  # the suite's graphs: SGD momentum for training
+    graph.config.enable_tuning(False)
     if mode == "infer":
-        for m in copies.values():
-            m.eval()
-
-        class Infer(tvmgraph.nn.Graph):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = copies["tvmgraph"]
-
-            def build(self, x):
-                return self.model(x)
-
-        graph = Infer()
+        copies["eager"].eval()
+        copies["compile"].eval()
         start = time.perf_counter()
         out = graph(x)
         first = time.perf_counter() - start
@@ -177,22 +170,8 @@ def _engines(name: str, mode: str, with_compile: bool) -> tuple[dict[str, Callab
             calls["compile"] = forward(torch.compile(copies["compile"]))
         return calls, error, first
 
-    def sgd(m: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-
-    class Train(tvmgraph.nn.Graph):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model, self.loss = copies["tvmgraph"], make_loss()
-            self.add_optimizer(sgd(self.model))
-
-        def build(self, x, y):
-            loss = self.loss(self.model(x), y)
-            loss.backward()
-            return loss
-
     def eager_step(m: nn.Module) -> Callable[[], torch.Tensor]:
-        optimizer, loss_fn = sgd(m), make_loss()
+        optimizer, loss_fn = torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM), make_loss()
 
         def step() -> torch.Tensor:
             optimizer.zero_grad()
@@ -202,7 +181,7 @@ def _engines(name: str, mode: str, with_compile: bool) -> tuple[dict[str, Callab
             return loss.detach()
         return step
 
-    graph, eager = Train(), eager_step(copies["eager"])
+    eager = eager_step(copies["eager"])
     start = time.perf_counter()
     losses = [graph(x, y)]
     first = time.perf_counter() - start
