@@ -39,7 +39,7 @@ from tvmgraph.schedules import (
     MatrixVector,
     Reduction,
 )
-from tvmgraph.schedules.fast_math import fast_erf, fast_exp, fast_sigmoid, fast_tanh
+from tvmgraph.schedules.fast_math import fast_erf, fast_exp, fast_sigmoid, fast_tanh, use_fast_math
 from tvmgraph.schedules.loops import MIN_PARALLEL_ELEMENTS
 from tvmgraph.schedules.cpu_target import CPUTarget
 from tvmgraph.schedules.matmul import ROW_STEP, choose_tile
@@ -1156,6 +1156,24 @@ def test_a_fast_function_reads_its_argument_once() -> None:
     lib["main"](tvm.runtime.tensor(a.numpy()), tvm.runtime.tensor(b.numpy()), result)
     expected = torch.tanh(a * torch.sigmoid(a + b) + torch.erf(b - a))
     torch.testing.assert_close(torch.from_numpy(result.numpy()), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("input_dtype", ["bfloat16", "float32"])
+def test_a_kernel_holding_bfloat16_repeats_arguments(input_dtype: str) -> None:
+    """TVM 0.27's bfloat16 legalization and a Let made LLVM codegen fail ("BF16 needs to be
+    storaged lowered first") or compute wrong numbers: every CPU autocast graph with an exp.
+    In a kernel that holds any bfloat16 the arguments are written out, as before the Let."""
+    x = te.placeholder((64,), name="x", dtype=input_dtype)
+    out = te.compute(x.shape, lambda i: tvm.tirx.exp(x[i].astype("float32") * 2.0).astype("bfloat16"),
+                     name="out")
+    func = use_fast_math(te.create_prim_func([x, out]))
+    text = func.script()
+    assert "T.reinterpret" in text and "T.Let" not in text and text.count("x[v_i]") > 2, text
+    lib = tvm.compile(func, target=TARGET)
+    a = (torch.randn(64) * 3).to(getattr(torch, input_dtype))
+    actual = torch.zeros(64, dtype=torch.bfloat16)
+    lib["main"](tvm.runtime.from_dlpack(a), tvm.runtime.from_dlpack(actual))
+    torch.testing.assert_close(actual, (a.float() * 2).exp().to(torch.bfloat16), atol=0, rtol=1e-2)
 
 
 # ---- apply.py: the pass itself ---------------------------------------------------------------

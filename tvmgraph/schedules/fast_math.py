@@ -41,20 +41,21 @@ def _horner(x: tirx.PrimExpr, coefficients: tuple[float, ...]) -> tirx.PrimExpr:
     return acc
 
 
-def _let(value: tirx.PrimExpr, body: Callable[[tirx.PrimExpr], tirx.PrimExpr], name: str) -> tirx.PrimExpr:
-    """`body(value)`, with `value` bound to a variable first unless it is a variable or a
-    constant. The polynomials read their argument up to 20 times: written out, a tanh of a
+def _let(value: tirx.PrimExpr, body: Callable[[tirx.PrimExpr], tirx.PrimExpr], name: str,
+         bind: bool) -> tirx.PrimExpr:
+    """`body(value)`, with `value` bound to a variable first if `bind` and it is not a variable
+    or a constant. The polynomials read their argument up to 20 times: written out, a tanh of a
     sigmoid's product (a GRU cell) held each sigmoid's argument hundreds of times over, and such
     kernels took 1.5 s each to build (a 2-layer GRU over 32 steps: 35 s to its first call)."""
-    if isinstance(value, (tirx.Var, tirx.FloatImm, tirx.IntImm)):
+    if not bind or isinstance(value, (tirx.Var, tirx.FloatImm, tirx.IntImm)):
         return body(value)
     var = tirx.Var(name, str(value.ty))
     return tirx.Let(var, value, body(var))
 
 
-def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
+def fast_exp(x: tirx.PrimExpr, bind: bool = True) -> tirx.PrimExpr:
     """exp(x) = 2^n * exp(f), f = x - n ln 2 in [-ln2/2, ln2/2] (TOPI's fast_exp)."""
-    return _let(tirx.max(tirx.min(x, _c(88.3762626647950)), _c(-88.3762626647949)), _exp_of, "exp_x")
+    return _let(tirx.max(tirx.min(x, _c(88.3762626647950)), _c(-88.3762626647949)), _exp_of, "exp_x", bind)
 
 
 def _exp_of(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -70,9 +71,9 @@ def _exp_of(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.max(two_n * y, x)
 
 
-def fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
+def fast_erf(x: tirx.PrimExpr, bind: bool = True) -> tirx.PrimExpr:
     """Eigen's rational approximation of erf on [-4, 4] (TOPI's fast_erf)."""
-    return _let(tirx.max(tirx.min(x, _c(4.0)), _c(-4.0)), _erf_of, "erf_x")
+    return _let(tirx.max(tirx.min(x, _c(4.0)), _c(-4.0)), _erf_of, "erf_x", bind)
 
 
 def _erf_of(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -91,9 +92,9 @@ def _erf_of(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return x * p / q
 
 
-def fast_tanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
+def fast_tanh(x: tirx.PrimExpr, bind: bool = True) -> tirx.PrimExpr:
     """Eigen's rational approximation of tanh on [-9, 9] (TOPI's fast_tanh)."""
-    return _let(tirx.max(tirx.min(x, _c(9.0)), _c(-9.0)), _tanh_of, "tanh_x")
+    return _let(tirx.max(tirx.min(x, _c(9.0)), _c(-9.0)), _tanh_of, "tanh_x", bind)
 
 
 def _tanh_of(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -109,12 +110,12 @@ def _tanh_of(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return x * p / q
 
 
-def fast_sigmoid(x: tirx.PrimExpr) -> tirx.PrimExpr:
+def fast_sigmoid(x: tirx.PrimExpr, bind: bool = True) -> tirx.PrimExpr:
     """1 / (1 + exp(-x)) with the fast exp."""
-    return _c(1.0) / (_c(1.0) + fast_exp(_c(0.0) - x))
+    return _c(1.0) / (_c(1.0) + fast_exp(_c(0.0) - x, bind))
 
 
-FAST_FUNCTIONS: dict[str, Callable[[tirx.PrimExpr], tirx.PrimExpr]] = {
+FAST_FUNCTIONS: dict[str, Callable[[tirx.PrimExpr, bool], tirx.PrimExpr]] = {
     "tirx.exp": fast_exp,
     "tirx.erf": fast_erf,
     "tirx.tanh": fast_tanh,
@@ -128,39 +129,45 @@ _BINARY = tuple(
 )
 
 
-def rewrite_expr(expr: tirx.PrimExpr) -> tirx.PrimExpr | None:
-    """`expr` with fast float32 transcendental calls, or None if nothing changed.
+def rewrite_expr(expr: tirx.PrimExpr, bind: bool = True) -> tirx.PrimExpr | None:
+    """`expr` with fast float32 transcendental calls, or None if nothing changed; `bind`: their
+    arguments bound to variables (see `_let`).
 
     Node kinds it does not know are left alone (and not looked into).
     """
     if isinstance(expr, E.Call):
-        new_args = [rewrite_expr(a) for a in expr.args]
+        new_args = [rewrite_expr(a, bind) for a in expr.args]
         args = [n if n is not None else a for n, a in zip(new_args, expr.args)]
         name = getattr(expr.op, "name", None)
         if name in FAST_FUNCTIONS and str(expr.ty) == _F32 and len(args) == 1:
-            return FAST_FUNCTIONS[name](args[0])
+            return FAST_FUNCTIONS[name](args[0], bind)
         if any(n is not None for n in new_args):
             return E.Call(expr.op, args, ret_ty=expr.ty)
         return None
     if isinstance(expr, _BINARY):
-        a, b = rewrite_expr(expr.a), rewrite_expr(expr.b)
+        a, b = rewrite_expr(expr.a, bind), rewrite_expr(expr.b, bind)
         if a is None and b is None:
             return None
         return type(expr)(a if a is not None else expr.a, b if b is not None else expr.b)
     if isinstance(expr, tirx.Select):
         parts = [expr.condition, expr.true_value, expr.false_value]
-        new = [rewrite_expr(p) for p in parts]
+        new = [rewrite_expr(p, bind) for p in parts]
         if all(n is None for n in new):
             return None
         return tirx.Select(*[n if n is not None else p for n, p in zip(new, parts)])
     if isinstance(expr, tirx.Cast):
-        value = rewrite_expr(expr.value)
+        value = rewrite_expr(expr.value, bind)
         return None if value is None else tirx.Cast(str(expr.ty), value)
     return None
 
 
 def use_fast_math(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """`func` with every root-level block's float32 exp/erf/tanh/sigmoid made vectorizable."""
+    """`func` with every root-level block's float32 exp/erf/tanh/sigmoid made vectorizable.
+
+    In a kernel that holds any bfloat16 the arguments are not bound to variables: TVM 0.27's
+    bfloat16 legalization and a Let made LLVM codegen fail ("BF16 needs to be storaged lowered
+    first") or compute wrong numbers (CPU autocast graphs)."""
+    bind = "bfloat16" not in func.script()
     sch = Schedule(func)
     changed = False
     for block in root_blocks(sch):
@@ -168,7 +175,7 @@ def use_fast_math(func: tirx.PrimFunc) -> tirx.PrimFunc:
         body = stmt.body
         if not isinstance(body, tirx.BufferStore):
             continue
-        value = rewrite_expr(body.value)
+        value = rewrite_expr(body.value, bind)
         if value is None:
             continue
         new_block = s_tir.SBlock(
