@@ -28,7 +28,7 @@ from torch import nn
 from benchmarks.engines import LR, MOMENTUM, make_graph
 from benchmarks.kernels import timer
 from benchmarks.suite import Case
-from examples.zoo import RNNClassifier, ViT
+from examples.zoo import AudioConv, RNNClassifier, ViT
 
 
 class VGG(nn.Module):
@@ -72,21 +72,6 @@ class UNetGN(nn.Module):
         u = self.up2(torch.cat([F.interpolate(m, scale_factor=2, mode="nearest"), b], 1))
         u = self.up1(torch.cat([F.interpolate(u, scale_factor=2, mode="bilinear", align_corners=False), a], 1))
         return self.out(u)
-
-
-class AudioConv(nn.Module):
-    """A raw-audio classifier (M5-style): Conv1d with an 80-sample kernel, BatchNorm1d, pooling."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv1d(1, 32, 80, stride=4), nn.BatchNorm1d(32), nn.ReLU(), nn.MaxPool1d(4),
-            nn.Conv1d(32, 64, 3), nn.BatchNorm1d(64), nn.ReLU(), nn.MaxPool1d(4),
-            nn.Conv1d(64, 128, 3), nn.BatchNorm1d(128), nn.ReLU(), nn.AdaptiveAvgPool1d(1), nn.Flatten(),
-            nn.Linear(128, 10))
-
-    def forward(self, x):
-        return self.net(x)
 
 
 class DenseBlock(nn.Module):

@@ -1,7 +1,7 @@
 """Models in the shapes users bring, after their well-known designs (random weights, no downloads).
 
 torchvision's ResNet BasicBlock, nanoGPT's block with tied embeddings, a GRU/LSTM classifier, a
-U-Net with skip concatenation, a ViT patch embedding: not shapes tvmgraph was built around. The
+U-Net with skip concatenation, a ViT patch embedding, an M5-style raw-audio Conv1d net: not shapes tvmgraph was built around. The
 defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
 at full size.
 """
@@ -168,3 +168,19 @@ class ViT(nn.Module):
         x = self.patch(x).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
         return self.head(self.norm(self.encoder(x))[:, 0])
+
+
+class AudioConv(nn.Module):
+    """A raw-audio classifier (M5-style): a Conv1d with an 80-sample kernel at stride 4, then
+    3-sample ones, each with BatchNorm1d, ReLU and max pooling; an average over time."""
+
+    def __init__(self, classes: int = 10, width: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv1d(1, width, 80, stride=4), nn.BatchNorm1d(width), nn.ReLU(), nn.MaxPool1d(4),
+            nn.Conv1d(width, 2 * width, 3), nn.BatchNorm1d(2 * width), nn.ReLU(), nn.MaxPool1d(4),
+            nn.Conv1d(2 * width, 4 * width, 3), nn.BatchNorm1d(4 * width), nn.ReLU(), nn.AdaptiveAvgPool1d(1),
+            nn.Flatten(), nn.Linear(4 * width, classes))
+
+    def forward(self, x):
+        return self.net(x)

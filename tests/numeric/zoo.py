@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from examples.zoo import GPT, ResNet18, RNNClassifier, UNet, ViT
+from examples.zoo import GPT, AudioConv, ResNet18, RNNClassifier, UNet, ViT
 
 
 @dataclass
@@ -25,6 +25,10 @@ class ZooEntry:
 
 def _images(n: int, size: int, classes: int):
     return lambda g: (torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def _waves(n: int, length: int, classes: int):
+    return lambda g: (torch.randn(n, 1, length, generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
 def _tokens(n: int, t: int, vocab: int, classes: int | None = None):
@@ -126,4 +130,6 @@ ZOO = {
     "vit": ZooEntry(ViT, _images(2, 16, 5), F.cross_entropy, _sgd),
     "seq2seq": ZooEntry(Seq2Seq, _tokens(2, 6, 12), _lm_loss, _sgd),
     "llama": ZooEntry(Llama, _tokens(2, 8, 40), _lm_loss, _adamw),
+    # 1-D rows no vector divides (481, 118, 27 samples): the conv1ds' gradients as im2col + matmul.
+    "audio_m5": ZooEntry(AudioConv, _waves(4, 2000, 10), F.cross_entropy, _sgd),
 }

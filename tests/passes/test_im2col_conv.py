@@ -32,6 +32,9 @@ CASES = {
     "conv-3x3-s2-wide": ("conv2d", (2, 8, 33, 34), (5, 8, 3, 3), 2, 1, 1, 0),
     # 1x1 too (ResNet's downsampling shortcuts): the im2col is a strided slice
     "conv-1x1-s2-wide": ("conv2d", (2, 64, 20, 18), (16, 64, 1, 1), 2, 0, 1, 0),
+    # 1-D (height 1) rows that no vector divides, at any width (a conv1d's input gradient)
+    "conv-1x3-ragged-row": ("conv2d", (2, 32, 1, 37), (8, 32, 1, 3), 1, (0, 1), 1, 0),
+    "transpose-1x3-ragged-row": ("conv2d_transpose", (2, 32, 1, 35), (32, 8, 1, 3), 1, 0, 1, 0),
 }
 
 
@@ -185,6 +188,7 @@ WEIGHT_GRAD_CASES = {
     "5x3-s2-no-padding": ((1, 6, 9, 7), (4, 6, 5, 3), 2, 0, 1),
     "1x1-more-products-than-pixels": ((2, 16, 2, 2), (12, 16, 1, 1), 1, 0, 1),
     "3x3-s2-wide": ((2, 4, 31, 31), (3, 4, 3, 3), 2, 1, 1),  # strided: at any width
+    "1x3-ragged-row": ((2, 16, 1, 39), (8, 16, 1, 3), 1, 0, 1),  # a conv1d's, width 37
 }
 
 

@@ -167,7 +167,7 @@ def use_fast_math(func: tirx.PrimFunc) -> tirx.PrimFunc:
     In a kernel that holds any bfloat16 the arguments are not bound to variables: TVM 0.27's
     bfloat16 legalization and a Let made LLVM codegen fail ("BF16 needs to be storaged lowered
     first") or compute wrong numbers (CPU autocast graphs)."""
-    bind = "bfloat16" not in func.script()
+    bind: bool | None = None  # read from the printed kernel once a block has such a call
     sch = Schedule(func)
     changed = False
     for block in root_blocks(sch):
@@ -175,9 +175,13 @@ def use_fast_math(func: tirx.PrimFunc) -> tirx.PrimFunc:
         body = stmt.body
         if not isinstance(body, tirx.BufferStore):
             continue
-        value = rewrite_expr(body.value, bind)
+        value = rewrite_expr(body.value, False)
         if value is None:
             continue
+        if bind is None:
+            bind = "bfloat16" not in func.script()
+        if bind:
+            value = rewrite_expr(body.value, True)
         new_block = s_tir.SBlock(
             stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint,
             tirx.BufferStore(body.buffer, value, body.indices),
