@@ -19,6 +19,7 @@ import tvm
 from tvm import relax
 
 from . import legalize_fixes  # noqa: F401  (registers the legalizations that replace failing ones)
+from . import max_pool_backward  # noqa: F401  (registers non-overlapping max pooling's gradient)
 from . import take_backward  # noqa: F401  (registers a parallel embedding gradient)
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .debug import logger

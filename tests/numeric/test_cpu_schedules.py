@@ -1009,6 +1009,29 @@ def test_sums_over_small_images_take_in_the_rows_for_their_chains() -> None:
     assert max(widths) == ROW_CHAINS * lanes, widths
 
 
+def test_an_argmax_reduction_runs_its_rows_in_parallel() -> None:
+    """Max pooling's gradient (TOPI's, for overlapping windows) first takes each window's argmax:
+    a reduction to two buffers (index and value), which rfactor cannot split; its nest was left
+    serial (a raw-audio net's 1981-sample pooling gradient). Its rows run in parallel now, and
+    dx is torch's."""
+    dy_shape, x_shape = (16, 32, 1, 258), (16, 32, 1, 517)  # enough work to run in parallel
+    bb = relax.BlockBuilder()
+    dy, x = relax.Var("dy", R.Tensor(dy_shape, "float32")), relax.Var("x", R.Tensor(x_shape, "float32"))
+    with bb.function("main", [dy, x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.grad.max_pool2d_backward(
+                dy, x, (1, 3), (1, 2), (0, 0, 0, 0), (1, 1))))
+        bb.emit_func_output(out)
+    a = torch.randn(x_shape, requires_grad=True)
+    g = torch.randn(dy_shape)
+    torch.nn.functional.max_pool2d(a, (1, 3), (1, 2)).backward(g)
+    got, scheduled = run_relax(bb.get(), g, a.detach())
+    text = scheduled["max_pool2d_backward"].script()
+    argmax = text[:text.index('T.sblock("maxpool_grad_argmax")')]
+    assert "T.parallel(" in argmax, argmax
+    torch.testing.assert_close(got, a.grad, atol=0, rtol=0)
+
+
 # ---- elementwise.py and fast_math.py ---------------------------------------------------------
 
 ELEMENTWISE = {

@@ -359,3 +359,14 @@ def test_saving_a_dynamic_batch_graph_is_a_clear_error(tmp_path) -> None:
     graph(torch.randn(3, 32))
     with pytest.raises(UnsupportedOptionError, match=r"dynamic batch .*enable_dynamic_batch\(False\)"):
         tvmgraph.save(graph, tmp_path / "mlp")
+
+
+def test_raw_audio_conv1d_net_trains_like_eager_with_a_dynamic_batch() -> None:
+    """examples/zoo.py's M5-style net: its conv1d gradients as im2col + matmul at height 1
+    (Im2colConv) and its max pooling's gradient as a window argmax and a select
+    (tvmgraph/max_pool_backward.py), with a symbolic batch: one compile, eager's steps."""
+    from examples.zoo import AudioConv
+
+    batches = [(torch.randn(n, 1, 700), torch.randint(0, 10, (n,))) for n in (4, 3, 6)]
+    graph = run_dynamic_side_by_side(AudioConv(), batches, loss_fn=nn.CrossEntropyLoss())
+    assert graph.num_compiled == 1

@@ -60,6 +60,7 @@ from .loops import (
     loop_binding,
     parallelize,
     root_blocks,
+    schedule_leading_spatial,
     schedule_spatial,
     static_extent,
     vars_in,
@@ -442,6 +443,12 @@ def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None
     """Schedule one root-level reduction nest on its own (see the module docstring)."""
     kinds = iter_kinds(sch, block)
     if kinds is None:
+        return
+    if len(sch.get(block).writes) > 1:
+        # A tuple reduction (max pooling's gradient: the argmax's index and value): rfactor
+        # takes one buffer only, and the nest was left serial (a raw-audio net's 1981-sample
+        # pooling gradient, 4.7 ms of its training step). Its rows run in parallel.
+        schedule_leading_spatial(sch, block)
         return
     column = _contiguous_spatial_loop(sch, block)
     if column is not None:
