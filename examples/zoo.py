@@ -1,8 +1,8 @@
 """Models in the shapes users bring, after their well-known designs (random weights, no downloads).
 
 torchvision's ResNet BasicBlock, nanoGPT's block with tied embeddings, a GRU/LSTM classifier, a
-U-Net with skip concatenation, a ViT patch embedding, an M5-style raw-audio Conv1d net: not shapes tvmgraph was built around. The
-defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
+U-Net with skip concatenation, a ViT patch embedding, an M5-style raw-audio Conv1d net: not
+shapes tvmgraph was built around. The defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
 at full size.
 """
 

@@ -38,7 +38,7 @@ def _argmax_reducer() -> object:
     return te.comm_reducer(combine, identity, name="argmax")
 
 
-def scatter_pool_grad(dy: te.Tensor, x: te.Tensor, kernel: tuple[int, int]) -> te.Tensor:
+def non_overlapping_pool_grad(dy: te.Tensor, x: te.Tensor, kernel: tuple[int, int]) -> te.Tensor:
     """dx of a non-overlapping max pooling (NCHW) of `x` with `kernel`; see the module docstring."""
     kh, kw = kernel
     _, _, height, width = x.shape
@@ -53,10 +53,9 @@ def scatter_pool_grad(dy: te.Tensor, x: te.Tensor, kernel: tuple[int, int]) -> t
 
     def dx(n, c, y, col):  # noqa: ANN001, ANN202  (te index variables)
         i, j = y // kh, col // kw
-        inside = tirx.all(i < out_h, j < out_w)
-        hit = index[n, c, tirx.min(i, out_h - 1), tirx.min(j, out_w - 1)] == (y % kh) * kw + col % kw
-        return tirx.Select(tirx.all(inside, hit), dy[n, c, tirx.min(i, out_h - 1), tirx.min(j, out_w - 1)],
-                           tirx.const(0, dy.dtype))
+        window = (n, c, tirx.min(i, out_h - 1), tirx.min(j, out_w - 1))  # in bounds past the last one
+        hit = tirx.all(i < out_h, j < out_w, index[window] == (y % kh) * kw + col % kw)
+        return tirx.Select(hit, dy[window], tirx.const(0, dy.dtype))
 
     return te.compute((x.shape[0], x.shape[1], height, width), dx, name="max_pool_grad")
 
@@ -68,7 +67,7 @@ def _non_overlapping(call: relax.Call) -> tuple[int, int] | None:
     kernel = [int(k) for k in attrs.pool_size]
     if (str(attrs.layout) != "NCHW" or [int(s) for s in attrs.strides] != kernel
             or any(int(p) for p in attrs.padding) or any(int(d) != 1 for d in attrs.dilation)
-            or bool(attrs.ceil_mode) or any(k < 1 for k in kernel)):
+            or bool(attrs.ceil_mode)):
         return None
     return kernel[0], kernel[1]
 
@@ -78,7 +77,7 @@ def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     if kernel is None:
         return _grad_max_pool2d_backward(bb, call)
     dy, x = call.args
-    return bb.call_te(scatter_pool_grad, dy, x, kernel, primfunc_name_hint="max_pool2d_backward")
+    return bb.call_te(non_overlapping_pool_grad, dy, x, kernel, primfunc_name_hint="max_pool2d_backward")
 
 
 tvm.ir.register_op_attr("relax.grad.max_pool2d_backward", "FLegalize", _legalize, level=_LEVEL)

@@ -12,8 +12,9 @@ from tvm.relax.transform.legalize_ops.grad import _grad_max_pool2d_backward
 from tvm.script import relax as R
 
 from tvmgraph import max_pool_backward  # noqa: F401  (registers the legalization)
+from tvmgraph.schedules import ApplyCPUSchedules
 
-TARGET = tvm.target.Target({"kind": "llvm"})
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()})
 
 
 def pool_grad_module(dy_shape: tuple, x_shape: tuple, kernel: tuple, stride: tuple, padding: tuple) -> tvm.IRModule:
@@ -27,6 +28,10 @@ def pool_grad_module(dy_shape: tuple, x_shape: tuple, kernel: tuple, stride: tup
 
 
 def run(mod: tvm.IRModule, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`mod` with tvmgraph's CPU schedules, as a graph compiles it (a tuple (argmax) reducer once
+    came out wrong under them: converters_nn._pool_indices), run on `dy` and `x`."""
+    with TARGET:
+        mod = ApplyCPUSchedules()(mod)
     vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
     return torch.from_numpy(vm["main"](tvm.runtime.tensor(dy.numpy()), tvm.runtime.tensor(x.numpy())).numpy())
 
@@ -41,6 +46,7 @@ CASES = {
     "1d-k4-ragged": ((2, 3, 1, 1981), (1, 4)),
     "2d-k2": ((2, 3, 8, 6), (2, 2)),
     "2d-k3-ragged": ((1, 2, 7, 11), (3, 3)),
+    "1d-k4-parallel-rows": ((16, 32, 1, 1981), (1, 4)),  # enough work for the parallel schedule
 }
 
 
