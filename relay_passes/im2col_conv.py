@@ -57,9 +57,10 @@ direct schedule runs their columns scalar), float32 and float64 results (16-bit 
 float32 result: AccumulateFloat32's).
 
 A conv1d's gradients are conv2ds of height 1 (tvmgraph/gradients/conv.py), rewritten here when
-no vector divides their rows. The conv1d itself is left to TVM: as the conv2d of x viewed as
+no vector divides their rows. The conv1d itself is not taken: as the conv2d of x viewed as
 [N, C, 1, L] (im2col, then the weight [F, C * K] times [C * K, L] per image) a raw-audio net's
-inference went from 11.7 to 16.5 ms, its products of 32-128 rows at 15-29% of the FMA peak.
+inference went from 11.7 to 16.5 ms, its products of 32-128 rows at 15-29% of the FMA peak;
+relay_passes/direct_conv1d.py computes it directly.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from tvm import relax
 
 from . import legalize_fixes  # noqa: F401  (registers the legalizations that replace failing ones)
 from . import max_pool_backward  # noqa: F401  (registers non-overlapping max pooling's gradient)
+from . import ragged_sums  # noqa: F401  (registers sums along rows no vector divides, cut in two)
 from . import take_backward  # noqa: F401  (registers a parallel embedding gradient)
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .debug import logger
@@ -179,6 +180,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.fuse_epilogue import FuseEpilogue
     from relay_passes.fuse_model_update import FuseModelUpdate
     from relay_passes.pad_ragged_softmax import PadRaggedSoftmax
+    from relay_passes.direct_conv1d import DirectConv1d
     from relay_passes.im2col_conv import Im2colConv
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
     from relay_passes.recompute_late_reads import RecomputeLateReads
@@ -221,6 +223,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    NOTE: before SeparateBackward: it drops unused bindings, and with them the boundary
         #    that keeps the forward and backward blocks apart (bindings.cut_block).
         *([Im2colConv(report)] if target.kind.name == "llvm" else []),
+        #    On the CPU, a conv1d is computed over rows padded to whole register tiles, then
+        #    cropped (its stride-s input split into s contiguous phases).
+        *([DirectConv1d(report)] if target.kind.name == "llvm" else []),
         #    Training steps: the backward pass redoes the forward pass's float32 casts of 16-bit
         #    activations instead of keeping them (AMP), and forward and backward passes go in
         #    separate dataflow blocks, so that fusion keeps each pass's work in its pass.

@@ -1032,6 +1032,24 @@ def test_an_argmax_reduction_runs_its_rows_in_parallel() -> None:
     torch.testing.assert_close(got, a.grad, atol=0, rtol=0)
 
 
+def test_a_pooling_window_along_rows_no_vector_divides_runs_in_parallel() -> None:
+    """MaxPool1d(4) over (16, 32, 1981), a (1, 4) max_pool2d after an expand_dims: a reduction
+    of 4 along 495 output columns that no vector divides. Its work per output was counted as 1,
+    below the parallel threshold, and the whole pooling ran on one thread (a raw-audio net's,
+    1.07 ms; 0.52 ms in parallel, Zen 3). Numbers: torch's, exactly."""
+    shape = (16, 32, 1, 1981)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", R.Tensor(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.max_pool2d(x, (1, 4), (1, 4))))
+        bb.emit_func_output(out)
+    a = torch.randn(shape)
+    got, scheduled = run_relax(bb.get(), a)
+    assert "T.parallel(" in scheduled["max_pool2d"].script(), scheduled["max_pool2d"].script()
+    torch.testing.assert_close(got, torch.nn.functional.max_pool2d(a, (1, 4), (1, 4)), atol=0, rtol=0)
+
+
 # ---- elementwise.py and fast_math.py ---------------------------------------------------------
 
 ELEMENTWISE = {
@@ -1067,6 +1085,30 @@ def test_elementwise_rule_matches_torch(case: tuple) -> None:
     for func in prim_funcs(scheduled).values():
         assert_scheduled(func, parallel=np.prod(shape) >= 1 << 18)
         assert "T.erf" not in func.script() and "T.tanh" not in func.script()
+
+
+def test_a_per_channel_scale_along_rows_no_vector_divides_is_one_broadcast_per_row() -> None:
+    """A batch norm + ReLU at inference over (16, 32, 1981): no vector divides 1981, so the loops
+    were fused across rows to fill vectors, and each lane gathered its channel's mean, variance,
+    weight and bias (a raw-audio net's, 1.21 ms at 25% of the memory bandwidth; 0.22 ms row by
+    row, Zen 3). Each row now runs with its channel's values broadcast, its whole vectors
+    vectorized (vectorize_tails) and the rows in parallel. Numbers: torch's."""
+    shape = (16, 32, 1981)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", R.Tensor(shape, "float32"))
+    stats = [relax.Var(name, R.Tensor((32,), "float32")) for name in ("gamma", "beta", "mean", "var")]
+    with bb.function("main", [x, *stats]):
+        with bb.dataflow():
+            normed = bb.emit(relax.op.nn.batch_norm(x, *stats, axis=1, training=False)[0])
+            out = bb.emit_output(relax.op.nn.relu(normed))
+        bb.emit_func_output(out)
+    a = torch.randn(shape)
+    gamma, beta, mean, var = torch.randn(32), torch.randn(32), torch.randn(32), torch.rand(32) + 0.5
+    got, scheduled = run_relax(bb.get(), a, gamma, beta, mean, var)
+    expected = torch.relu(torch.nn.functional.batch_norm(a, mean, var, gamma, beta, training=False))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    (text,) = [f.script() for f in prim_funcs(scheduled).values() if "T.vectorized(" in f.script()]
+    assert "T.parallel(T.int64(512))" in text and "// T.int64(1981)" not in text, text
 
 
 def test_chain_of_reshapes_and_transposes_is_tiled_as_one_transpose() -> None:

@@ -16,7 +16,9 @@ Here, over the axes ``A`` the statistics run on (``n`` elements per channel), wi
 which is norm.py's ``inv * (gh - mean(gh) - xh * mean(gh * xh))`` with ``gh = gamma * dy`` and
 ``xh = xc * inv``. The four sums keep the channel axis and the input gradient reads them at its
 channel, so the CPU schedule runs all of it one channel at a time (schedules/reduction.py,
-`_schedule_channels`): x and dy come from memory once and are read again from cache.
+`_schedule_channels`): x and dy come from memory once and are read again from cache. Over
+rows that no vector divides (1981 samples) each sum is cut after the rows' whole vectors
+(tvmgraph/ragged_sums.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import math
 
 from tvm import te, tirx
+
+from ..ragged_sums import ragged_sum, splits
 
 
 def batch_norm_backward(x: te.Tensor, dy: te.Tensor, gamma: te.Tensor | None, axis: int,
@@ -37,6 +41,9 @@ def batch_norm_backward(x: te.Tensor, dy: te.Tensor, gamma: te.Tensor | None, ax
 
     def channel_sum(name: str, term) -> te.Tensor:
         """``sum_A(term(index))`` per channel, `index` the element of x at channel c."""
+        if splits(x, reduced):  # rows no vector divides: their whole vectors, then their tails
+            return ragged_sum(x, reduced, term=term, name=name)
+
         def body(c):
             axes = [te.reduce_axis((0, shape[i]), name=f"r{i}") for i in reduced]
             index = list(axes)

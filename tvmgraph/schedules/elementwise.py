@@ -25,6 +25,7 @@ from .loops import (
     root_blocks,
     schedule_spatial,
     simplify_indices,
+    vectorize_tails,
 )
 
 
@@ -46,7 +47,8 @@ class Elementwise(ScheduleRule):
         if all(iter_kinds(simplified, b) is not None for b in root_blocks(simplified)):
             sch = simplified
         for block in root_blocks(sch):
-            schedule_spatial(sch, block, _lanes(sch, block, target))
+            schedule_spatial(sch, block, _lanes(sch, block, target), by_rows=True)
+        vectorize_tails(sch, lambda block: _lanes(sch, block, target))
         return sch
 
 

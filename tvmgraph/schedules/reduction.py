@@ -562,9 +562,13 @@ def _schedule_column(sch: s_tir.Schedule, block: SBlockRV, column: int, lanes: i
         width //= 2
     others = [l for n, (l, k) in enumerate(zip(loops, kinds)) if k == "S" and n != column]
     reduce_ = [l for l, k in zip(loops, kinds) if k == "R"]
+    work = math.prod(work_extent(sch, l) for l in reduce_)
     if width < 4:
         sch.reorder(*others, col, *reduce_)
-        parallelize(sch, [*others, col], 1)
+        # NOTE: the work of an output is its reduction's: counted as 1, a raw-audio net's
+        # max pooling over (16, 32, 1981) ran on one thread (its (1, 4) window is such a
+        # reduction, along 495 columns that no vector divides).
+        parallelize(sch, [*others, col], work)
         return
     # Chunks of 4 vectors keep 4 independent accumulators in flight per step.
     chunk = width * 4 if extent % (width * 4) == 0 else width
@@ -572,9 +576,6 @@ def _schedule_column(sch: s_tir.Schedule, block: SBlockRV, column: int, lanes: i
     sch.reorder(*others, co, *reduce_, ci)
     _, vec = sch.split(ci, [None, width])
     sch.vectorize(vec)
-    work = 1
-    for l in reduce_:
-        work *= work_extent(sch, l)
     parallelize(sch, [*others, co], work * chunk)
     # NOTE: last: once the init is split off, `parallel` refuses the loop nest.
     sch.decompose_reduction(block, reduce_[0])

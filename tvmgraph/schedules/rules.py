@@ -5,6 +5,7 @@ from __future__ import annotations
 from tvm.s_tir.dlight.base import ScheduleRule
 
 from .conv import Conv2d
+from .conv1d import Conv1d
 from .conv_grad import ConvWeightGradient
 from .elementwise import Elementwise
 from .fallback import Fallback
@@ -15,5 +16,5 @@ from .reduction import Reduction
 
 def default_rules() -> list[ScheduleRule]:
     """Convolutions, matrix-vector, matmul, reductions, element-wise, then the catch-all `Fallback`."""
-    return [ConvWeightGradient(), Conv2d(), MatrixVector(), Matmul(), Reduction(), Elementwise(),
-            Fallback()]
+    return [ConvWeightGradient(), Conv2d(), Conv1d(), MatrixVector(), Matmul(), Reduction(),
+            Elementwise(), Fallback()]

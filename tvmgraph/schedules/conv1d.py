@@ -1,0 +1,97 @@
+"""The 1-D convolution of `relay_passes/direct_conv1d.py`, register-tiled.
+
+That pass computes a conv1d as `padded[n, f, col] += phases[n, c, p, col + q] * w[f, c, p, q]`
+over rows padded to whole vectors, then crops them (and FuseOps adds the epilogue). Schedule:
+
+    parallel(n, col / (tx * vx))          tiles of columns: work for every thread at batch 1
+      phases of the tile's columns        (C x stride x (tx * vx + taps - 1) floats: L1)
+      f / tf                              each channel tile reuses those phases
+        c > q > p                         the reduction
+          unroll(tf) > unroll(tx) > vector(vx)
+        crop + epilogue of the tf x (tx * vx) accumulators, then the store
+
+The register tile is tf channels x tx vectors: 4 x 3 with 16 vector registers (12 accumulators;
+3 loads and 4 broadcasts per 12 FMAs), 8 x 2 with 32; the pass pads the rows to whole tiles.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from .cpu_target import CPUTarget, is_cpu
+from .fallback import schedule_remaining
+from .loops import inline_spatial_blocks, root_blocks, static_extent
+from .unchecked import Schedule
+
+
+# The reduction block's name in relay_passes/direct_conv1d.py: the rule recognizes the kernel by it.
+BLOCK = "conv1d_padded"
+
+# Register tiles, best first: (vectors of columns, channel counts to try, speed relative to the
+# first). With 16 registers 4 x 3 (12 accumulators) or 6 x 2; with 32, 8 x 2 or 8 x 1. A row is
+# padded to whole tiles (`padded_row`), so that no tile is partial: a partial tile's predicate
+# stayed inside the reduction loop and kept its accumulators in memory (a raw-audio net's
+# first conv1d at 25% of the FMA peak, Zen 3).
+TILES_16_REGISTERS = ((3, (4, 3, 2), 1.0), (2, (6, 4, 3, 2), 0.9))
+TILES_32_REGISTERS = ((2, (8, 4, 2), 1.0), (1, (8, 4, 2), 0.8))
+
+
+def _tiles(cpu: CPUTarget) -> tuple[tuple[int, tuple[int, ...], float], ...]:
+    return TILES_32_REGISTERS if cpu.num_vector_registers >= 32 else TILES_16_REGISTERS
+
+
+def padded_row(cpu: CPUTarget, length: int, dtype: str) -> int:
+    """The row length to compute a conv1d's `length` output columns over: whole tiles of the
+    tile that costs least, padding included."""
+    lanes = cpu.lanes(dtype)
+
+    def padded(vectors: int) -> int:
+        return -(-length // (vectors * lanes)) * vectors * lanes
+
+    return padded(min(_tiles(cpu), key=lambda tile: padded(tile[0]) / tile[2])[0])
+
+
+class Conv1d(ScheduleRule):
+    """Register tiles of output channels x whole vectors of columns for `padded_conv1d`."""
+
+    # As for Conv2d: the partial tile's predicate is hoisted out of the reduction only at -O3.
+    llvm_opt_level = 3
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
+        """Return the schedule, or None when `func` holds no `padded_conv1d`."""
+        if not is_cpu(target):
+            return None
+        sch = Schedule(func)
+        blocks = {sch.get(b).name_hint: b for b in root_blocks(sch)}
+        main = blocks.get(BLOCK)
+        phases = blocks.get("conv1d_phases")
+        if main is None or phases is None:
+            return None
+        weights = blocks.get("conv1d_weight_phases")
+        inline_spatial_blocks(sch, keep=tuple(b for b in (main, phases, weights) if b is not None))
+        cpu = CPUTarget.from_target(target)
+        out = sch.get(main).writes[0].source
+        vx = cpu.lanes(str(out.dtype))
+        n, f, col, *reduce = sch.get_loops(main)
+        rows, filters = static_extent(sch, col), static_extent(sch, f)
+        tile = next((t for t in _tiles(cpu) if rows and rows % (t[0] * vx) == 0), None)
+        if tile is None or filters is None:
+            return None  # padded for another target
+        tx, channels, _ = tile
+        tf = next((c for c in channels if filters % c == 0), 1)
+        fo, fi = sch.split(f, [None, tf])
+        xo, xv, xl = sch.split(col, [None, tx, vx])
+        sch.reorder(n, xo, fo, *reduce, fi, xv, xl)
+        outer = sch.fuse(n, xo)
+        sch.parallel(outer)
+        sch.compute_at(phases, outer, preserve_unit_loops=True)
+        for consumer in sch.get_consumers(main):
+            sch.reverse_compute_at(consumer, fo, preserve_unit_loops=True)
+        sch.unroll(fi)
+        sch.unroll(xv)
+        sch.vectorize(xl)
+        sch.decompose_reduction(main, reduce[0])
+        schedule_remaining(sch, cpu)
+        return sch
