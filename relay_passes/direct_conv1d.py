@@ -36,7 +36,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import graph_functions, report_counts
+from relay_passes import current_cpu, graph_functions, report_counts
 from relay_passes.rebind import rebind
 from tvmgraph.schedules.conv1d import BLOCK, padded_row
 from tvmgraph.schedules.cpu_target import CPUTarget
@@ -138,10 +138,10 @@ class DirectConv1d:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        target = tvm.target.Target.current(allow_none=True)
-        if target is None or target.kind.name != "llvm":
+        cpu = current_cpu()
+        if cpu is None:
             return mod
-        rewriter = _Rewriter(mod, CPUTarget.from_target(target))
+        rewriter = _Rewriter(mod, cpu)
         for gv, func in graph_functions(mod):
             rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(rewriter.visit_expr(func)))
         report_counts(self.report, "DirectConv1d", rewriter.counts)

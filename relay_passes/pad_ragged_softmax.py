@@ -29,9 +29,8 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import graph_functions, report_counts
+from relay_passes import current_cpu, graph_functions, report_counts
 from relay_passes.rebind import rebind
-from tvmgraph.schedules.cpu_target import CPUTarget
 
 _SOFTMAX = frozenset({"relax.nn.softmax", "relax.nn.log_softmax"})
 
@@ -92,10 +91,10 @@ class PadRaggedSoftmax:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        target = tvm.target.Target.current(allow_none=True)
-        if target is None or target.kind.name != "llvm":
+        cpu = current_cpu()
+        if cpu is None:
             return mod
-        padder = _Padder(mod, CPUTarget.from_target(target).lanes("float32"))
+        padder = _Padder(mod, cpu.lanes("float32"))
         for gv, func in graph_functions(mod):
             padder.builder_.update_func(gv, padder.visit_expr(func))
         report_counts(self.report, "PadRaggedSoftmax", padder.counts)
