@@ -2,29 +2,31 @@
 
 TVM 0.27 legalizes `relax.nn.conv1d` with TOPI's `conv1d_ncw`, which no tvmgraph schedule rule
 took: a raw-audio net's three convolutions ran at 22-31% of the FMA peak, 60% of its inference.
-Its rows are rarely whole vectors (1981, 493, 121 columns: `(W + padding - K) / stride + 1`),
+Its rows are rarely whole vectors (1981, 493, 121 columns: `(W + padding - span) / stride + 1`),
 and a first layer reads raw samples at a stride (4 in M5), so output columns in the vector
 lanes would read the input at the stride. Here the conv1d becomes one kernel of three steps:
 
     phases[n, c, p, j]  = x[n, c, j*s + p - pad]    (0 outside x; the input split by position
                                                       modulo the stride: contiguous per phase)
-    padded[n, f, col]   = sum over c, q, p of phases[n, c, p, col + q] * w[f, c, q*s + p]
-                                                    (col up to L rounded up to whole
-                                                      register tiles: `padded_row`)
+    padded[n, f, col]   = sum over c, k of phases[n, c', t % s, col + t // s] * w[f, c, k]
+                                                    (t = k * dilation, c' = c in f's group; col
+                                                      up to L rounded up to whole register
+                                                      tiles: `padded_row`)
     out[n, f, col]      = padded[n, f, col]          (col < L)
 
-so that `tvmgraph/schedules/conv1d.py` tiles `padded` into registers (output channels x whole
-vectors of columns), each step loading contiguous columns of one phase and broadcasting one
-weight per channel, with no bounds test inside the reduction. The phases of x are copied per
-tile of columns (L1), the crop and the epilogue (bias, activation: FuseOps fuses them in, the
-kernel is marked out-element-wise fusable) are done on the tile before its store. With stride 1
-there is one phase and the copy only adds the zeros. A kernel length that the stride does not
-divide reads zero weights for the missing offsets (`w` is copied into [F, C, s, K/s] first).
+since x[col * s + t - pad] is phase t % s of x, t // s columns on. `tvmgraph/schedules/conv1d.py`
+tiles `padded` into registers (output channels x whole vectors of columns), each step loading
+contiguous columns of one phase and broadcasting one weight per channel, with no bounds test
+inside the reduction. The phases of x are copied per tile of columns (L1), the crop and the
+epilogue (bias, activation: FuseOps fuses them in, the kernel is marked out-element-wise
+fusable) are done on the tile before its store. With stride 1 there is one phase and the copy
+only adds the zeros. Grouped (depthwise) and dilated convolutions alike: a group's channels read
+their own rows of the phases, a dilated tap its own offset.
 
 Exact up to the order of the sums. Position: after autodiff (a training step's forward conv1d;
 its gradients are conv2ds, tvmgraph/gradients/conv.py), CPU targets only. Limits: NCW/OIW,
-groups 1, dilation 1, static channels, width and kernel (the batch may be symbolic), float32
-and float64 with the result in the input's type (16-bit convolutions keep TVM's).
+static channels, width and kernel (the batch may be symbolic), float32 and float64 with the
+result in the input's type (16-bit convolutions keep TVM's).
 """
 
 from __future__ import annotations
@@ -44,42 +46,34 @@ from tvmgraph.schedules.cpu_target import CPUTarget
 OUT_EWISE_FUSABLE = 4  # TVM's OpPatternKind kOutEWiseFusable: FuseOps fuses element-wise ops after it
 
 
-def padded_conv1d(x: te.Tensor, w: te.Tensor, stride: int, padding: tuple[int, int],
-                  rows: int) -> te.Tensor:
-    """conv1d(x, w) (NCW, OIW, groups 1, dilation 1) as phases, a product over `rows` columns
-    (at least the output's) and a crop."""
+def padded_conv1d(x: te.Tensor, w: te.Tensor, stride: int, padding: tuple[int, int], dilation: int,
+                  groups: int, rows: int) -> te.Tensor:
+    """conv1d(x, w) (NCW, OIW) as phases, a product over `rows` columns (at least the output's)
+    and a crop."""
     _, channels, width = x.shape
-    filters, _, kernel = (int(d) for d in w.shape)
+    filters, group_channels, kernel = (int(d) for d in w.shape)
     channels, width = int(channels), int(width)
     left, right = padding
-    length = (width + left + right - kernel) // stride + 1
+    length = (width + left + right - (kernel - 1) * dilation - 1) // stride + 1
     assert rows >= length, (rows, length)
-    taps = -(-kernel // stride)  # kernel offsets per phase
-    zero = tirx.const(0, x.dtype)
+    reach = (kernel - 1) * dilation // stride  # the last tap's offset within its phase
+    per_group = filters // groups
 
     def phase(n, c, p, j):  # noqa: ANN001, ANN202  (te index variables)
         at = j * stride + p - left
-        return tirx.if_then_else(tirx.all(at >= 0, at < width), x[n, c, tirx.min(tirx.max(at, 0), width - 1)], zero)
+        inside = tirx.all(at >= 0, at < width)
+        return tirx.if_then_else(inside, x[n, c, tirx.min(tirx.max(at, 0), width - 1)], tirx.const(0, x.dtype))
 
-    phases = te.compute((x.shape[0], channels, stride, rows + taps - 1), phase, name="conv1d_phases")
-    if stride > 1 or kernel % stride:
-        w = te.compute((filters, channels, stride, taps),
-                       lambda f, c, p, q: tirx.if_then_else(q * stride + p < kernel,
-                                                            w[f, c, tirx.min(q * stride + p, kernel - 1)], zero),
-                       name="conv1d_weight_phases")
+    phases = te.compute((x.shape[0], channels, stride, rows + reach), phase, name="conv1d_phases")
+    rc = te.reduce_axis((0, group_channels), name="rc")
+    rk = te.reduce_axis((0, kernel), name="rk")
 
-        def weight(f, c, p, q):  # noqa: ANN001, ANN202
-            return w[f, c, p, q]
-    else:
-        def weight(f, c, p, q):  # noqa: ANN001, ANN202, ARG001
-            return w[f, c, q]
-    rc = te.reduce_axis((0, channels), name="rc")
-    rq = te.reduce_axis((0, taps), name="rq")
-    rp = te.reduce_axis((0, stride), name="rp")
-    padded = te.compute(
-        (x.shape[0], filters, rows),
-        lambda n, f, col: te.sum(phases[n, rc, rp, col + rq] * weight(f, rc, rp, rq), axis=[rc, rq, rp]),
-        name=BLOCK)
+    def product(n, f, col):  # noqa: ANN001, ANN202
+        channel = rc if groups == 1 else f // per_group * group_channels + rc
+        tap = rk * dilation  # x[col * s + tap - pad] lies in phase tap % s, tap // s columns on
+        return te.sum(phases[n, channel, tap % stride, col + tap // stride] * w[f, rc, rk], axis=[rc, rk])
+
+    padded = te.compute((x.shape[0], filters, rows), product, name=BLOCK)
     return te.compute((x.shape[0], filters, length), lambda n, f, col: padded[n, f, col], name="conv1d_crop")
 
 
@@ -88,12 +82,10 @@ def _ints(values: object) -> list[int]:
 
 
 def _supported(call: relax.Call) -> bool:
-    """NCW/OIW, groups 1, dilation 1, static sizes but the batch, float32/64 in and out."""
+    """NCW/OIW, static sizes but the batch, float32/64 in and out."""
     attrs = call.attrs
     x, w = call.args
     if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("NCW", "OIW", "NCW"):
-        return False
-    if int(attrs.groups) != 1 or _ints(attrs.dilation) != [1]:
         return False
     dtypes = {str(x.ty.dtype), str(w.ty.dtype), str(call.ty.dtype)}
     if len(dtypes) != 1 or dtypes.pop() not in ("float32", "float64"):
@@ -118,13 +110,14 @@ class _Rewriter(PyExprMutator):
         call = super().visit_call_(call)
         if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.nn.conv1d" and _supported(call)):
             return call
-        stride = int(call.attrs.strides[0])
-        padding = tuple(_ints(call.attrs.padding))
+        attrs = call.attrs
+        stride, dilation, groups = int(attrs.strides[0]), int(attrs.dilation[0]), int(attrs.groups)
         length = int(call.ty.shape[2])
         rows = padded_row(self.cpu, length, str(call.ty.dtype))
         self.counts[f"conv1d stride {stride}, {length} -> {rows} columns"] += 1
         bb = self.builder_
-        out = bb.emit_te(padded_conv1d, *call.args, stride, padding, rows, primfunc_name_hint="conv1d")
+        out = bb.emit_te(padded_conv1d, *call.args, stride, tuple(_ints(attrs.padding)), dilation, groups, rows,
+                         primfunc_name_hint="conv1d")
         gv = bb.lookup_binding(out).args[0]
         bb.update_func(gv, bb.get()[gv].with_attr("op_pattern", OUT_EWISE_FUSABLE))
         return out

@@ -41,28 +41,36 @@ def rewritten(mod: tvm.IRModule, target: tvm.target.Target = AVX2) -> tvm.IRModu
 
 def test_a_strided_conv1d_becomes_phases_a_padded_product_and_a_crop() -> None:
     """Before: R.nn.conv1d(x, w, strides=[4]) of (2, 1, 400) by (8, 1, 10): 98 columns. After: a
-    call_tir of one PrimFunc: x in 4 phases of 114 samples, w in 4 phases of 3 taps (zeros for
-    taps 10 and 11), the product over 120 columns (5 tiles of 3 AVX2 vectors) and the crop to 98;
-    marked out-element-wise fusable so that FuseOps brings the bias and activation in."""
+    call_tir of one PrimFunc: x in 4 phases of 122 samples (120 columns + the last tap's offset
+    2), the product over 120 columns (5 tiles of 3 AVX2 vectors), tap k read from phase k % 4,
+    k // 4 columns on, and the crop to 98; marked out-element-wise fusable so that FuseOps brings
+    the bias and activation in."""
     after = rewritten(conv1d_module((2, 1, 400), (8, 1, 10), stride=4))
     main = after["main"].script()
     assert "R.nn.conv1d(" not in main and "R.call_tir(conv1d, (x, w)" in main, main
     kernel = after["conv1d"]
     text = kernel.script()
     for buffer in ("conv1d_phases = T.sblock_alloc_buffer((T.int64(2), T.int64(1), T.int64(4), T.int64(122)))",
-                   "conv1d_weight_phases = T.sblock_alloc_buffer((T.int64(8), T.int64(1), T.int64(4), T.int64(3)))",
                    f"{BLOCK} = T.sblock_alloc_buffer((T.int64(2), T.int64(8), T.int64(120)))"):
         assert buffer in text, text
+    assert "conv1d_phases[v_n, v_rc, v_rk % T.int64(4), v_rk // T.int64(4) + v_col] * w[v_f, v_rc, v_rk]" in text, text
     assert "conv1d_crop: T.Buffer((T.int64(2), T.int64(8), T.int64(98))" in text, text
     assert int(kernel.attrs["op_pattern"]) == 4
 
 
-def test_a_stride_1_conv1d_reads_w_in_place() -> None:
-    """One phase: x with its zeros, 64 columns (4 tiles of 2 AVX2 vectors) + 2 taps; w as it is."""
+def test_a_stride_1_conv1d_has_one_phase() -> None:
+    """One phase: x with its zeros, 64 columns (4 tiles of 2 AVX2 vectors) + 2 taps."""
     text = rewritten(conv1d_module((2, 3, 50), (4, 3, 3), padding=1))["conv1d"].script()
-    assert "conv1d_weight_phases" not in text, text
     assert "conv1d_phases = T.sblock_alloc_buffer((T.int64(2), T.int64(3), T.int64(1), T.int64(66)))" in text, text
     assert "conv1d_crop: T.Buffer((T.int64(2), T.int64(4), T.int64(50))" in text, text
+
+
+def test_a_grouped_dilated_conv1d_reads_its_groups_rows_at_its_taps() -> None:
+    """groups 2, dilation 3: output channel f reads input channels (f // 3) * 2 + c (3 outputs,
+    2 inputs per group), tap k at 3 k; the phases reach 6 columns past the rows."""
+    text = rewritten(conv1d_module((2, 4, 50), (6, 2, 3), dilation=3, groups=2))["conv1d"].script()
+    assert "conv1d_phases = T.sblock_alloc_buffer((T.int64(2), T.int64(4), T.int64(1), T.int64(54)))" in text, text
+    assert "conv1d_phases[v_n, v_f // T.int64(3) * T.int64(2) + v_rc, T.int64(0), v_rk * T.int64(3) + v_col]" in text, text
 
 
 def test_rows_are_padded_to_the_tile_that_wastes_least() -> None:
@@ -73,14 +81,8 @@ def test_rows_are_padded_to_the_tile_that_wastes_least() -> None:
     assert [padded_row(avx512, n, "float32") for n in (1981, 493, 121, 16)] == [1984, 512, 128, 16]
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(dilation=2),                         # dilated
-    dict(groups=3),                           # grouped (depthwise)
-    dict(dtype="float16"),                    # 16-bit: TVM's
-], ids=["dilation", "groups", "float16"])
-def test_other_conv1ds_are_left_alone(kwargs: dict) -> None:
-    before = conv1d_module((2, 3, 50), (3 if "groups" in kwargs else 4, 1 if "groups" in kwargs else 3, 3),
-                           **kwargs)
+def test_a_16_bit_conv1d_is_left_alone() -> None:
+    before = conv1d_module((2, 3, 50), (4, 3, 3), dtype="float16")
     tvm.ir.assert_structural_equal(rewritten(before), before)
 
 
@@ -97,15 +99,24 @@ CASES = {
     "padding-wider-than-stride": (2, 4, 37, 12, 7, 3, 5),
     "fewer-columns-than-a-tile": (2, 3, 9, 7, 3, 1, 1),
 }
+# (batch, channels, width, filters, kernel, stride, padding, dilation, groups)
+GROUPED_OR_DILATED = {
+    "depthwise": (2, 8, 100, 8, 3, 1, 1, 1, 8),
+    "depthwise-dilated-strided": (2, 6, 77, 12, 5, 2, 3, 2, 6),
+    "tcn-dilated": (3, 5, 150, 7, 3, 1, 8, 4, 1),
+    "groups-of-4": (2, 8, 60, 12, 4, 3, 0, 1, 2),
+}
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("case", [(*case, 1, 1) for case in CASES.values()] + list(GROUPED_OR_DILATED.values()),
+                         ids=[*CASES.keys(), *GROUPED_OR_DILATED.keys()])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_direct_conv1d_matches_torch(case: tuple, dtype: str) -> None:
     """Compiled with tvmgraph's CPU schedules on this host (the Conv1d rule takes the kernel:
     parallel tiles, vectorized), with a bias and ReLU fused in."""
-    n, c, width, f, k, stride, padding = case
-    mod = rewritten(conv1d_module((n, c, width), (f, c, k), stride, padding, dtype=dtype, bias=True), HOST)
+    n, c, width, f, k, stride, padding, dilation, groups = case
+    mod = rewritten(conv1d_module((n, c, width), (f, c // groups, k), stride, padding, dilation, groups,
+                                  dtype=dtype, bias=True), HOST)
     with HOST:
         mod = relax.transform.LegalizeOps()(mod)
         mod = tvm.transform.Sequential([relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(),
@@ -117,10 +128,11 @@ def test_direct_conv1d_matches_torch(case: tuple, dtype: str) -> None:
     text = kernels[name].script()
     assert "T.parallel(" in text and "T.vectorized(" in text and "T.unroll(" in text, text
     torch_dtype = getattr(torch, dtype)
-    x, w, b = (torch.randn(*shape, dtype=torch_dtype) for shape in ((n, c, width), (f, c, k), (f, 1)))
+    x, w, b = (torch.randn(*shape, dtype=torch_dtype) for shape in ((n, c, width), (f, c // groups, k), (f, 1)))
     vm = relax.VirtualMachine(tvm.compile(mod, target=HOST), tvm.cpu())
     out = torch.from_numpy(vm["main"](*[tvm.runtime.tensor(t.numpy()) for t in (x, w, b)]).numpy())
-    expected = torch.relu(torch.nn.functional.conv1d(x, w, stride=stride, padding=padding) + b)
+    expected = torch.relu(torch.nn.functional.conv1d(x, w, stride=stride, padding=padding, dilation=dilation,
+                                                     groups=groups) + b)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(out, expected, **tol)
 

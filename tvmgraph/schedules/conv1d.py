@@ -1,28 +1,33 @@
 """The 1-D convolution of `relay_passes/direct_conv1d.py`, register-tiled.
 
-That pass computes a conv1d as `padded[n, f, col] += phases[n, c, p, col + q] * w[f, c, p, q]`
-over rows padded to whole vectors, then crops them (and FuseOps adds the epilogue). Schedule:
+That pass computes a conv1d as `padded[n, f, col] += phases[n, c, t % s, col + t // s] * w[f, c, k]`
+(t = k * dilation) over rows padded to whole register tiles, then crops them (and FuseOps adds
+the epilogue). Schedule:
 
     parallel(n, col / (tx * vx))          tiles of columns: work for every thread at batch 1
-      phases of the tile's columns        (C x stride x (tx * vx + taps - 1) floats: L1)
+      phases of the tile's columns        (C x stride x (tx * vx + reach) floats: L1; a vector
+                                           fill of zeros, then the copy of x)
       f / tf                              each channel tile reuses those phases
-        c > q > p                         the reduction
+        c > k                             the reduction (input channels, taps)
           unroll(tf) > unroll(tx) > vector(vx)
         crop + epilogue of the tf x (tx * vx) accumulators, then the store
 
-The register tile is tf channels x tx vectors: 4 x 3 with 16 vector registers (12 accumulators;
-3 loads and 4 broadcasts per 12 FMAs), 8 x 2 with 32; the pass pads the rows to whole tiles.
-"""
+A grouped (depthwise) conv runs parallel(n, f / tf) > phases of the tile's groups > col /
+(tx * vx) instead: its channel tiles share no rows of the phases. The register tile is tf
+channels x tx vectors: 4 x 3 with 16 vector registers (12 accumulators; 3 loads and 4
+broadcasts per 12 FMAs), 8 x 2 with 32."""
 
 from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.s_tir.schedule import SBlockRV
 from tvm.target import Target
 
 from .cpu_target import CPUTarget, is_cpu
 from .fallback import schedule_remaining
-from .loops import inline_spatial_blocks, root_blocks, static_extent
+from .conv import pad_at
+from .loops import inline_spatial_blocks, root_blocks, static_extent, vars_in
 from .unchecked import Schedule
 
 
@@ -53,6 +58,15 @@ def padded_row(cpu: CPUTarget, length: int, dtype: str) -> int:
     return padded(min(_tiles(cpu), key=lambda tile: padded(tile[0]) / tile[2])[0])
 
 
+def _grouped(sch: s_tir.Schedule, main: SBlockRV, phases: SBlockRV) -> bool:
+    """Whether the product reads the phases at a channel that depends on the output channel (a
+    grouped or depthwise conv: each output channel reads its group's rows only)."""
+    stmt = sch.get(main)
+    f_var = stmt.iter_vars[1].var
+    buffer = sch.get(phases).writes[0].source
+    return any(read.source.same_as(buffer) and f_var in vars_in(read.region[1].min) for read in stmt.reads)
+
+
 class Conv1d(ScheduleRule):
     """Register tiles of output channels x whole vectors of columns for `padded_conv1d`."""
 
@@ -69,8 +83,7 @@ class Conv1d(ScheduleRule):
         phases = blocks.get("conv1d_phases")
         if main is None or phases is None:
             return None
-        weights = blocks.get("conv1d_weight_phases")
-        inline_spatial_blocks(sch, keep=tuple(b for b in (main, phases, weights) if b is not None))
+        inline_spatial_blocks(sch, keep=(main, phases))
         cpu = CPUTarget.from_target(target)
         out = sch.get(main).writes[0].source
         vx = cpu.lanes(str(out.dtype))
@@ -83,12 +96,17 @@ class Conv1d(ScheduleRule):
         tf = next((c for c in channels if filters % c == 0), 1)
         fo, fi = sch.split(f, [None, tf])
         xo, xv, xl = sch.split(col, [None, tx, vx])
-        sch.reorder(n, xo, fo, *reduce, fi, xv, xl)
-        outer = sch.fuse(n, xo)
+        if _grouped(sch, main, phases):
+            # Each channel tile reads its groups' rows only: their phases, whole, per tile.
+            sch.reorder(n, fo, xo, *reduce, fi, xv, xl)
+            outer, tile_loop = sch.fuse(n, fo), xo
+        else:
+            sch.reorder(n, xo, fo, *reduce, fi, xv, xl)
+            outer, tile_loop = sch.fuse(n, xo), fo
         sch.parallel(outer)
-        sch.compute_at(phases, outer, preserve_unit_loops=True)
+        pad_at(sch, phases, outer, vx)  # a vector fill of zeros, then a copy of x
         for consumer in sch.get_consumers(main):
-            sch.reverse_compute_at(consumer, fo, preserve_unit_loops=True)
+            sch.reverse_compute_at(consumer, tile_loop, preserve_unit_loops=True)
         sch.unroll(fi)
         sch.unroll(xv)
         sch.vectorize(xl)
