@@ -1,4 +1,4 @@
-"""UnwrapTupleReads: `(x, y)[0]` becomes `x`.
+"""UnwrapTupleReads: `(x, y)[0]` becomes `x`, and a tuple literal nothing reads is dropped.
 
     lv = R.call_tir(reshape, (a,), ...)              lv = R.call_tir(reshape, (a,), ...)
     i = (lv,)[0]                             ->      i = lv
@@ -8,6 +8,12 @@ Why: LegalizeOps reads the indices of `index_tensor` (the gradient of `index_put
 `x[idx] = v`) through a tuple literal. FuseOps then fused `lv`'s producer into a kernel and
 lost its binding, as `lv` was read only inside the tuple: the module was ill-formed ("DataflowVar
 lv24_again is not defined") and the training graph failed to compile.
+
+A tuple literal nothing reads is dropped: LegalizeOps leaves one behind each `concat` of a
+tuple variable (the gradient of a `split`: `t = (di, df, dg, do)`, `R.concat(t)`) when it
+passes the fields to the kernel directly. FuseOps counted the dead tuple as a reader of each
+field, so no field fused into the concatenation: an LSTM's backward step ran its four gate
+gradients as four kernels and a fifth to concatenate them (one, fused).
 
 Position: right after LegalizeOps, before FuseOps.
 """
@@ -19,6 +25,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from relay_passes import graph_functions
+
+from .bindings import rewrite_dataflow_blocks, vars_in
 
 
 @mutator
@@ -37,7 +45,8 @@ class _Unwrap(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="UnwrapTupleReads")
 class UnwrapTupleReads:
-    """Read a tuple literal's field directly in every Relax function."""
+    """Read a tuple literal's field directly in every Relax function; drop the tuple literals
+    no binding reads."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         for gv, func in list(graph_functions(mod)):
@@ -45,4 +54,15 @@ class UnwrapTupleReads:
             rewritten = unwrap.visit_expr(func)
             if unwrap.count:
                 mod[gv] = rewritten
+        mod, _ = rewrite_dataflow_blocks(mod, lambda block: [_without_unread_tuples(block)])
         return mod
+
+
+def _without_unread_tuples(block: relax.DataflowBlock) -> relax.DataflowBlock:
+    """`block` without the tuple literals bound to dataflow variables nothing reads (a block
+    output is read after the block, so it stays)."""
+    read = {v for b in block.bindings for v in vars_in(b.value)}
+    kept = [b for b in block.bindings
+            if not (isinstance(b, relax.VarBinding) and isinstance(b.value, relax.Tuple)
+                    and isinstance(b.var, relax.DataflowVar) and b.var not in read)]
+    return block if len(kept) == len(block.bindings) else relax.DataflowBlock(kept)

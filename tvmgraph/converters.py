@@ -33,6 +33,10 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   2) were that output again; here they are the batch's, one per channel.
 - `repeat` with a count that depends on a dynamic batch: the stock `tile` takes constant
   counts only (it failed to compile); here a broadcast between two views.
+- `cat` with a 1-D empty tensor among tensors of more dimensions: torch skips such a tensor
+  (its legacy rule), Relax's concat requires equal ranks ("Concat expects all input tensors to
+  have same ndim", OpInfo's `cat` samples). Here those tensors are left out, the others cast to
+  the result's dtype (which the skipped ones still took part in).
 - `arange`, `linspace`, `logspace` with constant bounds: TVM (and torch's decompositions)
   compute them in the result dtype, torch truncates the bounds of an integer arange (and counts
   an int64 one in integers) and computes a float one in double (float for 16 bits), linspace
@@ -309,6 +313,20 @@ def embedding(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     if len(ids.ty.shape) == 1:
         return rows
     return bb.emit(relax.op.reshape(rows, [*ids.ty.shape, weight.ty.shape[-1]]))
+
+
+def cat(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """torch.cat; 1-D empty tensors beside tensors of more dimensions are skipped, as in torch
+    (see the module docstring)."""
+    tensors = [importer.env[t] for t in node.args[0]]
+    legacy = [len(t.ty.shape) == 1 and _is_empty(t) for t in tensors]
+    if not any(legacy) or all(legacy):
+        return stock_converter(importer, "cat.default")(node)
+    bb, dtype = importer.block_builder, result_dtype(node)
+    kept = [t if _dtype(t) == dtype else bb.emit(relax.op.astype(t, dtype))
+            for t, skip in zip(tensors, legacy) if not skip]
+    dim = _arg(node, 1, "dim", 0)
+    return kept[0] if len(kept) == 1 else bb.emit(relax.op.concat(kept, axis=dim))
 
 
 def bound(key: str) -> Converter:
@@ -597,6 +615,7 @@ CONVERTERS: dict[str, Converter] = {
     "native_dropout.default": dropout(None, {}),  # placeholder entry; lower.py binds the seed
     "embedding.default": embedding,
     "index_select.default": index_select,
+    "cat.default": cat,
     "take.default": take,
     "arange.default": constant_factory(torch.arange),
     "arange.start": constant_factory(torch.arange),

@@ -44,6 +44,8 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
     "PadRaggedSoftmax": None,
+    "SplitAsSlices": None,
+    "UnitSumsAsReshapes": None,
     "RecomputeLateReads": None,
     "Im2colConv": None,
     "FuseEpilogue": "graph.config.allow_fuse_add_to_output(False)",
@@ -189,6 +191,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.separate_backward import SeparateBackward
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
     from relay_passes.simplify_power import SimplifyPower
+    from relay_passes.split_as_slices import SplitAsSlices
+    from relay_passes.unit_sums import UnitSumsAsReshapes
     from relay_passes.straighten import StraightenBindings
     from relay_passes.unwrap_tuple_reads import UnwrapTupleReads
 
@@ -239,6 +243,12 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         FuseEpilogue(config.fuse_add_to_output, report),
         #    A cast followed by a scalar multiply is one kernel (allow_fuse_cast_scale).
         FuseCastScale(config.fuse_cast_scale, report),
+        #    A split read element-wise (an LSTM's gates) is one slice per piece, which fuses
+        #    into its readers (a split's tuple fuses into none).
+        SplitAsSlices(report),
+        #    A sum over axes of extent 1 only (autodiff's collapse_sum of a broadcast that only
+        #    added unit axes) is a reshape: a view, no kernel.
+        UnitSumsAsReshapes(report),
         # 4. Every Relax op becomes a call to a TIR PrimFunc.
         LowerCallTIRWithGrad(),
         T.LegalizeOps(),

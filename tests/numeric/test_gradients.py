@@ -400,6 +400,9 @@ FIXED_GRADIENTS = [
            lambda x, i: F.embedding(i, x), with_indices((6, 3), (2, 4), 6)),
     OpCase("take-select-0d-index", lambda x, i: op.take(x, i, axis=1),
            lambda x, i: x[:, i], lambda rng: [rng.standard_normal((3, 4)), np.array(2)]),
+    # x.split(n) with n at least the axis's size: one part, a tensor in Relax (no tuple)
+    OpCase("split-one-part", lambda x: op.split(x, 1, axis=1),
+           lambda x: x.split(4, 1)[0], normal((3, 4))),
     OpCase("relu-on-zero", lambda x: op.nn.relu(x), F.relu,
            lambda rng: [np.array([-1.0, 0.0, 0.0, 2.0])], fd=False),
     OpCase("where-broadcast", lambda c, x, y: op.where(c, x, y), torch.where,

@@ -60,6 +60,77 @@ def test_a_read_of_a_tuple_variable_stays() -> None:
     tvm.ir.assert_structural_equal(UnwrapTupleReads()(ThroughVariable), ThroughVariable)
 
 
+def test_a_tuple_literal_nothing_reads_is_dropped() -> None:
+    """How LegalizeOps leaves the gradient of a split: the concatenation reads the fields, the
+    tuple it was given is read by nothing."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(a: R.Tensor((2, 3), "float32"), b: R.Tensor((2, 3), "float32")):
+            with R.dataflow():
+                x = R.sigmoid(a)
+                y = R.multiply(a, b)
+                t = (x, y)
+                z = R.concat((x, y), axis=1)
+                R.output(z)
+            return z
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(a: R.Tensor((2, 3), "float32"), b: R.Tensor((2, 3), "float32")):
+            with R.dataflow():
+                x = R.sigmoid(a)
+                y = R.multiply(a, b)
+                z = R.concat((x, y), axis=1)
+                R.output(z)
+            return z
+
+    tvm.ir.assert_structural_equal(UnwrapTupleReads()(Before), Expected)
+
+
+def test_a_tuple_literal_a_block_output_stays() -> None:
+    @I.ir_module
+    class Output:
+        @R.function
+        def main(a: R.Tensor((2, 3), "float32"), b: R.Tensor((2, 3), "float32")):
+            with R.dataflow():
+                x = R.sigmoid(a)
+                t = (x, b)
+                R.output(t)
+            return t
+
+    tvm.ir.assert_structural_equal(UnwrapTupleReads()(Output), Output)
+
+
+def test_the_fields_of_a_dropped_tuple_fuse_into_their_concatenation() -> None:
+    """Legalized and fused: one kernel computes both fields and concatenates them (with the
+    dead tuple left in, FuseOps kept three kernels)."""
+    T = tvm.relax.transform
+
+    @I.ir_module
+    class Gradient:
+        @R.function
+        def main(a: R.Tensor((2, 3), "float32"), b: R.Tensor((2, 3), "float32")):
+            with R.dataflow():
+                x = R.sigmoid(a)
+                y = R.multiply(a, b)
+                t = (x, y)
+                z = R.concat(t, axis=1)
+                R.output(z)
+            return z
+
+    def kernels(mod):
+        mod = T.AnnotateTIROpPattern()(mod)
+        mod = T.FuseTIR()(T.FuseOps()(mod))
+        return sum(1 for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+
+    legalized = T.LegalizeOps()(Gradient)
+    assert kernels(legalized) == 3
+    assert kernels(UnwrapTupleReads()(legalized)) == 1
+
+
 def test_max_unpool_trains_as_in_eager() -> None:
     """max_unpool2d scatters into zeros with index_put; its gradient reads the pooling indices
     (a kernel behind no_grad) with index_tensor. Before: autodiff reached the indices kernel,

@@ -13,6 +13,8 @@ Each is registered above TVM's level (``fixes_tvm=True``); the reason is in its 
   (``quantile``'s ``ranks - ranks.long()``) gets gradient 1 instead of 0.
 * ``relax.concat``: ``split`` at the running offsets fails for one part (``torch.stack`` of one
   tensor) and for an empty part (``block_diag`` with an empty block).
+* ``relax.split``: a split into one part (``x.split(n)`` with ``n`` at least the axis's size)
+  is a tensor, not a tuple, and TVM's ``concat`` of its gradient fails to build.
 * ``relax.reshape``: reads the input's shape from its type, which a dynamic batch can leave
   unknown (autodiff's copy of the forward pass): the transformer failed to train.
 """
@@ -174,6 +176,21 @@ def concat_grad(
         parts.append(op.strided_slice(output_grad, [axis], [offset], [offset + size]))
         offset += size
     return [relax.Tuple(parts)]
+
+
+@register("relax.split", fixes_tvm=True)
+def split_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``(y_0, ..., y_{k-1}) = split(x, indices, axis)``: ``dx = concat((dy_0, ..., dy_{k-1}), axis)``.
+
+    A split into one part is that tensor in Relax, not a tuple of one, and so is its gradient:
+    TVM's ``concat`` of it failed to build ("relax.concat expects the input to be a Tuple of
+    Tensors"). The gradient of that split is the part's.
+    """
+    if isinstance(ctx.normalize(output_grad).ty, relax.TensorType):
+        return [output_grad]
+    return [op.concat(output_grad, int(orig_call.attrs.axis))]
 
 
 @register("relax.astype", fixes_tvm=True)

@@ -1,0 +1,89 @@
+"""UnitSumsAsReshapes: a sum over axes of extent 1 only is a reshape.
+
+    dx = R.collapse_sum_to(dy, R.shape([16, 512]))    ->    dx = R.reshape(dy, R.shape([16, 512]))
+         (dy: (1, 16, 512))
+
+Autodiff writes the gradient of a broadcast operand as `collapse_sum_to` its shape, also when
+the broadcast only added axes of extent 1: an RNN's time step `x_t + h @ W` adds a (16, 512)
+slice of the precomputed input projection to a (1, 16, 512) product. Legalized, such a sum
+is a kernel that copies its input (one per time step, 32 in an LSTM's backward pass); a
+reshape is a view (RewriteDataflowReshape), no kernel. Rewritten: `collapse_sum_to`,
+`collapse_sum_like` and `sum` whose summed axes all have extent 1. Exact: each output element
+is its one input element.
+
+Position: before LegalizeOps (it rewrites Relax ops).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from relay_passes import graph_functions, report_counts
+from relay_passes.rebind import rebind
+
+
+def _is_one(extent: tvm.ir.PrimExpr) -> bool:
+    return isinstance(extent, tvm.tirx.IntImm) and int(extent) == 1
+
+
+def summed_axes(call: relax.Call) -> list[int] | None:
+    """The axes of its input that a sum call reduces, or None for another call or unknown shapes."""
+    name = call.op.name if isinstance(call.op, tvm.ir.Op) else ""
+    source = call.args[0].ty.shape if call.args and isinstance(call.args[0].ty, relax.TensorType) else None
+    if source is None or name not in ("relax.collapse_sum_to", "relax.collapse_sum_like", "relax.sum"):
+        return None
+    source = list(source)
+    rank = len(source)
+    if name == "relax.sum":
+        axis = call.attrs.axis
+        return list(range(rank)) if axis is None else [int(a) % rank for a in axis]
+    if call.ty.shape is None:
+        return None
+    target = list(call.ty.shape)
+    lead = rank - len(target)  # collapse_sum sums the leading axes the target lacks...
+    if lead < 0:
+        return None
+    # ...and those it has as 1 where the input does not
+    kept = [lead + i for i, (s, t) in enumerate(zip(source[lead:], target)) if _is_one(t) and not _is_one(s)]
+    return [*range(lead), *kept]
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.counts: Counter[str] = Counter()
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        rebind(self, binding, self.visit_expr(binding.value))
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        axes = summed_axes(call)
+        if axes is None or call.ty.shape is None or call.ty.dtype != call.args[0].ty.dtype:
+            return call
+        source = call.args[0].ty.shape
+        if not all(_is_one(source[a]) for a in axes):
+            return call
+        self.counts[f"{call.op.name.removeprefix('relax.')} over unit axes"] += 1
+        return relax.op.reshape(call.args[0], call.ty.shape)
+
+
+@tvm.transform.module_pass(opt_level=0, name="UnitSumsAsReshapes")
+class UnitSumsAsReshapes:
+    """Rewrite each sum over axes of extent 1 only as a reshape."""
+
+    def __init__(self, report: Callable[[str], None] | None = None) -> None:
+        self.report = report or (lambda msg: None)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        rewriter = _Rewriter(mod)
+        for gv, func in graph_functions(mod):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+        report_counts(self.report, "UnitSumsAsReshapes", rewriter.counts)
+        return rewriter.builder_.get()
