@@ -45,6 +45,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "SimplifyPower": None,
     "PadRaggedSoftmax": None,
     "SplitAsSlices": None,
+    "StackStepGradients": None,
     "UnitSumsAsReshapes": None,
     "RecomputeLateReads": None,
     "Im2colConv": None,
@@ -192,6 +193,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
     from relay_passes.simplify_power import SimplifyPower
     from relay_passes.split_as_slices import SplitAsSlices
+    from relay_passes.stack_step_gradients import StackStepGradients
     from relay_passes.unit_sums import UnitSumsAsReshapes
     from relay_passes.straighten import StraightenBindings
     from relay_passes.unwrap_tuple_reads import UnwrapTupleReads
@@ -238,6 +240,10 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    A checkpointed module's recomputed activation that a gradient reads late is
         #    recomputed again there instead of kept (its own dataflow block from there on).
         RecomputeLateReads(report),
+        #    Training steps: a gradient summed over the steps of an unrolled loop (an RNN's
+        #    recurrent weight, its input read one step at a time) is one product over the
+        #    stacked steps, or one concatenation.
+        StackStepGradients(report),
         #    Each matmul/conv2d is grouped with its epilogue and operand transposes
         #    (allow_fuse_add_to_output); FuseOps (step 5) fuses the rest.
         FuseEpilogue(config.fuse_add_to_output, report),

@@ -4,14 +4,13 @@ fuses into its readers (an LSTM's gates)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 from relay_passes.split_as_slices import SplitAsSlices
-from tests.conftest import TrainGraph
+from tests.models import assert_rnn_trains_as_in_eager
 
 
 @I.ir_module
@@ -130,22 +129,5 @@ def test_results_equal_the_split() -> None:
 
 def test_lstm_and_gru_train_as_in_eager() -> None:
     """The cells' chunks are splits read by sigmoid and tanh: three SGD steps against eager."""
-    from examples.zoo import RNNClassifier
-
     for cell in ("lstm", "gru"):
-        torch.manual_seed(0)
-        model = RNNClassifier(cell, vocab=20, d=8, hidden=12, classes=3)
-        reference = RNNClassifier(cell, vocab=20, d=8, hidden=12, classes=3)
-        reference.load_state_dict(model.state_dict())
-        idx, y = torch.randint(0, 20, (4, 7)), torch.randint(0, 3, (4,))
-        graph = TrainGraph(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.5))
-        opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-        for _ in range(3):
-            loss = graph(idx, y)
-            opt.zero_grad()
-            expected = torch.nn.functional.cross_entropy(reference(idx), y)
-            expected.backward()
-            opt.step()
-            torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
-        for p, r in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.detach(), r.detach(), atol=1e-5, rtol=1e-4)
+        assert_rnn_trains_as_in_eager(cell)
