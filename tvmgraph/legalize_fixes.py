@@ -5,6 +5,11 @@
   TOPI's `full` checks `"float" in dtype` and gets a dtype object, so LegalizeOps raised
   "argument of type 'PrimType' is not iterable". Here the dtype goes as a string.
 
+- `relax.split` at indices that leave a part empty (`x.split([0, 5], 1)` of a dim of 5, OpInfo's
+  `split` samples, training): TOPI's `split` requires strictly increasing indices inside the
+  axis ("split_indices must be sorted"). Here each part is a strided slice, an empty one an
+  empty `full`.
+
 Importing this module registers them (at a level above TVM's own).
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, tirx, topi
 from tvm.relax.transform.legalize_ops.common import _try_convert_to_scalar_const
+from tvm.relax.transform.legalize_ops.manipulate import _split as tvm_split
 
 _LEVEL = 11  # TVM registers its legalizations at level 10
 
@@ -34,3 +40,27 @@ def _full(is_like: bool):
 
 tvm.ir.register_op_attr("relax.full", "FLegalize", _full(is_like=False), level=_LEVEL)
 tvm.ir.register_op_attr("relax.full_like", "FLegalize", _full(is_like=True), level=_LEVEL)
+
+
+def _split(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    x, sections = call.args[0], call.attrs.indices_or_sections
+    shape = list(x.ty.shape)
+    axis = int(call.attrs.axis) % len(shape)
+    if isinstance(sections, tirx.IntImm) or not isinstance(shape[axis], tirx.IntImm):
+        return tvm_split(bb, call)
+    bounds = [0, *(int(i) for i in sections), int(shape[axis])]
+    if all(lo < hi for lo, hi in zip(bounds, bounds[1:])):
+        return tvm_split(bb, call)
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        hi = min(max(hi, lo), int(shape[axis]))
+        if hi > lo:
+            parts.append(bb.emit(bb.call_te(topi.strided_slice, x, [lo], [hi], [1], axes=[axis],
+                                            primfunc_name_hint="split_part")))
+        else:
+            empty = [*shape[:axis], 0, *shape[axis + 1:]]
+            parts.append(bb.emit(bb.call_te(topi.full, empty, str(x.ty.dtype), 0.0, primfunc_name_hint="empty_part")))
+    return relax.Tuple(parts)
+
+
+tvm.ir.register_op_attr("relax.split", "FLegalize", _split, level=_LEVEL)

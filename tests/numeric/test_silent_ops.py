@@ -361,6 +361,11 @@ class OpOfParameter(nn.Module):
 
 
 GRADIENTS = [
+    # a split leaving a part empty: TOPI's split refused the indices ("split_indices must be
+    # sorted"); a split into one part: TVM's gradient concatenated a tensor
+    pytest.param(lambda x: torch.cat([p.sin() * (i + 1) for i, p in enumerate(x.split([0, 2, 0, 3], 1))], 1),
+                 lambda: torch.randn(3, 5), id="split-empty_parts"),
+    pytest.param(lambda x: x.split(7, 1)[0].sin(), lambda: torch.randn(3, 5), id="split-one_part"),
     # ceil_mode: TVM's max-pool gradient read past the input (values like 7e22)
     pytest.param(lambda x: F.max_pool1d(x, 3, stride=2, ceil_mode=True), lambda: torch.randn(1, 2, 3),
                  id="max_pool1d-ceil-partial_window"),
