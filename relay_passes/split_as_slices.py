@@ -33,6 +33,8 @@ from tvm import relax
 
 from relay_passes import report_counts
 
+from tvmgraph.legalize_fixes import split_bounds
+
 from .bindings import rewrite_dataflow_blocks, vars_in
 
 _SPLIT = tvm.ir.Op.get("relax.split")
@@ -49,25 +51,6 @@ RECOGNISED_READERS = frozenset(
     _op_names(tvm.relax.op.unary) | _op_names(tvm.relax.op.binary)
     | {"relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.astype",
        "relax.where"})
-
-
-def _bounds(split: relax.Call) -> list[tuple[tvm.ir.PrimExpr, tvm.ir.PrimExpr]] | None:
-    """[begin, end) of each piece along the split axis, or None when it is not static."""
-    shape = split.args[0].ty.shape
-    if shape is None:
-        return None
-    axis = int(split.attrs.axis) % len(shape)
-    extent = shape[axis]
-    sections = split.attrs.indices_or_sections
-    if isinstance(sections, tvm.tirx.IntImm):
-        if not isinstance(extent, tvm.tirx.IntImm) or int(extent) % int(sections):
-            return None
-        size = int(extent) // int(sections)
-        cuts = [size * k for k in range(1, int(sections))]
-    else:
-        cuts = [int(c) for c in sections]
-    starts = [0, *cuts]
-    return list(zip(starts, [*cuts, extent]))
 
 
 def rewrite(block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, int]:
@@ -92,7 +75,7 @@ def rewrite(block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, int]:
         if not (isinstance(value, relax.Call) and value.op.same_as(_SPLIT) and isinstance(b.var, relax.DataflowVar)):
             continue
         pieces = readers.get(b.var, [])
-        bounds = _bounds(value)
+        bounds = split_bounds(value)
         if bounds is None or not pieces or not all(piece_read_element_wise(p, b.var) for p in pieces):
             continue
         axis = int(value.attrs.axis) % len(value.args[0].ty.shape)

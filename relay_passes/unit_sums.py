@@ -25,6 +25,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from relay_passes import graph_functions, report_counts
 from relay_passes.rebind import rebind
+from tvmgraph.ragged_sums import collapsed_axes, reduced_axes
 
 
 def _is_one(extent: tvm.ir.PrimExpr) -> bool:
@@ -38,19 +39,11 @@ def summed_axes(call: relax.Call) -> list[int] | None:
     if source is None or name not in ("relax.collapse_sum_to", "relax.collapse_sum_like", "relax.sum"):
         return None
     source = list(source)
-    rank = len(source)
     if name == "relax.sum":
-        axis = call.attrs.axis
-        return list(range(rank)) if axis is None else [int(a) % rank for a in axis]
-    if call.ty.shape is None:
+        return reduced_axes(len(source), call.attrs.axis)
+    if call.ty.shape is None or len(call.ty.shape) > len(source):
         return None
-    target = list(call.ty.shape)
-    lead = rank - len(target)  # collapse_sum sums the leading axes the target lacks...
-    if lead < 0:
-        return None
-    # ...and those it has as 1 where the input does not
-    kept = [lead + i for i, (s, t) in enumerate(zip(source[lead:], target)) if _is_one(t) and not _is_one(s)]
-    return [*range(lead), *kept]
+    return collapsed_axes(source, list(call.ty.shape))
 
 
 @mutator

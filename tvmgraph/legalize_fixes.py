@@ -42,20 +42,41 @@ tvm.ir.register_op_attr("relax.full", "FLegalize", _full(is_like=False), level=_
 tvm.ir.register_op_attr("relax.full_like", "FLegalize", _full(is_like=True), level=_LEVEL)
 
 
+def split_bounds(call: relax.Call) -> list[tuple[int, tirx.PrimExpr]] | None:
+    """[begin, end) of each part of `relax.split` call along its axis, in order, each end at
+    least its begin and at most the axis's extent (a symbolic extent: the last end); None
+    when the parts are not known here (sections of a symbolic or indivisible extent)."""
+    shape = call.args[0].ty.shape
+    if shape is None:
+        return None
+    extent = shape[int(call.attrs.axis) % len(shape)]
+    static = int(extent) if isinstance(extent, tirx.IntImm) else None
+    sections = call.attrs.indices_or_sections
+    if isinstance(sections, tirx.IntImm):
+        if static is None or static % int(sections):
+            return None
+        cuts = [static // int(sections) * k for k in range(1, int(sections))]
+    else:
+        cuts = [int(c) for c in sections]
+    bounds, start = [], 0
+    for cut in cuts:
+        end = max(cut, start) if static is None else min(max(cut, start), static)
+        bounds.append((start, end))
+        start = end
+    return [*bounds, (start, extent)]
+
+
 def _split(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    x, sections = call.args[0], call.attrs.indices_or_sections
+    x = call.args[0]
     shape = list(x.ty.shape)
     axis = int(call.attrs.axis) % len(shape)
-    if isinstance(sections, tirx.IntImm) or not isinstance(shape[axis], tirx.IntImm):
-        return tvm_split(bb, call)
-    bounds = [0, *(int(i) for i in sections), int(shape[axis])]
-    if all(lo < hi for lo, hi in zip(bounds, bounds[1:])):
+    bounds = split_bounds(call)
+    if bounds is None or not isinstance(shape[axis], tirx.IntImm) or all(lo < int(hi) for lo, hi in bounds):
         return tvm_split(bb, call)
     parts = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        hi = min(max(hi, lo), int(shape[axis]))
-        if hi > lo:
-            parts.append(bb.emit(bb.call_te(topi.strided_slice, x, [lo], [hi], [1], axes=[axis],
+    for lo, hi in bounds:
+        if int(hi) > lo:
+            parts.append(bb.emit(bb.call_te(topi.strided_slice, x, [lo], [int(hi)], [1], axes=[axis],
                                             primfunc_name_hint="split_part")))
         else:
             empty = [*shape[:axis], 0, *shape[axis + 1:]]

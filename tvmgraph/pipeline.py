@@ -194,8 +194,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.simplify_power import SimplifyPower
     from relay_passes.split_as_slices import SplitAsSlices
     from relay_passes.stack_step_gradients import StackStepGradients
-    from relay_passes.unit_sums import UnitSumsAsReshapes
     from relay_passes.straighten import StraightenBindings
+    from relay_passes.unit_sums import UnitSumsAsReshapes
     from relay_passes.unwrap_tuple_reads import UnwrapTupleReads
 
     from .schedules.bitwise_isnan import BitwiseIsNaN

@@ -42,10 +42,22 @@ def ragged_split(extent: object) -> int | None:
     return extent - extent % ROW_VECTOR
 
 
-def _axes(ndim: int, axis: object) -> list[int]:
+def reduced_axes(ndim: int, axis: object) -> list[int]:
+    """The axes a sum over `axis` (None: all) of an `ndim`-dim tensor reduces, sorted."""
     if axis is None:
         return list(range(ndim))
     return sorted(int(a) % ndim for a in axis)
+
+
+def collapsed_axes(dims: list, target: list) -> list[int]:
+    """The axes `collapse_sum_to(x, target)` sums for an `x` of shape `dims`: the leading ones
+    `target` lacks, and those it has as 1 where `x` does not."""
+    lead = len(dims) - len(target)
+
+    def one(d: object) -> bool:
+        return isinstance(d, tirx.IntImm) and int(d) == 1
+
+    return [i for i in range(len(dims)) if i < lead or (one(target[i - lead]) and not one(dims[i]))]
 
 
 def splits(x: te.Tensor | relax.Expr, axis: object) -> bool:
@@ -55,7 +67,7 @@ def splits(x: te.Tensor | relax.Expr, axis: object) -> bool:
     if shape is None:
         return False
     ndim = len(shape)
-    axes = _axes(ndim, axis)
+    axes = reduced_axes(ndim, axis)
     return ndim - 1 in axes and len(axes) < ndim and ragged_split(shape[-1]) is not None
 
 
@@ -65,7 +77,7 @@ def ragged_sum(x: te.Tensor, axis: object, keepdims: bool = False,
     axis summed as its whole vectors, then its tail (`splits(x, axis)` must hold)."""
     shape = list(x.shape)
     ndim = len(shape)
-    axes = _axes(ndim, axis)
+    axes = reduced_axes(ndim, axis)
     whole = ragged_split(shape[-1])
     assert whole is not None and ndim - 1 in axes, (shape, axes)
     value = term or (lambda index: x[tuple(index)])
@@ -89,13 +101,13 @@ def ragged_sum(x: te.Tensor, axis: object, keepdims: bool = False,
 def ragged_mean(x: te.Tensor, axis: object, keepdims: bool) -> te.Tensor:
     """TVM's `_te_mean` with the sum cut."""
     total = ragged_sum(x, axis, keepdims)
-    return topi.divide(total, _compute_shape_prod(x, _axes(len(x.shape), axis)))
+    return topi.divide(total, _compute_shape_prod(x, reduced_axes(len(x.shape), axis)))
 
 
 def ragged_variance(x: te.Tensor, axis: object, keepdims: bool) -> te.Tensor:
     """TVM's `_te_variance` (the mean of squared deviations from the mean) with the sums cut."""
     mean = ragged_mean(x, axis, True)
-    axes = _axes(len(x.shape), axis)
+    axes = reduced_axes(len(x.shape), axis)
 
     def deviation(index: list) -> tirx.PrimExpr:
         centered = x[tuple(index)] - mean[tuple(0 if i in axes else v for i, v in enumerate(index))]
@@ -162,10 +174,7 @@ def _collapse_sum(like: bool) -> Callable[[relax.BlockBuilder, relax.Call], rela
         if x_shape is None or not isinstance(target, relax.ShapeExpr):
             return None
         dims, out = list(x_shape.values), list(target.values)
-        lead = len(dims) - len(out)
-        axes = [i for i in range(len(dims))
-                if i < lead or (isinstance(out[i - lead], tirx.IntImm) and int(out[i - lead]) == 1
-                                and not (isinstance(dims[i], tirx.IntImm) and int(dims[i]) == 1))]
+        axes = collapsed_axes(dims, out)
         if not axes or not splits(x, axes):
             return None
 
