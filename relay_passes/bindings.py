@@ -18,6 +18,10 @@ VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims"
 
 def vars_in(expr: relax.Expr) -> list[relax.Var]:
     """The variables `expr` refers to, in visiting order (with repeats)."""
+    return _reads(expr)
+
+
+def _visited_vars(expr: relax.Expr) -> list[relax.Var]:
     found: list[relax.Var] = []
     relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)
     return found
@@ -179,8 +183,9 @@ class Acyclic:
 
 
 def _reads(expr: relax.Expr) -> list[relax.Var]:
-    """The variables a binding's value reads; `vars_in` (a visitor) for anything but the
-    common shapes, which are walked here (several times faster)."""
+    """`vars_in`: the common shapes of a binding's value are walked here, in the order TVM's
+    post-order visitor takes (several times faster: the visitor called back into Python for
+    every node, 44 a binding on the benchmark CNN's training step); anything else is visited."""
     if isinstance(expr, relax.Var):
         return [expr]
     if isinstance(expr, relax.Call):
@@ -192,4 +197,4 @@ def _reads(expr: relax.Expr) -> list[relax.Var]:
         return _reads(expr.tuple_value)
     if isinstance(expr, (tvm.ir.Constant, relax.ShapeExpr)):  # tensors, numbers, strings, shapes
         return []
-    return vars_in(expr)
+    return _visited_vars(expr)

@@ -196,18 +196,26 @@ def rewrite(block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, dict[str, 
 
 def _without_orphans(bindings: list[relax.Binding], orphans: set[relax.Var]) -> list[relax.Binding]:
     """`bindings` without those the rewrite left unread: the old partial sums and terms, and
-    then whatever only they read (the terms' transposes), repeatedly."""
-    candidates = set(orphans)
-    while True:
-        read = {v for b in bindings for v in vars_in(b.value)}
-        dead = {b.var for b in bindings if b.var in candidates and b.var not in read}
-        if not dead:
-            return bindings
-        for b in bindings:
-            if b.var in dead:
-                candidates.update(v for v in vars_in(b.value) if isinstance(v, relax.DataflowVar))
-        bindings = [b for b in bindings if b.var not in dead]
-        candidates -= dead
+    then whatever only they read (the terms' transposes), repeatedly. NOTE: reads are counted
+    once and taken back as bindings go; a rescan per layer of the chain took the GRU's
+    training graph 33 scans of 5000 bindings."""
+    readers: dict[relax.Var, int] = {}
+    for b in bindings:
+        for v in vars_in(b.value):
+            readers[v] = readers.get(v, 0) + 1
+    value = {b.var: b.value for b in bindings}
+    dead: set[relax.Var] = set()
+    pending = [v for v in orphans if v in value and not readers.get(v)]
+    while pending:
+        var = pending.pop()
+        if var in dead:
+            continue
+        dead.add(var)
+        for v in vars_in(value[var]):
+            readers[v] -= 1
+            if not readers[v] and v in value and (v in orphans or isinstance(v, relax.DataflowVar)):
+                pending.append(v)
+    return [b for b in bindings if b.var not in dead]
 
 
 @tvm.transform.module_pass(opt_level=0, name="StackStepGradients")

@@ -1271,6 +1271,49 @@ def test_a_failing_gpu_rule_falls_through_to_the_next() -> None:
     assert "threadIdx.x" in mod["main"].script()
 
 
+class _Counting(Matmul):
+    """The matmul rule, counting the kernels it is tried on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tried: list[str] = []
+
+    def apply(self, func, target, tunable):  # noqa: ANN001, ANN201
+        self.tried.append(func.script())
+        return super().apply(func, target, tunable)
+
+
+def test_reduction_rules_are_tried_on_kernels_with_a_reduction_only() -> None:
+    """A rule with `needs_reduction` is skipped on an element-wise kernel and tried on a matmul."""
+    counting = _Counting()
+    x = te.placeholder((64, 64), name="x")
+    relu = te.create_prim_func([x, te.compute((64, 64), lambda i, j: tvm.tirx.max(x[i, j], 0.0), name="y")])
+    with TARGET:
+        scheduled = ApplyCPUSchedules(counting, Fallback())(tvm.IRModule({"main": relu}))
+        assert counting.tried == [] and bool(scheduled["main"].attrs["tirx.is_scheduled"])
+        ApplyCPUSchedules(counting, Fallback())(tvm.IRModule({"main": te_matmul(16, 32, 8, False, False)}))
+    assert len(counting.tried) == 1
+
+
+def test_rules_that_need_a_reduction_schedule_no_element_wise_kernel() -> None:
+    """What skipping them relies on: each default rule with `needs_reduction` returns None on
+    kernels without a reduction block (a chain of element-wise blocks, a transpose, a pad)."""
+    from tvmgraph.schedules import default_rules
+
+    x = te.placeholder((8, 16, 32), name="x")
+    y = te.compute(x.shape, lambda a, b, c: x[a, b, c] * 2.0, name="y")
+    chain = te.create_prim_func([x, te.compute(x.shape, lambda a, b, c: tvm.tirx.exp(y[a, b, c]), name="z")])
+    transpose = te.create_prim_func([x, te.compute((32, 16, 8), lambda a, b, c: x[c, b, a], name="t")])
+    pad = te.create_prim_func([x, te.compute((8, 18, 34), lambda a, b, c: tvm.tirx.if_then_else(
+        tvm.tirx.all(b >= 1, b <= 16, c >= 1, c <= 32), x[a, b - 1, c - 1], 0.0), name="p")])
+    rules = [rule for rule in default_rules() if getattr(rule, "needs_reduction", False)]
+    assert {type(rule).__name__ for rule in rules} == {
+        "ConvWeightGradient", "Conv2d", "Conv1d", "MatrixVector", "Matmul", "Reduction"}
+    for func in (chain, transpose, pad):
+        for rule in rules:
+            assert rule.apply(func, TARGET, False) is None, type(rule).__name__
+
+
 def test_scheduled_functions_and_foreign_targets_are_left_alone() -> None:
     """is_scheduled functions are untouched; without an llvm target the pass does nothing."""
     func = te_matmul(16, 32, 8, False, False)

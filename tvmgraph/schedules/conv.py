@@ -61,6 +61,9 @@ def find_conv(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBlockRV, 
 class Conv2d(ScheduleRule):
     """Register-tiled direct convolution for windows larger than 1x1."""
 
+    # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
+    needs_reduction = True
+
     # Built at -O3 whatever the target's level (apply.OPT_LEVEL_ATTR): LLVM's -O1 leaves the
     # unrolled window's address arithmetic and the tile's predicates in the inner loop.
     # ResNet-18's inference 0.88x the time, the CNN's (depthwise) 0.81x, training steps

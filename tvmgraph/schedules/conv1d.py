@@ -70,6 +70,9 @@ def _grouped(sch: s_tir.Schedule, main: SBlockRV, phases: SBlockRV) -> bool:
 class Conv1d(ScheduleRule):
     """Register tiles of output channels x whole vectors of columns for `padded_conv1d`."""
 
+    # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
+    needs_reduction = True
+
     # Built at -O3, as Conv2d's unrolled register tiles are; only measured so (its rows are
     # whole tiles: there is no partial tile's predicate for -O3 to hoist, as in Conv2d).
     llvm_opt_level = 3

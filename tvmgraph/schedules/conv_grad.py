@@ -62,6 +62,9 @@ MIN_GROUP_TILES = 4
 class ConvWeightGradient(ScheduleRule):
     """Vectorized, register-tiled reduction for convolution weight gradients."""
 
+    # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
+    needs_reduction = True
+
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not a conv weight gradient."""
         found = find_conv(func, target)

@@ -77,6 +77,9 @@ MIN_PARALLEL_MACS = 1 << 18
 class MatrixVector(ScheduleRule):
     """Dot products of each row of x with each row of W, `ri` x `rj` at a time."""
 
+    # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
+    needs_reduction = True
+
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not x @ W.T with few rows of x."""
         prepared = prepare_matmul(func, target)

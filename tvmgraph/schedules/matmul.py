@@ -241,6 +241,9 @@ def prepare_matmul(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBloc
 class Matmul(ScheduleRule):
     """Register-tiled, packed, parallel matmul with the epilogue fused into the store."""
 
+    # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
+    needs_reduction = True
+
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not a (batched) matmul."""
         prepared = prepare_matmul(func, target)

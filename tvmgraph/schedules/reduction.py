@@ -73,6 +73,9 @@ from .loops import (
 class Reduction(ScheduleRule):
     """Parallel, vectorized reductions, fused per row when the blocks allow it."""
 
+    # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
+    needs_reduction = True
+
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc has no reduction block."""
         if not is_cpu(target):
