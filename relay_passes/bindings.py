@@ -17,8 +17,22 @@ VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims"
 
 
 def vars_in(expr: relax.Expr) -> list[relax.Var]:
-    """The variables `expr` refers to, in visiting order (with repeats)."""
-    return _reads(expr)
+    """The variables `expr` refers to, in the order TVM's post-order visitor takes (with
+    repeats). The common shapes of a binding's value are walked here (several times faster:
+    the visitor called back into Python for every node, 44 a binding on the benchmark CNN's
+    training step); anything else is visited."""
+    if isinstance(expr, relax.Var):
+        return [expr]
+    if isinstance(expr, relax.Call):
+        op = [expr.op] if isinstance(expr.op, relax.Var) else []
+        return op + [v for a in expr.args for v in vars_in(a)]
+    if isinstance(expr, relax.Tuple):
+        return [v for f in expr.fields for v in vars_in(f)]
+    if isinstance(expr, relax.TupleGetItem):
+        return vars_in(expr.tuple_value)
+    if isinstance(expr, (tvm.ir.Constant, relax.ShapeExpr)):  # tensors, numbers, strings, shapes
+        return []
+    return _visited_vars(expr)
 
 
 def _visited_vars(expr: relax.Expr) -> list[relax.Var]:
@@ -135,7 +149,7 @@ class Acyclic:
                     blocks += 1
                     for binding in block.bindings:
                         self.position[binding.var] = len(self.position)
-                        self.reads[binding.var] = _reads(binding.value)
+                        self.reads[binding.var] = vars_in(binding.value)
                         self.block_of[binding.var] = blocks
 
     def __call__(self, context: PatternCheckContext) -> bool:
@@ -180,21 +194,3 @@ class Acyclic:
                 seen.add(var)
                 pending.extend(self.reads[var])
         return False
-
-
-def _reads(expr: relax.Expr) -> list[relax.Var]:
-    """`vars_in`: the common shapes of a binding's value are walked here, in the order TVM's
-    post-order visitor takes (several times faster: the visitor called back into Python for
-    every node, 44 a binding on the benchmark CNN's training step); anything else is visited."""
-    if isinstance(expr, relax.Var):
-        return [expr]
-    if isinstance(expr, relax.Call):
-        op = [expr.op] if isinstance(expr.op, relax.Var) else []
-        return op + [v for a in expr.args for v in _reads(a)]
-    if isinstance(expr, relax.Tuple):
-        return [v for f in expr.fields for v in _reads(f)]
-    if isinstance(expr, relax.TupleGetItem):
-        return _reads(expr.tuple_value)
-    if isinstance(expr, (tvm.ir.Constant, relax.ShapeExpr)):  # tensors, numbers, strings, shapes
-        return []
-    return _visited_vars(expr)

@@ -21,11 +21,10 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
-from tvm_ffi.structural import StructuralMutator, structural_mutate
 
 from .cpu_target import is_cpu
 from .fast_math import use_fast_math
-from .loops import with_functions
+from .loops import contains, with_functions
 
 logger = logging.getLogger(__name__)
 
@@ -113,16 +112,8 @@ def _has_reduction(func: tirx.PrimFunc) -> bool:
     `needs_reduction` schedules no kernel without one: ApplyCPUSchedules does not try it there
     (each try made a schedule and inlined blocks before giving up: the six such rules were a
     quarter of the schedules' time on the element-wise kernels of a training step)."""
-    found: list[bool] = []
-
-    def visit(block: s_tir.SBlock, mutator: StructuralMutator) -> s_tir.SBlock:
-        if any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars):
-            found.append(True)
-            return block
-        return mutator.default_mutate(block)
-
-    structural_mutate(func.body, [(s_tir.SBlock, visit)])
-    return bool(found)
+    return contains(func.body, s_tir.SBlock,
+                    lambda block: any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars))
 
 
 def _try_rule(

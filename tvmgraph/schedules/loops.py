@@ -8,6 +8,7 @@ transform loops skip blocks that do not have that shape instead of failing.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import tvm
 import tvm.ir.expr as E
@@ -413,11 +414,14 @@ def simplify_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
 _SIMPLIFY = s_tir.transform.StmtSimplify()
 
 
-def contains(node: object, kind: type) -> bool:
-    """Whether the TIR expression or statement `node` holds a node of type `kind` (a load, a `%`)."""
+def contains(node: object, kind: type, test: Callable[[object], bool] | None = None) -> bool:
+    """Whether the TIR expression or statement `node` holds a node of type `kind` (a load, a `%`)
+    for which `test` holds (any, without one); the search goes on inside those it fails."""
     found = []
 
     def visit(sub, mutator):
+        if test is not None and not test(sub):
+            return mutator.default_mutate(sub)
         found.append(sub)
         return sub
 
