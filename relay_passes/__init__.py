@@ -19,6 +19,16 @@ def graph_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax
             yield gv, func
 
 
+def mutate_graph_functions(mutator: relax.PyExprMutator, mod: tvm.IRModule,
+                           drop_unused: bool = False) -> tvm.IRModule:
+    """The module `mutator` (a PyExprMutator made over `mod`) builds by visiting each of `mod`'s
+    graph functions; with `drop_unused`, the bindings left unread go (`remove_all_unused`)."""
+    for gv, func in graph_functions(mod):
+        new = mutator.visit_expr(func)
+        mutator.builder_.update_func(gv, relax.analysis.remove_all_unused(new) if drop_unused else new)
+    return mutator.builder_.get()
+
+
 def report_counts(report: Callable[[str], None], pass_name: str, counts: Mapping[str, int]) -> None:
     """Say what a pass rewrote, `Name: rule x2, other x1`, when it rewrote anything."""
     if counts:

@@ -36,7 +36,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import graph_functions, report_counts
+from relay_passes import mutate_graph_functions, report_counts
 from relay_passes.rebind import rebind
 
 LOW_PRECISION = ("bfloat16", "float16")
@@ -99,7 +99,6 @@ class AccumulateFloat32:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         accumulator = _Accumulator(mod)
-        for gv, func in graph_functions(mod):
-            accumulator.builder_.update_func(gv, accumulator.visit_expr(func))
+        out = mutate_graph_functions(accumulator, mod)
         report_counts(self.report, "AccumulateFloat32", accumulator.counts)
-        return accumulator.builder_.get()
+        return out

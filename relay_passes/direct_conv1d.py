@@ -38,7 +38,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import current_cpu, graph_functions, report_counts
+from relay_passes import current_cpu, mutate_graph_functions, report_counts
 from relay_passes.rebind import rebind
 from tvmgraph.schedules.conv1d import BLOCK, padded_row
 from tvmgraph.schedules.cpu_target import CPUTarget
@@ -135,7 +135,6 @@ class DirectConv1d:
         if cpu is None:
             return mod
         rewriter = _Rewriter(mod, cpu)
-        for gv, func in graph_functions(mod):
-            rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(rewriter.visit_expr(func)))
+        out = mutate_graph_functions(rewriter, mod, drop_unused=True)
         report_counts(self.report, "DirectConv1d", rewriter.counts)
-        return rewriter.builder_.get() if rewriter.counts else mod
+        return out if rewriter.counts else mod

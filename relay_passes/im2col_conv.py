@@ -74,7 +74,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from relay_passes import graph_functions, report_counts
+from relay_passes import mutate_graph_functions, report_counts
 from relay_passes.rebind import rebind
 
 # Output widths below this (one AVX-512 vector of float32) go through im2col.
@@ -392,8 +392,6 @@ class Im2colConv:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         rewriter = _Rewriter(mod)
-        for gv, func in graph_functions(mod):
-            new = rewriter.visit_expr(func)
-            rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
+        out = mutate_graph_functions(rewriter, mod, drop_unused=True)
         report_counts(self.report, "Im2colConv", rewriter.counts)
-        return rewriter.builder_.get()
+        return out

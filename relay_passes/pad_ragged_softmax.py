@@ -29,7 +29,7 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import current_cpu, graph_functions, report_counts
+from relay_passes import current_cpu, mutate_graph_functions, report_counts
 from relay_passes.rebind import rebind
 
 _SOFTMAX = frozenset({"relax.nn.softmax", "relax.nn.log_softmax"})
@@ -95,7 +95,6 @@ class PadRaggedSoftmax:
         if cpu is None:
             return mod
         padder = _Padder(mod, cpu.lanes("float32"))
-        for gv, func in graph_functions(mod):
-            padder.builder_.update_func(gv, padder.visit_expr(func))
+        out = mutate_graph_functions(padder, mod)
         report_counts(self.report, "PadRaggedSoftmax", padder.counts)
-        return padder.builder_.get() if padder.counts else mod
+        return out if padder.counts else mod

@@ -29,7 +29,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import graph_functions, report_counts
+from relay_passes import mutate_graph_functions, report_counts
 from relay_passes.rebind import rebind
 
 _FOLD: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
@@ -95,8 +95,6 @@ class SimplifyPower:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         simplifier = _Simplifier(mod)
-        for gv, func in graph_functions(mod):
-            new = simplifier.visit_expr(func)
-            simplifier.builder_.update_func(gv, relax.analysis.remove_all_unused(new))
+        out = mutate_graph_functions(simplifier, mod, drop_unused=True)
         report_counts(self.report, "SimplifyPower", simplifier.counts)
-        return simplifier.builder_.get()
+        return out

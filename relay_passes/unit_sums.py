@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import graph_functions, report_counts
+from relay_passes import mutate_graph_functions, report_counts
 from relay_passes.rebind import rebind
 from tvmgraph.ragged_sums import collapsed_axes, reduced_axes
 
@@ -76,7 +76,6 @@ class UnitSumsAsReshapes:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         rewriter = _Rewriter(mod)
-        for gv, func in graph_functions(mod):
-            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+        out = mutate_graph_functions(rewriter, mod)
         report_counts(self.report, "UnitSumsAsReshapes", rewriter.counts)
-        return rewriter.builder_.get()
+        return out
