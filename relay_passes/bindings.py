@@ -3,12 +3,17 @@ group would read itself: helpers the passes that walk bindings share."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from relay_passes import graph_functions
 from tvmgraph.schedules.loops import with_functions
+
+if TYPE_CHECKING:
+    from tvm.relax.transform import PatternCheckContext
 
 
 # Ops that only relabel their input's elements (a reshape, a transpose): layout views, which
@@ -137,8 +142,10 @@ class Acyclic:
     def __init__(self, mod: tvm.IRModule) -> None:
         self.mod = mod
         self.position: dict[relax.Var, int] = {}  # filled at the first match (most patterns match none)
-        self.reads: dict[relax.Var, list[relax.Var]] = {}
+        self.value_of: dict[relax.Var, relax.Expr] = {}
+        self.reads: dict[relax.Var, list[relax.Var]] = {}  # what a binding reads, asked as the search goes
         self.group_of: dict[relax.Var, frozenset[relax.Var]] = {}
+        self.bounds: dict[frozenset[relax.Var], tuple[int, int]] = {}  # each group's first and last position
         self.block_of: dict[relax.Var, int] = {}
 
     def _number_bindings(self) -> None:
@@ -149,15 +156,21 @@ class Acyclic:
                     blocks += 1
                     for binding in block.bindings:
                         self.position[binding.var] = len(self.position)
-                        self.reads[binding.var] = vars_in(binding.value)
+                        self.value_of[binding.var] = binding.value
                         self.block_of[binding.var] = blocks
+
+    def _reads(self, var: relax.Var) -> list[relax.Var]:
+        if var not in self.reads:
+            self.reads[var] = vars_in(self.value_of[var])
+        return self.reads[var]
 
     def __call__(self, context: PatternCheckContext) -> bool:
         if not self.position:
             self._number_bindings()
         members = set(context.matched_bindings.keys())
-        for var in list(members):  # a match that takes in an earlier group merges with it
-            members |= self.group_of.get(var, frozenset())
+        merged = {self.group_of[v] for v in members if v in self.group_of}
+        for group in merged:  # a match that takes in an earlier group merges with it
+            members |= group
         if not members <= self.position.keys():
             return False
         if len({self.block_of[v] for v in members}) > 1:
@@ -167,6 +180,10 @@ class Acyclic:
         group = frozenset(members)
         for var in group:
             self.group_of[var] = group
+        for old in merged:
+            del self.bounds[old]
+        positions = [self.position[v] for v in group]
+        self.bounds[group] = (min(positions), max(positions))
         return True
 
     def _reaches_itself(self, members: set[relax.Var]) -> bool:
@@ -174,12 +191,11 @@ class Acyclic:
         changed = True
         while changed:
             changed = False
-            for group in set(self.group_of.values()):
-                first, last = (f(self.position[v] for v in group) for f in (min, max))
+            for first, last in self.bounds.values():
                 if first < low <= last:
                     low, changed = first, True
         seen: set[relax.Var] = set(members)
-        pending = [v for m in members for v in self.reads[m] if v not in members]
+        pending = [v for m in members for v in self._reads(m) if v not in members]
         while pending:
             var = pending.pop()
             if var in members:
@@ -189,8 +205,8 @@ class Acyclic:
             group = self.group_of.get(var)
             if group is not None:
                 seen |= group
-                pending.extend(v for g in group for v in self.reads[g])
+                pending.extend(v for g in group for v in self._reads(g))
             elif self.position[var] >= low:
                 seen.add(var)
-                pending.extend(self.reads[var])
+                pending.extend(self._reads(var))
         return False

@@ -215,9 +215,9 @@ class FuseEpilogue:
         before = {gv.name_hint for gv, _ in mod.functions_items()}
         # NOTE: one pattern at a time (as FuseOpsByPattern itself does), so that each check
         # sees the groups of the patterns before it as calls.
-        for pattern, annotations, check in patterns():
+        for pattern, annotated, check in patterns():
             acyclic = Acyclic(mod)
-            fusion = FusionPattern(PATTERN_NAME, pattern, annotations,
+            fusion = FusionPattern(PATTERN_NAME, pattern, annotated,
                                    lambda context, check=check, acyclic=acyclic:
                                    check(context) and acyclic(context))
             mod = relax.transform.FuseOpsByPattern([fusion], bind_constants=False)(mod)

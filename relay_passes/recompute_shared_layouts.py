@@ -83,7 +83,13 @@ class _Kernels:
 
 def recompute(kernels: _Kernels, block: relax.DataflowBlock) -> tuple[relax.DataflowBlock, int]:
     """`block` with each shared layout kernel redone once per element-wise reader (until none
-    is left), and how many copies it made."""
+    is left), and how many copies it made.
+
+    One sweep from the last binding to the first: redoing a binding puts its copies after it,
+    reading what it read, so only the readers of earlier bindings change, and those are kept
+    up to date as it goes (the block's readers were counted again after every copy before:
+    1.2 s on a 2-layer GRU's training step)."""
+    bindings = list(block.bindings)
     reads: dict[relax.Binding, set[relax.Var]] = {}
 
     def read_by(b: relax.Binding) -> set[relax.Var]:
@@ -91,34 +97,40 @@ def recompute(kernels: _Kernels, block: relax.DataflowBlock) -> tuple[relax.Data
             reads[b] = set(vars_in(b.value))
         return reads[b]
 
-    def shared(b: relax.Binding, readers: dict[relax.Var, list[int]]) -> bool:
+    readers: dict[relax.Var, list[relax.Binding]] = {}  # in block order
+    for b in bindings:
+        for v in read_by(b):
+            readers.setdefault(v, []).append(b)
+
+    def shared(b: relax.Binding) -> bool:
         mine = readers.get(b.var, []) if isinstance(b.var, relax.DataflowVar) else []
         return (len(mine) >= 2 and isinstance(b, relax.VarBinding) and kernels.is_layout(b.value)
-                and all(isinstance(bindings[j], relax.VarBinding) and kernels.is_elementwise(bindings[j].value)
-                        for j in mine))
+                and all(isinstance(r, relax.VarBinding) and kernels.is_elementwise(r.value) for r in mine))
 
-    bindings = list(block.bindings)
     copies = 0
-    while True:
-        readers: dict[relax.Var, list[int]] = {}
-        for i, b in enumerate(bindings):
-            for v in read_by(b):
-                readers.setdefault(v, []).append(i)
-        at = next((i for i in reversed(range(len(bindings))) if shared(bindings[i], readers)), None)
-        if at is None:
-            return relax.DataflowBlock(bindings), copies
+    for at in reversed(range(len(bindings))):
         layout = bindings[at]
-        out: list[relax.Binding] = []
-        for i, b in enumerate(bindings):
-            if i == at:
-                continue
-            if i in readers[layout.var]:
-                mine = relax.DataflowVar(f"{layout.var.name}_{b.var.name}", layout.var.ty)
-                out.append(relax.VarBinding(mine, layout.value))
-                b = rebound(b, Substitute({layout.var: mine}))
-                copies += 1
-            out.append(b)
-        bindings = out
+        if not shared(layout):
+            continue
+        mine = readers.pop(layout.var)
+        replaced: dict[relax.Binding, tuple[relax.Binding, relax.Binding]] = {}
+        for reader in mine:
+            copy = relax.VarBinding(relax.DataflowVar(f"{layout.var.name}_{reader.var.name}", layout.var.ty),
+                                    layout.value)
+            replaced[reader] = (copy, rebound(reader, Substitute({layout.var: copy.var})))
+        # The copies read what the layout kernel read; each rebound reader reads its copy.
+        for v in read_by(layout):
+            readers[v] = [r for r in readers[v] if r is not layout] + [copy for copy, _ in replaced.values()]
+        for reader, (copy, new) in replaced.items():
+            reads[copy] = read_by(layout)
+            reads[new] = {copy.var} | {v for v in read_by(reader) if not v.same_as(layout.var)}
+            readers[copy.var] = [new]
+            for v in reads[new] - {copy.var}:
+                readers[v] = [new if r is reader else r for r in readers[v]]
+        tail = [b for r in bindings[at + 1:] for b in (replaced[r] if r in replaced else (r,))]
+        bindings = bindings[:at] + tail
+        copies += len(mine)
+    return relax.DataflowBlock(bindings), copies
 
 
 @tvm.transform.module_pass(opt_level=0, name="RecomputeSharedLayouts")
