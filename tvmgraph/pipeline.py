@@ -185,6 +185,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.pad_ragged_softmax import PadRaggedSoftmax
     from relay_passes.direct_conv1d import DirectConv1d
     from relay_passes.im2col_conv import Im2colConv
+    from relay_passes.legalize_once import LegalizeOnce
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
     from relay_passes.recompute_late_reads import RecomputeLateReads
     from relay_passes.recompute_shared_layouts import RecomputeSharedLayouts
@@ -257,7 +258,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         UnitSumsAsReshapes(report),
         # 4. Every Relax op becomes a call to a TIR PrimFunc.
         LowerCallTIRWithGrad(),
-        T.LegalizeOps(),
+        #    (TVM's LegalizeOps, a call equal to an earlier one reusing its PrimFunc.)
+        LegalizeOnce(report),
         #    `(x,)[0]` (how legalized index_tensor reads its indices) becomes `x`: FuseOps lost
         #    the binding of an `x` it fused when x was read only inside such a tuple.
         UnwrapTupleReads(),
