@@ -12,6 +12,9 @@ OpenMP):
   chains to cover the FMA latency on every pipe), so nothing but the FMA units limits it;
 - bandwidth: each thread copies its share of two 256 MiB arrays (a STREAM "copy"; bytes read
   plus bytes written), far larger than the caches.
+
+`benchmarks.peak` also prints the core-to-core round trip of a cache line (`core_round_trip_ns`),
+which a VM's host changes as it moves the vCPUs.
 """
 
 from __future__ import annotations
@@ -72,6 +75,32 @@ void copy(float *dst, const float *src, size_t n) {
 }
 
 int threads(void) { return omp_get_max_threads(); }
+
+/* Nanoseconds per round trip of one cache line between two threads, each spinning on a flag
+   the other sets; 0 with fewer than two cores. */
+double round_trip_ns(long rounds) {
+    static int flag __attribute__((aligned(64)));
+    double ns = 0;
+    if (omp_get_num_procs() < 2) return 0;
+    __atomic_store_n(&flag, 0, __ATOMIC_SEQ_CST);
+    #pragma omp parallel num_threads(2)
+    {
+        int me = omp_get_thread_num();
+        #pragma omp barrier
+        double start = omp_get_wtime();
+        for (long i = 0; i < rounds; i++) {
+            if (me == 0) {
+                __atomic_store_n(&flag, 1, __ATOMIC_RELEASE);
+                while (__atomic_load_n(&flag, __ATOMIC_ACQUIRE) != 0) ;
+            } else {
+                while (__atomic_load_n(&flag, __ATOMIC_ACQUIRE) != 1) ;
+                __atomic_store_n(&flag, 0, __ATOMIC_RELEASE);
+            }
+        }
+        if (me == 0) ns = (omp_get_wtime() - start) * 1e9 / rounds;
+    }
+    return ns;
+}
 """
 
 
@@ -87,6 +116,8 @@ def _library() -> ctypes.CDLL:
     lib.fma_flops.restype = ctypes.c_double
     lib.fma_flops.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_float)]
     lib.copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.round_trip_ns.restype = ctypes.c_double
+    lib.round_trip_ns.argtypes = [ctypes.c_long]
     return lib
 
 
@@ -123,6 +154,16 @@ def bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
         lib.copy(dst.ctypes.data, src.ctypes.data, n)
         best = max(best, 2 * n * 4 / (time.perf_counter() - start) / 1e9)
     return best
+
+
+def core_round_trip_ns(rounds: int = 200_000) -> float | None:
+    """Nanoseconds for a cache line to go from one core to another and back (two threads
+    passing a flag), None on one core. Not one of the limits: a virtual machine's host moves
+    its vCPUs between cores that share an L3 and cores that do not. On the 2-vCPU Zen 3 VM it
+    was 130-145 ns or 455-500 ns, and tvmgraph's ViT inference call 10.7 or 15.8 ms with it
+    (docs/benchmarks.md, 2026-11-29): every kernel hands its output from thread to thread."""
+    ns = _library().round_trip_ns(rounds)
+    return ns if ns > 0 else None
 
 
 @dataclass(frozen=True)
@@ -184,6 +225,9 @@ def main() -> None:
     print(f"threads: {measured.threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
     print(f"fp32 FMA peak: {measured.fma_gflops:.1f} GFLOP/s")
     print(f"memory bandwidth (copy): {measured.bandwidth_gbs:.1f} GB/s")
+    trip = core_round_trip_ns()
+    if trip is not None:  # varies with where a VM's vCPUs run; not cached with the limits
+        print(f"core-to-core round trip: {trip:.0f} ns (now; higher when the cores share no L3)")
 
 
 if __name__ == "__main__":

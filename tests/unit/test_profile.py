@@ -107,3 +107,17 @@ def test_measuring_the_limits_leaves_no_files_behind(tmp_path, monkeypatch) -> N
         assert list(tmp_path.iterdir()) == []
     finally:
         hardware._library.cache_clear()
+
+
+def test_a_cache_line_goes_between_two_cores_in_nanoseconds() -> None:
+    """The round trip is a few tens to a few thousand ns on two or more cores (a spinning pair
+    that never met would hang or report nonsense), None on one."""
+    import os
+
+    from tvmgraph import hardware
+
+    trip = hardware.core_round_trip_ns(rounds=20_000)
+    if len(os.sched_getaffinity(0)) < 2:
+        assert trip is None
+    else:
+        assert trip is not None and 10 < trip < 100_000
