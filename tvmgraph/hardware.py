@@ -32,6 +32,7 @@ from pathlib import Path
 SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
+#include <sched.h>
 #include <stddef.h>
 #include <string.h>
 
@@ -77,7 +78,14 @@ void copy(float *dst, const float *src, size_t n) {
 int threads(void) { return omp_get_max_threads(); }
 
 /* Nanoseconds per round trip of one cache line between two threads, each spinning on a flag
-   the other sets; 0 with fewer than two cores. */
+   the other sets; 0 with fewer than two cores. A thread that has spun long yields, so that two
+   threads sharing one core (a CPU quota) still finish. */
+static void wait_for(int *flag, int value) {
+    int spins = 0;
+    while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != value)
+        if (++spins > 4096) { sched_yield(); spins = 0; }
+}
+
 double round_trip_ns(long rounds) {
     static int flag __attribute__((aligned(64)));
     double ns = 0;
@@ -91,9 +99,9 @@ double round_trip_ns(long rounds) {
         for (long i = 0; i < rounds; i++) {
             if (me == 0) {
                 __atomic_store_n(&flag, 1, __ATOMIC_RELEASE);
-                while (__atomic_load_n(&flag, __ATOMIC_ACQUIRE) != 0) ;
+                wait_for(&flag, 0);
             } else {
-                while (__atomic_load_n(&flag, __ATOMIC_ACQUIRE) != 1) ;
+                wait_for(&flag, 1);
                 __atomic_store_n(&flag, 0, __ATOMIC_RELEASE);
             }
         }
