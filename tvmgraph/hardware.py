@@ -78,8 +78,9 @@ void copy(float *dst, const float *src, size_t n) {
 int threads(void) { return omp_get_max_threads(); }
 
 /* Nanoseconds per round trip of one cache line between two threads, each spinning on a flag
-   the other sets; 0 with fewer than two cores. A thread that has spun long yields, so that two
-   threads sharing one core (a CPU quota) still finish. */
+   the other sets; 0 with fewer than two cores or when OpenMP gives fewer than two threads
+   (OMP_THREAD_LIMIT=1: one thread would wait for itself). A thread that has spun long yields,
+   so that two threads sharing one core (a CPU quota) still finish. */
 static void wait_for(int *flag, int value) {
     int spins = 0;
     while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != value)
@@ -94,9 +95,10 @@ double round_trip_ns(long rounds) {
     #pragma omp parallel num_threads(2)
     {
         int me = omp_get_thread_num();
+        long todo = omp_get_num_threads() == 2 ? rounds : 0;
         #pragma omp barrier
         double start = omp_get_wtime();
-        for (long i = 0; i < rounds; i++) {
+        for (long i = 0; i < todo; i++) {
             if (me == 0) {
                 __atomic_store_n(&flag, 1, __ATOMIC_RELEASE);
                 wait_for(&flag, 0);
@@ -105,7 +107,7 @@ double round_trip_ns(long rounds) {
                 __atomic_store_n(&flag, 0, __ATOMIC_RELEASE);
             }
         }
-        if (me == 0) ns = (omp_get_wtime() - start) * 1e9 / rounds;
+        if (me == 0 && todo > 0) ns = (omp_get_wtime() - start) * 1e9 / todo;
     }
     return ns;
 }
@@ -166,7 +168,7 @@ def bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
 
 def core_round_trip_ns(rounds: int = 200_000) -> float | None:
     """Nanoseconds for a cache line to go from one core to another and back (two threads
-    passing a flag), None on one core. Not one of the limits: a virtual machine's host moves
+    passing a flag), None on one core or one OpenMP thread. Not one of the limits: a virtual machine's host moves
     its vCPUs between cores that share an L3 and cores that do not. On the 2-vCPU Zen 3 VM it
     was 130-145 ns or 455-500 ns, and tvmgraph's ViT inference call 10.7 or 15.8 ms with it
     (docs/benchmarks.md, 2026-11-29): every kernel hands its output from thread to thread."""

@@ -110,8 +110,8 @@ def test_measuring_the_limits_leaves_no_files_behind(tmp_path, monkeypatch) -> N
 
 
 def test_a_cache_line_goes_between_two_cores_in_nanoseconds() -> None:
-    """The round trip is a few tens to a few thousand ns on two or more cores (a spinning pair
-    that never met would hang or report nonsense), None on one."""
+    """The round trip is between 10 ns and 100 us on two or more cores (a spinning pair that
+    never met would hang or report nonsense), None on one."""
     import os
 
     from tvmgraph import hardware
@@ -121,3 +121,15 @@ def test_a_cache_line_goes_between_two_cores_in_nanoseconds() -> None:
         assert trip is None
     else:
         assert trip is not None and 10 < trip < 100_000
+
+
+def test_the_round_trip_is_none_when_openmp_gives_one_thread() -> None:
+    """With OMP_THREAD_LIMIT=1 the one thread would wait for a partner forever; it reports None."""
+    import subprocess
+    import sys
+
+    code = "from tvmgraph import hardware; print(hardware.core_round_trip_ns(rounds=1000))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "OMP_THREAD_LIMIT": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "None"
