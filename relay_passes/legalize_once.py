@@ -35,7 +35,8 @@ _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 class _Reuse:
-    """The memo of one LegalizeOps run: each distinct call's `call_tir` target and output type."""
+    """The memo of one LegalizeOps run: each reusable call (as its template, `_template`) and
+    the `call_tir` it was legalized to."""
 
     def __init__(self) -> None:
         self.seen: dict[int, list[tuple[relax.Call, relax.Call]]] = {}  # hash -> (call, its call_tir)
