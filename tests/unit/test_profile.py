@@ -109,6 +109,55 @@ def test_measuring_the_limits_leaves_no_files_behind(tmp_path, monkeypatch) -> N
         hardware._library.cache_clear()
 
 
+def _saved_limits(tmp_path, monkeypatch, fma_gflops: float):
+    """limits() reading a hardware.json in `tmp_path` that holds `fma_gflops` for this machine."""
+    import json
+
+    import dataclasses
+
+    from tvmgraph import config, hardware
+
+    monkeypatch.setattr(config, "settings", dataclasses.replace(config.settings, cache_dir=tmp_path))
+    saved = {"cpu": hardware.cpu_name(), "threads": hardware._library().threads(),
+             "fma_gflops": fma_gflops, "bandwidth_gbs": 0.5}
+    (tmp_path / "hardware.json").write_text(json.dumps(saved))
+    return hardware
+
+
+def test_a_peak_saved_on_a_busy_machine_is_measured_again(tmp_path, monkeypatch) -> None:
+    """A saved FMA peak that a short FMA loop beats (one measured while tests ran) is not
+    trusted: both limits are measured again and saved."""
+    import json
+
+    from tvmgraph import hardware
+
+    monkeypatch.undo()  # the real limits(), not the made-up machine
+    _saved_limits(tmp_path, monkeypatch, fma_gflops=0.001)
+    hardware.limits.cache_clear()
+    try:
+        measured = hardware.limits()
+    finally:
+        hardware.limits.cache_clear()
+    assert measured.fma_gflops > 0.001 and measured.bandwidth_gbs != 0.5
+    assert json.loads((tmp_path / "hardware.json").read_text())["fma_gflops"] == measured.fma_gflops
+
+
+def test_a_saved_peak_the_machine_does_not_beat_is_kept(tmp_path, monkeypatch) -> None:
+    """A saved record at or above what the short loop reaches is used as saved: the copy
+    bandwidth (seconds of streaming) is not measured again."""
+    from tvmgraph import hardware
+
+    monkeypatch.undo()
+    _saved_limits(tmp_path, monkeypatch, fma_gflops=1e9)
+    monkeypatch.setattr(hardware, "bandwidth_gbs", lambda *a, **k: pytest.fail("measured again"))
+    hardware.limits.cache_clear()
+    try:
+        kept = hardware.limits()
+    finally:
+        hardware.limits.cache_clear()
+    assert (kept.fma_gflops, kept.bandwidth_gbs) == (1e9, 0.5)
+
+
 def test_a_cache_line_goes_between_two_cores_in_nanoseconds() -> None:
     """The round trip is between 10 ns and 100 us on two or more cores (a spinning pair that
     never met would hang or report nonsense), None on one."""
