@@ -1138,6 +1138,62 @@ def test_a_transpose_with_a_ragged_last_column_of_tiles_is_tiled_but_for_it() ->
     assert "in range(T.int64(4), T.int64(5)):" in text, text
 
 
+def _split_gradient(widths: tuple[int, ...], transposed: int | None = None) -> tvm.IRModule:
+    """The gradient of a split along the last axis as autodiff writes it: each part padded to
+    the whole width, the padded parts added. Part `transposed` comes in as (width, rows)."""
+    rows, total = 1040, sum(widths)
+    bb = relax.BlockBuilder()
+    parts = [relax.Var(f"d{i}", R.Tensor((w, rows) if i == transposed else (rows, w), "float32"))
+             for i, w in enumerate(widths)]
+    with bb.function("main", parts):
+        with bb.dataflow():
+            out, start = None, 0
+            for i, (part, w) in enumerate(zip(parts, widths)):
+                value = relax.op.permute_dims(part) if i == transposed else part
+                padded = relax.op.nn.pad(value, [0, 0, start, total - start - w])
+                out = padded if out is None else relax.op.add(out, padded)
+                start += w
+            result = bb.emit_output(out)
+        bb.emit_func_output(result)
+    return bb.get()
+
+
+def test_a_split_gradient_runs_one_vector_loop_per_part() -> None:
+    """A fused QKV projection's gradient (dq, dk, dv padded to 384 columns and added; dk read
+    transposed): every lane of a vector takes its own branch, so the kernel ran serial (a ViT's
+    1040 x 384, 351 us on Zen 3). Cut at 128 and 256, each part is one vectorized loop
+    (72 us). Numbers: torch.cat's, exactly."""
+    widths = (128, 128, 128)
+    parts = [torch.randn(1040, 128), torch.randn(128, 1040), torch.randn(1040, 128)]
+    func = next(iter(prim_funcs(fuse(_split_gradient(widths, transposed=1))).values()))
+    text = Elementwise().apply(func, TARGET, False).mod["main"].script()
+    lanes = CPUTarget.from_target(TARGET).lanes("float32")
+    for lo, hi in ((128, 256), (256, 384)):  # the first part's loop starts at 0: range(n)
+        assert f"in range(T.int64({lo // lanes}), T.int64({hi // lanes})):" in text, text
+    assert text.count("T.vectorized(") == 3, text
+    got, _ = run_relax(_split_gradient(widths, transposed=1), *parts)
+    torch.testing.assert_close(got, torch.cat([parts[0], parts[1].T, parts[2]], dim=1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("widths", [(65, 63), (8, 120)], ids=["cut-inside-a-vector", "cut-on-a-vector"])
+def test_a_split_gradient_is_cut_only_where_vectors_meet(widths) -> None:
+    """A cut inside a vector (65 + 63) would leave lanes on both sides of it: that block is left
+    to the spatial schedule. 8 + 120 is cut. Numbers: torch.cat's either way."""
+    from tvmgraph.schedules.loops import inline_spatial_blocks, root_blocks
+    from tvmgraph.schedules.piecewise import schedule_piecewise
+    from tvmgraph.schedules.unchecked import Schedule
+
+    func = next(iter(prim_funcs(fuse(_split_gradient(widths))).values()))
+    sch = Schedule(func)
+    inline_spatial_blocks(sch)
+    (block,) = root_blocks(sch)
+    lanes = CPUTarget.from_target(TARGET).lanes("float32")
+    assert schedule_piecewise(sch, block, lanes) == all(w % lanes == 0 for w in widths)
+    parts = [torch.randn(1040, w) for w in widths]
+    got, _ = run_relax(_split_gradient(widths), *parts)
+    torch.testing.assert_close(got, torch.cat(parts, dim=1), rtol=0, atol=0)
+
+
 @I.ir_module
 class SGDMomentum:
     @R.function

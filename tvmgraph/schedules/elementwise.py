@@ -5,6 +5,9 @@ reshapes, broadcasts, optimizer updates). Chains of blocks are first inlined int
 that writes each output; each remaining loop nest is fused into one loop, split so that its
 last `lanes` iterations form a vector, and the rest runs on the thread pool.
 
+A block that switches between operands at constant points of its last axis (a concatenation)
+is cut there first, one vectorized loop per piece (piecewise.py).
+
 Limits: a transpose vectorized along its output reads with a stride (gathers); a loop whose
 length no power of two >= 4 divides stays scalar (but parallel); loops with a symbolic extent
 are only parallelized.
@@ -18,6 +21,7 @@ from tvm.target import Target
 
 from .unchecked import Schedule
 from .cpu_target import CPUTarget, is_cpu
+from .piecewise import schedule_piecewise
 from .loops import (
     inline_spatial_blocks,
     is_spatial,
@@ -47,7 +51,9 @@ class Elementwise(ScheduleRule):
         if all(iter_kinds(simplified, b) is not None for b in root_blocks(simplified)):
             sch = simplified
         for block in root_blocks(sch):
-            schedule_spatial(sch, block, _lanes(sch, block, target), by_rows=True)
+            lanes = _lanes(sch, block, target)
+            if not schedule_piecewise(sch, block, lanes):
+                schedule_spatial(sch, block, lanes, by_rows=True)
         vectorize_tails(sch, lambda block: _lanes(sch, block, target))
         return sch
 
