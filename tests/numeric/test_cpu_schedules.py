@@ -1175,6 +1175,22 @@ def test_a_split_gradient_runs_one_vector_loop_per_part() -> None:
     torch.testing.assert_close(got, torch.cat([parts[0], parts[1].T, parts[2]], dim=1), rtol=0, atol=0)
 
 
+def test_a_one_dimensional_concatenation_stays_one_parallel_loop() -> None:
+    """With no rows to run in parallel, cutting the one loop would leave it serial: a 1-D
+    concatenation (2^18 + 2^18 floats) keeps the spatial schedule. Numbers: torch.cat's."""
+    bb = relax.BlockBuilder()
+    parts = [relax.Var(f"p{i}", R.Tensor((1 << 18,), "float32")) for i in range(2)]
+    with bb.function("main", parts):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.concat(parts, axis=0))
+        bb.emit_func_output(out)
+    a, b = torch.randn(1 << 18), torch.randn(1 << 18)
+    got, scheduled = run_relax(bb.get(), a, b)
+    torch.testing.assert_close(got, torch.cat([a, b]), rtol=0, atol=0)
+    for func in prim_funcs(scheduled).values():
+        assert_scheduled(func)
+
+
 @pytest.mark.parametrize("widths", [(65, 63), (8, 120)], ids=["cut-inside-a-vector", "cut-on-a-vector"])
 def test_a_split_gradient_is_cut_only_where_vectors_meet(widths) -> None:
     """A cut inside a vector (65 + 63) would leave lanes on both sides of it: that block is left

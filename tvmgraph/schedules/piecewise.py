@@ -11,8 +11,9 @@ hold or fail for all of it, which TVM's simplifier folds before it vectorizes: 7
 numbers.
 
 Applies when every condition in the value that mentions `j` is a conjunction of comparisons
-of `j` with constants, the points fall on whole vectors and the output is contiguous along
-`j`; any other block is left to `loops.schedule_spatial`.
+of `j` with constants, the points fall on whole vectors, the output is contiguous along `j`
+and other loops run in parallel around it (a 1-D concatenation is left whole, parallel); any
+other block is left to `loops.schedule_spatial`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def schedule_piecewise(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> bool
     changing nothing, when it does not apply."""
     kinds = iter_kinds(sch, block)
     loops = sch.get_loops(block)
-    if kinds is None or "R" in kinds or not loops:
+    # One loop alone would run serial: its rows are what the parallel loop splits.
+    if kinds is None or "R" in kinds or len(loops) < 2:
         return False
     extent = static_extent(sch, loops[-1])
     var = _row_var(sch, block, loops[-1])
