@@ -241,6 +241,20 @@ def vectorize_innermost(sch: s_tir.Schedule, loop: LoopRV, lanes: int) -> LoopRV
     return outer
 
 
+def row_iterator(sch: s_tir.Schedule, block: SBlockRV, loop: LoopRV) -> tirx.Var | None:
+    """The block iterator that `loop` alone drives and that indexes the last axis of the block's
+    (first) output: the output is contiguous along the loop. None if there is none."""
+    stmt = sch.get(block)
+    realize = sch.get(loop).body
+    if not isinstance(realize, s_tir.SBlockRealize) or not stmt.writes:
+        return None
+    bound = {iv.var: value for iv, value in zip(stmt.iter_vars, realize.iter_values)}
+    last = stmt.writes[0].region[-1].min
+    if isinstance(last, tirx.Var) and last in bound and bound[last].same_as(sch.get(loop).loop_var):
+        return last
+    return None
+
+
 def vectorize_tails(sch: s_tir.Schedule, lanes_of) -> None:
     """Vectorize the rows that `vectorize_innermost` left serial because no vector divides
     them: the innermost loop of a spatial block, with a static extent above two vectors
@@ -265,9 +279,7 @@ def vectorize_tails(sch: s_tir.Schedule, lanes_of) -> None:
                 or extent % lanes == 0 or not isinstance(loop.body, s_tir.SBlockRealize)):
             continue
         # Contiguous: the output's last index is the block iterator this loop alone drives.
-        bound = {iv.var: value for iv, value in zip(stmt.iter_vars, loop.body.iter_values)}
-        last = stmt.writes[0].region[-1].min
-        if not (isinstance(last, tirx.Var) and last in bound and bound[last].same_as(loop.loop_var)):
+        if row_iterator(sch, block, loops[-1]) is None:
             continue
         try:
             vectors, _ = sch.loop_partition(loops[-1], factors=[extent - extent % lanes, None])

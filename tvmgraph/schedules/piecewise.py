@@ -23,7 +23,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.schedule import SBlockRV
 from tvm_ffi.structural import structural_visit
 
-from .loops import iter_kinds, parallelize, static_extent, vars_in
+from .loops import iter_kinds, parallelize, row_iterator, static_extent, vars_in
 
 _IF_THEN_ELSE = ("tirx.if_then_else", "prim.if_then_else")
 # (comparison, constant on the right) -> the first index of the next piece, for `j OP c`
@@ -38,10 +38,10 @@ def schedule_piecewise(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> bool
     kinds = iter_kinds(sch, block)
     loops = sch.get_loops(block)
     # One loop alone would run serial: its rows are what the parallel loop splits.
-    if kinds is None or "R" in kinds or len(loops) < 2:
+    if kinds is None or "R" in kinds or len(loops) < 2 or len(sch.get(block).writes) != 1:
         return False
     extent = static_extent(sch, loops[-1])
-    var = _row_var(sch, block, loops[-1])
+    var = row_iterator(sch, block, loops[-1])
     if extent is None or var is None or extent % lanes or extent < 2 * lanes:
         return False
     cuts = _cuts(sch.get(block).body, var, extent)
@@ -64,20 +64,6 @@ def _cut(sch: s_tir.Schedule, block: SBlockRV, lanes: int, vectors: list[int]) -
     outer, lane = sch.split(sch.get_loops(block)[-1], [None, lanes])
     sch.vectorize(lane)
     sch.loop_partition(outer, factors=[*vectors[:-1], None])
-
-
-def _row_var(sch: s_tir.Schedule, block: SBlockRV, loop) -> tirx.Var | None:
-    """The block iterator that the last loop alone drives and that indexes the output's last
-    axis (the output is contiguous along the loop), else None."""
-    stmt = sch.get(block)
-    realize = sch.get(loop).body
-    if not isinstance(realize, s_tir.SBlockRealize) or len(stmt.writes) != 1:
-        return None
-    bound = {iv.var: value for iv, value in zip(stmt.iter_vars, realize.iter_values)}
-    last = stmt.writes[0].region[-1].min
-    if isinstance(last, tirx.Var) and last in bound and bound[last].same_as(sch.get(loop).loop_var):
-        return last
-    return None
 
 
 def _cuts(body: tirx.Stmt, var: tirx.Var, extent: int) -> list[int] | None:
