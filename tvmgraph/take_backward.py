@@ -11,8 +11,13 @@ iteration per (leading index, chunk): each clears its own chunk of `dx` and adds
 `dy` into it index by index, a vector at a time. No two iterations write the same element, so
 repeated indices need no atomics and add up in index order, as the serial loop did.
 
+On a GPU the same plan, one thread per (leading index, column): TVM's legalization is a bare
+loop nest that no GPU rule can bind to threads, so a CUDA build ran it on the host, with device
+pointers (every model with an embedding segfaulted in its first training step on an H200).
+
 Shapes must be static and `axis` given (tvmgraph's gradients always pass it, with 1-D indices);
-anything else keeps TVM's legalization. Importing this module registers it.
+anything else keeps TVM's legalization (on a GPU, the compile then stops: ApplyGPUSchedules).
+Importing this module registers it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ _LEVEL = 11  # above TVM's own (10)
 # chunks share cache lines between threads.
 MIN_CHUNK_COLUMNS = 16
 VECTOR_COLUMNS = 8
+GPU_BLOCK_THREADS = 256
 
 
 def _static(shape) -> list[int] | None:
@@ -62,36 +68,77 @@ def _parallel_take_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.E
     axis = int(axis) % len(x_shape)
     leading, columns = math.prod(x_shape[:axis]), math.prod(x_shape[axis + 1:])
     rows, count = x_shape[axis], idx_shape[0]
+    target = tvm.target.Target.current(allow_none=True)
+    if target is not None and "gpu" in target.keys:
+        return _extern(bb, dy, x, indices, lambda *ptrs: _gpu_ir(leading, rows, columns, count, *ptrs))
     chunks = column_chunks(leading, columns, os.cpu_count() or 1)
     width = columns // chunks
     vector = VECTOR_COLUMNS if width % VECTOR_COLUMNS == 0 else 1
+    return _extern(bb, dy, x, indices,
+                   lambda *ptrs: _cpu_ir(leading, rows, columns, count, chunks, vector, *ptrs))
+
+
+def _i64(n: int) -> tirx.IntImm:
+    return tirx.IntImm("int64", n)  # relax shapes are int64
+
+
+def _cpu_ir(leading, rows, columns, count, chunks, vector, dy_ptr, idx_ptr, out_ptr) -> tirx.Stmt:
+    """One parallel iteration per (leading index, chunk of `columns // chunks` columns)."""
+    out, grad, idx = buffer_proxy(out_ptr), buffer_proxy(dy_ptr), buffer_proxy(idx_ptr)
+    width = columns // chunks
+    zero = tirx.const(0, out_ptr.dtype)
+    with IRBuilder() as ib:
+        with T.parallel(_i64(leading * chunks)) as task:
+            lead = task // chunks
+            first = task % chunks * width
+            out_base = lead * rows * columns + first
+            grad_base = lead * count * columns + first
+            with T.serial(_i64(rows)) as r:
+                with T.serial(_i64(width // vector)) as c:
+                    with T.vectorized(_i64(vector)) as v:
+                        out[out_base + r * columns + c * vector + v] = zero
+            with T.serial(_i64(count)) as l:
+                row = tirx.Cast("int64", idx[l]) * columns
+                with T.serial(_i64(width // vector)) as c:
+                    with T.vectorized(_i64(vector)) as v:
+                        at = out_base + row + c * vector + v
+                        out[at] = out[at] + grad[grad_base + l * columns + c * vector + v]
+    return ib.get()
+
+
+def _gpu_ir(leading, rows, columns, count, dy_ptr, idx_ptr, out_ptr) -> tirx.Stmt:
+    """One GPU thread per (leading index, column): neighbouring threads touch neighbouring
+    columns (coalesced), and each adds its column's rows in index order, as on the CPU."""
+    out, grad, idx = buffer_proxy(out_ptr), buffer_proxy(dy_ptr), buffer_proxy(idx_ptr)
+    total = leading * columns
+    block = min(GPU_BLOCK_THREADS, total)
+    zero = tirx.const(0, out_ptr.dtype)
+    blocks = -(-total // block)
+    bx, tx = tirx.Var("blockIdx.x", "int32"), tirx.Var("threadIdx.x", "int32")
+    with IRBuilder() as ib:
+        task = tirx.Cast("int64", bx) * block + tirx.Cast("int64", tx)
+        with T.If(task < total):
+            with T.Then():
+                out_base = task // columns * rows * columns + task % columns
+                grad_base = task // columns * count * columns + task % columns
+                with T.serial(_i64(rows)) as r:
+                    out[out_base + r * columns] = zero
+                with T.serial(_i64(count)) as l:
+                    at = out_base + tirx.Cast("int64", idx[l]) * columns
+                    out[at] = out[at] + grad[grad_base + l * columns]
+    body = ib.get()
+    for var, extent in ((tx, block), (bx, blocks)):  # innermost first
+        thread = tirx.IterVar(tvm.ir.Range(0, extent), var, 1, var.name)  # 1: a thread index
+        body = tirx.AttrStmt(thread, "thread_extent", tirx.IntImm("int32", extent), body)
+    return body
+
+
+def _extern(bb: relax.BlockBuilder, dy: relax.Expr, x: relax.Expr, indices: relax.Expr, ir) -> relax.Expr:
+    """`ir(dy, indices, out)` as the body of a PrimFunc `take_backward` returning x's shape."""
 
     def kernel(dy_t: te.Tensor, x_t: te.Tensor, idx_t: te.Tensor):
-        def gen_ir(dy_ptr, _x_ptr, idx_ptr, out_ptr):
-            out, grad, idx = buffer_proxy(out_ptr), buffer_proxy(dy_ptr), buffer_proxy(idx_ptr)
-            zero = tirx.const(0, x_t.dtype)
-            i64 = lambda n: tirx.IntImm("int64", n)  # noqa: E731  (relax shapes are int64)
-            with IRBuilder() as ib:
-                with T.parallel(i64(leading * chunks)) as task:
-                    lead = task // chunks
-                    first = task % chunks * width
-                    out_base = lead * rows * columns + first
-                    grad_base = lead * count * columns + first
-                    with T.serial(i64(rows)) as r:
-                        with T.serial(i64(width // vector)) as c:
-                            with T.vectorized(i64(vector)) as v:
-                                out[out_base + r * columns + c * vector + v] = zero
-                    with T.serial(i64(count)) as l:
-                        row = tirx.Cast("int64", idx[l]) * columns
-                        with T.serial(i64(width // vector)) as c:
-                            with T.vectorized(i64(vector)) as v:
-                                at = out_base + row + c * vector + v
-                                out[at] = out[at] + grad[grad_base + l * columns + c * vector + v]
-            return ib.get()
-
         out_buf = tirx.decl_buffer(x_t.shape, x_t.dtype, "out_buf")
-        return te.extern([x_t.shape], [dy_t, x_t, idx_t],
-                         lambda ins, outs: gen_ir(ins[0], ins[1], ins[2], outs[0]),
+        return te.extern([x_t.shape], [dy_t, x_t, idx_t], lambda ins, outs: ir(ins[0], ins[2], outs[0]),
                          dtype=x_t.dtype, out_buffers=[out_buf], name="take_backward", tag="take_backward")
 
     return bb.call_te(kernel, dy, x, indices, primfunc_name_hint="take_backward")

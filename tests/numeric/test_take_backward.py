@@ -13,6 +13,7 @@ from tvm.relax.op import grad as relax_grad
 
 import tvmgraph.pipeline  # noqa: F401  (registers the legalization)
 from tests.conftest import SGDStep, assert_close
+from tvmgraph.schedules.apply_gpu import ApplyGPUSchedules, runs_on_host
 from tvmgraph.take_backward import MIN_CHUNK_COLUMNS, column_chunks
 from tvmgraph.target import host_cpu
 
@@ -60,6 +61,20 @@ def test_an_embedding_gradient_runs_in_parallel_over_column_chunks() -> None:
     core, 0.29 ms after): the kernel is a parallel loop over (leading index, column chunk)."""
     mod = take_backward_module((4096, 256), 1024, 0)
     assert "T.parallel(" in mod["take_backward"].script()
+
+
+def test_a_gpu_target_gets_a_kernel_bound_to_gpu_threads() -> None:
+    """The CPU kernel (and TVM's) is a bare loop nest, which no GPU rule can bind to threads:
+    built for CUDA it ran on the host with device pointers (every zoo model with an embedding
+    segfaulted in its first training step on an H200). For a GPU target each (leading index,
+    column) is one GPU thread; its numbers against eager: tests/gpu/test_cuda_zoo.py."""
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}) as cuda:
+        mod = take_backward_module((4096, 256), 1024, 0)
+        scheduled = ApplyGPUSchedules()(mod)
+    kernel = scheduled["take_backward"].with_attr("target", cuda)
+    assert not runs_on_host(kernel)
+    script = kernel.script()
+    assert "T.parallel(" not in script and "blockIdx.x" in script and "threadIdx.x" in script
 
 
 @pytest.mark.parametrize("leading, columns, threads, chunks", [

@@ -61,7 +61,7 @@ class Seq2Seq(nn.Module):
         self.head = nn.Linear(width, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
         src, tgt = self.embed(tokens), self.embed(tokens.roll(1, 1))
         return self.head(self.transformer(src, tgt, tgt_mask=mask, src_key_padding_mask=tokens == 0))
 
@@ -78,7 +78,8 @@ class RMSNorm(nn.Module):
 def _rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding on interleaved pairs (x[..., ::2], x[..., 1::2])."""
     t, d = x.shape[-2], x.shape[-1]
-    angle = torch.arange(t).float()[:, None] / (10000 ** (torch.arange(0, d, 2).float() / d))[None]
+    angle = (torch.arange(t, device=x.device).float()[:, None]
+             / (10000 ** (torch.arange(0, d, 2, device=x.device).float() / d))[None])
     cos, sin = angle.cos(), angle.sin()
     even, odd = x[..., ::2], x[..., 1::2]
     return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)

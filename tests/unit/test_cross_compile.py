@@ -23,3 +23,28 @@ def test_cnn_compiles_for_cuda_without_a_gpu() -> None:
     assert "cuda" in kinds
     source = host.imports[kinds.index("cuda")].inspect_source()
     assert "__global__" in source and "threadIdx.x" in source
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
+def test_a_tied_embedding_gpt_training_step_builds_for_cuda_with_every_kernel_on_the_gpu() -> None:
+    """The embedding's gradient (take_backward) was host code in a CUDA build: the zoo's GPT
+    segfaulted in its first step on an H200. Now every kernel that writes memory is bound to
+    GPU threads (numbers against eager on a GPU: tests/gpu/test_cuda_zoo.py)."""
+    from tests.conftest import TrainGraph
+    from tests.numeric.zoo import ZOO
+    from tvmgraph import entry
+    from tvmgraph.schedules.apply_gpu import runs_on_host
+
+    gpt = ZOO["gpt_tied"]
+    model = gpt.make().train()
+    graph = TrainGraph(model, gpt.loss, gpt.optimizer(model))
+    traced = graph.trace(*gpt.batch(torch.Generator().manual_seed(0)))
+    options = traced.signature.options
+    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
+                               graph._state().grad_scaler)
+    optimized, executable = traced.lower(plan).build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    kernels = {gv.name_hint: f for gv, f in optimized.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert any(name.startswith("take_backward") for name in kernels)
+    assert [name for name, f in kernels.items() if runs_on_host(f)] == []
+    host = executable.mod.imports[0]
+    assert "cuda" in [m.kind for m in host.imports]

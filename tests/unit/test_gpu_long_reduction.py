@@ -173,3 +173,32 @@ def test_compiles_to_warp_shuffle_sums_and_register_taps() -> None:
     source = tvm.compile(mod, target=CUDA).mod.imports[0].inspect_source()
     assert "__launch_bounds__(1024)" in source and "__shfl_down_sync" in source
     assert "dx_local_ptr[1]" in source or re.search(r"float \w*local\w*\[1\]", source)
+
+
+def _host_loop() -> tvm.tirx.PrimFunc:
+    """A kernel as a bare loop nest without blocks (as te.extern writes one): no rule can bind it."""
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def host_loop(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in range(64):
+            b[i] = a[i] + T.float32(1)
+
+    return host_loop
+
+
+def test_a_kernel_no_rule_binds_to_threads_is_an_error_not_host_code() -> None:
+    """Unbound, it would be compiled for the host and run there on device pointers (a segfault
+    in the first call); the compile stops instead, naming the kernel."""
+    mod = tvm.IRModule({"host_loop": _host_loop()})
+    with CUDA, pytest.raises(RuntimeError, match="host_loop writes memory outside any GPU thread binding"):
+        ApplyGPUSchedules()(mod)
+
+
+def test_the_host_kernel_check_sees_thread_bindings() -> None:
+    from tvmgraph.schedules.apply_gpu import runs_on_host
+
+    assert runs_on_host(_host_loop())
+    with CUDA:
+        bound = ApplyGPUSchedules()(tvm.IRModule({"f": _pointwise_weight_grad()}))["f"]
+    assert not runs_on_host(bound)

@@ -5,7 +5,11 @@ dlight's own `ApplyDefaultSchedule` lets a rule's exception end the compile. In 
 old_block_realize_") on a reduction of a float16 AMP transformer's training step, so that step
 did not build for CUDA. Here, as in `ApplyCPUSchedules`, the rules are tried in order on each
 unscheduled PrimFunc and the first schedule one returns is kept; a rule that raises is logged and
-the next one gets the function (dlight's `Fallback`, last, binds threads to anything).
+the next one gets the function (dlight's `Fallback`, last, binds threads to anything with blocks).
+
+A kernel that still writes memory outside any GPU thread binding stops the compile: code
+generation would put it on the host, where it dereferences device pointers (a segfault in the
+first call, as an embedding gradient written as a bare loop nest did on an H200).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import logging
 import tvm
 from tvm import tirx
 from tvm.s_tir.dlight.base import ScheduleRule
+from tvm_ffi.structural import structural_visit
 
+from ..errors import PassError
 from .apply import _target_of, _try_rule, is_scheduled
 from .loops import with_functions
 
@@ -55,4 +61,32 @@ class ApplyGPUSchedules:
                     break
             else:
                 logger.debug("ApplyGPUSchedules: no rule scheduled %s", gvar.name_hint)
-        return with_functions(mod, updates)
+        mod = with_functions(mod, updates)
+        for gvar, func in mod.functions_items():
+            target = _target_of(func) if isinstance(func, tirx.PrimFunc) else None
+            if target is not None and "gpu" in target.keys and runs_on_host(func):
+                raise PassError(f"kernel {gvar.name_hint} writes memory outside any GPU thread binding: no GPU "
+                                f"schedule rule could bind it, and it would run on the host with device "
+                                f"pointers; this is a bug in tvmgraph, please report it with the graph's build()")
+        return mod
+
+
+def runs_on_host(func: tirx.PrimFunc) -> bool:
+    """True when `func` stores to a buffer but binds no GPU thread (no thread_binding loop, no
+    thread_extent attribute): built for a GPU, such a kernel is host code."""
+    found = {"store": False, "thread": False}
+
+    def on_store(node: tirx.BufferStore, visitor) -> None:
+        found["store"] = True
+        visitor.default_visit(node)
+
+    def on_for(node: tirx.For, visitor) -> None:
+        found["thread"] |= node.kind == tirx.ForKind.THREAD_BINDING
+        visitor.default_visit(node)
+
+    def on_attr(node: tirx.AttrStmt, visitor) -> None:
+        found["thread"] |= node.attr_key == "thread_extent"
+        visitor.default_visit(node)
+
+    structural_visit(func.body, [(tirx.BufferStore, on_store), (tirx.For, on_for), (tirx.AttrStmt, on_attr)])
+    return found["store"] and not found["thread"]

@@ -1,0 +1,30 @@
+"""The model zoo (tests/numeric/zoo.py: ResNet-18, a GPT with tied weights, LSTM, GRU, U-Net,
+ViT, seq2seq, Llama, a 1-D audio CNN) trained on the GPU: every step's loss, parameters and
+buffers against eager float64 and float32 on the same GPU, as on the CPU
+(tests/numeric/test_model_zoo.py). Models no one here wrote run through dlight's rules and
+tvmgraph's GPU rules, where the CUDA tests' own models do not reach. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.numeric.test_model_zoo import assert_zoo_trains_as_in_eager
+from tests.numeric.zoo import ZOO
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """The float32 reference must be float32: cuBLAS and cuDNN would round through TF32."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_trains_on_the_gpu_as_in_eager(name: str) -> None:
+    assert_zoo_trains_as_in_eager(name, torch.device("cuda"), steps=4)
