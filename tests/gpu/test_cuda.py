@@ -20,18 +20,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CUDA = torch.device("cuda")
-# TVM's GPU kernels sum in float32 in another order than cuBLAS/cuDNN (which are kept off TF32
-# below): the CPU tests' float32 tolerance, loosened 10x for the longer reductions of a step.
+# TVM's GPU kernels sum in float32 in another order than cuBLAS/cuDNN (kept off TF32 by
+# conftest.py): the CPU tests' float32 tolerance, loosened 10x for the longer reductions of a step.
 STEP_TOL = dict(atol=1e-4, rtol=1e-3)
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """Eager must compute in float32 to be the reference: cuDNN convolutions default to TF32."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("make, shape", [(lambda: mlp(), (16, 32)),

@@ -16,15 +16,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """The float32 reference must be float32: cuBLAS and cuDNN would round through TF32."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_trains_on_the_gpu_as_in_eager(name: str) -> None:
     assert_zoo_trains_as_in_eager(name, torch.device("cuda"), steps=4)
