@@ -13,8 +13,9 @@ DOCS = "docs/errors.md"
 
 def reason_of(e: BaseException, lines: int = 1) -> str:
     """The last `lines` non-blank lines of an error's message: TVM's errors put the traceback
-    first and the reason last."""
-    found = [line.strip() for line in str(e).splitlines() if line.strip()]
+    first and the reason last (a tvmgraph error raised inside a pass: before its docs link)."""
+    found = [line.strip() for line in str(e).splitlines()
+             if line.strip() and not line.startswith(f"See {DOCS}#")]
     return " / ".join(found[-lines:])[:400] if found else type(e).__name__
 
 

@@ -15,8 +15,10 @@ On a GPU the same plan, one thread per (leading index, column): TVM's legalizati
 loop nest that no GPU rule can bind to threads, so a CUDA build ran it on the host, with device
 pointers (every model with an embedding segfaulted in its first training step on an H200).
 
-Shapes must be static and `axis` given (tvmgraph's gradients always pass it, with 1-D indices);
-anything else keeps TVM's legalization (on a GPU, the compile then stops: ApplyGPUSchedules).
+`axis` must be given (tvmgraph's gradients always pass it, with 1-D indices) and the table's
+shape static; on the CPU the count of indices too (a dynamic batch's keeps TVM's serial
+legalization there). Anything else keeps TVM's legalization (on a GPU the compile then stops:
+ApplyGPUSchedules).
 Importing this module registers it.
 """
 
@@ -61,16 +63,22 @@ def column_chunks(leading: int, columns: int, threads: int) -> int:
 def _parallel_take_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     axis = call.attrs.axis
     dy, x, indices = call.args
-    x_shape, dy_shape = _static(x.ty.shape), _static(dy.ty.shape)
-    idx_shape = _static(indices.ty.shape) if isinstance(indices.ty, relax.TensorType) else None
-    if axis is None or x_shape is None or dy_shape is None or idx_shape is None or len(idx_shape) != 1:
+    x_shape = _static(x.ty.shape)
+    idx_ndim = indices.ty.ndim if isinstance(indices.ty, relax.TensorType) else None
+    if axis is None or x_shape is None or idx_ndim != 1:
         return _stock._grad_take_backward(bb, call)
     axis = int(axis) % len(x_shape)
     leading, columns = math.prod(x_shape[:axis]), math.prod(x_shape[axis + 1:])
-    rows, count = x_shape[axis], idx_shape[0]
+    rows = x_shape[axis]
     target = tvm.target.Target.current(allow_none=True)
-    if target is not None and "gpu" in target.keys:
-        return _extern(bb, dy, x, indices, lambda *ptrs: _gpu_ir(leading, rows, columns, count, *ptrs))
+    if target is not None and "gpu" in target.keys:  # the count of indices may be symbolic (a dynamic batch)
+        return _extern(bb, dy, x, indices,
+                       lambda dy_ptr, idx_ptr, out_ptr: _gpu_ir(leading, rows, columns, idx_ptr.shape[0],
+                                                                dy_ptr, idx_ptr, out_ptr))
+    idx_shape = _static(indices.ty.shape)
+    if _static(dy.ty.shape) is None or idx_shape is None:
+        return _stock._grad_take_backward(bb, call)
+    count = idx_shape[0]
     chunks = column_chunks(leading, columns, os.cpu_count() or 1)
     width = columns // chunks
     vector = VECTOR_COLUMNS if width % VECTOR_COLUMNS == 0 else 1
@@ -123,7 +131,7 @@ def _gpu_ir(leading, rows, columns, count, dy_ptr, idx_ptr, out_ptr) -> tirx.Stm
                 grad_base = task // columns * count * columns + task % columns
                 with T.serial(_i64(rows)) as r:
                     out[out_base + r * columns] = zero
-                with T.serial(_i64(count)) as l:
+                with T.serial(tirx.Cast("int64", count)) as l:
                     at = out_base + tirx.Cast("int64", idx[l]) * columns
                     out[at] = out[at] + grad[grad_base + l * columns]
     body = ib.get()

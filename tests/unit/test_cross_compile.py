@@ -48,3 +48,36 @@ def test_a_tied_embedding_gpt_training_step_builds_for_cuda_with_every_kernel_on
     assert [name for name, f in kernels.items() if runs_on_host(f)] == []
     host = executable.mod.imports[0]
     assert "cuda" in [m.kind for m in host.imports]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
+def test_an_embedding_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
+    """With a dynamic batch the count of token indices is symbolic: the GPU kernel of the
+    embedding's gradient loops over it (TVM's legalization would be host code, which
+    ApplyGPUSchedules refuses)."""
+    from torch import nn
+
+    from tests.conftest import TrainGraph
+    from tvmgraph import entry
+    from tvmgraph.schedules.apply_gpu import runs_on_host
+
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(50, 32), nn.Linear(32, 5)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(tokens).mean(1))
+
+    model = Bag()
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    graph.config.enable_dynamic_batch(True)
+    traced = graph.trace(torch.randint(0, 50, (4, 6)), torch.randint(0, 5, (4,)))
+    options = traced.signature.options
+    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
+                               graph._state().grad_scaler)
+    optimized, _ = traced.lower(plan).build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    kernel = optimized["take_backward"]
+    assert not runs_on_host(kernel) and "blockIdx.x" in kernel.script()
+    # dy, the table, the indices, the output, and the symbolic count of tokens
+    assert len(kernel.params) == 5

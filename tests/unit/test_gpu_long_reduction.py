@@ -12,6 +12,8 @@ import tvm
 from tvm import te, topi
 from tvm.s_tir import dlight as dl
 
+from tvmgraph.errors import PassError
+from tvmgraph.pipeline import run_pass
 from tvmgraph.schedules.apply_gpu import ApplyGPUSchedules
 from tvmgraph.schedules.gpu_long_reduction import MAX_THREADS, LongReduction, ShortReduction
 
@@ -193,6 +195,9 @@ def test_a_kernel_no_rule_binds_to_threads_is_an_error_not_host_code() -> None:
     mod = tvm.IRModule({"host_loop": _host_loop()})
     with CUDA, pytest.raises(RuntimeError, match="host_loop writes memory outside any GPU thread binding"):
         ApplyGPUSchedules()(mod)
+    # In a graph's pipeline the PassError that wraps it keeps that reason, not the docs link.
+    with CUDA, pytest.raises(PassError, match="raised RuntimeError: kernel host_loop writes memory"):
+        run_pass(ApplyGPUSchedules(), mod, "G", check=True)
 
 
 def test_the_host_kernel_check_sees_thread_bindings() -> None:

@@ -66,8 +66,7 @@ class ApplyGPUSchedules:
             target = _target_of(func) if isinstance(func, tirx.PrimFunc) else None
             if target is not None and "gpu" in target.keys and runs_on_host(func):
                 raise PassError(f"kernel {gvar.name_hint} writes memory outside any GPU thread binding: no GPU "
-                                f"schedule rule could bind it, and it would run on the host with device "
-                                f"pointers; this is a bug in tvmgraph, please report it with the graph's build()")
+                                f"schedule rule could bind it, and as host code it would read device pointers")
         return mod
 
 
