@@ -32,6 +32,7 @@ from tvm import relax, te, tirx
 from tvm.relax.transform.legalize_ops import grad as _stock
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
+from tvm.sym import Analyzer
 from tvm.tirx.script.builder.utils import buffer_proxy
 
 _LEVEL = 11  # above TVM's own (10)
@@ -63,18 +64,18 @@ def column_chunks(leading: int, columns: int, threads: int) -> int:
 def _parallel_take_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     axis = call.attrs.axis
     dy, x, indices = call.args
-    x_shape = _static(x.ty.shape)
     idx_ndim = indices.ty.ndim if isinstance(indices.ty, relax.TensorType) else None
-    if axis is None or x_shape is None or idx_ndim != 1:
+    if axis is None or idx_ndim != 1 or not isinstance(x.ty, relax.TensorType) or x.ty.ndim < 0:
         return _stock._grad_take_backward(bb, call)
-    axis = int(axis) % len(x_shape)
+    axis = int(axis) % x.ty.ndim
+    target = tvm.target.Target.current(allow_none=True)
+    if target is not None and "gpu" in target.keys:  # any extent may be symbolic (a dynamic batch)
+        return _extern(bb, dy, x, indices, lambda *ptrs: _gpu_ir(axis, *ptrs))
+    x_shape = _static(x.ty.shape)
+    if x_shape is None:
+        return _stock._grad_take_backward(bb, call)
     leading, columns = math.prod(x_shape[:axis]), math.prod(x_shape[axis + 1:])
     rows = x_shape[axis]
-    target = tvm.target.Target.current(allow_none=True)
-    if target is not None and "gpu" in target.keys:  # the count of indices may be symbolic (a dynamic batch)
-        return _extern(bb, dy, x, indices,
-                       lambda dy_ptr, idx_ptr, out_ptr: _gpu_ir(leading, rows, columns, idx_ptr.shape[0],
-                                                                dy_ptr, idx_ptr, out_ptr))
     idx_shape = _static(indices.ty.shape)
     if _static(dy.ty.shape) is None or idx_shape is None:
         return _stock._grad_take_backward(bb, call)
@@ -114,14 +115,19 @@ def _cpu_ir(leading, rows, columns, count, chunks, vector, dy_ptr, idx_ptr, out_
     return ib.get()
 
 
-def _gpu_ir(leading, rows, columns, count, dy_ptr, idx_ptr, out_ptr) -> tirx.Stmt:
+def _gpu_ir(axis: int, dy_ptr, idx_ptr, out_ptr) -> tirx.Stmt:
     """One GPU thread per (leading index, column): neighbouring threads touch neighbouring
-    columns (coalesced), and each adds its column's rows in index order, as on the CPU."""
+    columns (coalesced), and each adds its column's rows in index order, as on the CPU. The
+    extents come from the buffers' shapes, symbolic or not."""
     out, grad, idx = buffer_proxy(out_ptr), buffer_proxy(dy_ptr), buffer_proxy(idx_ptr)
+    shape = [tirx.Cast("int64", d) for d in out_ptr.shape]
+    leading, columns = _product(shape[:axis]), _product(shape[axis + 1:])
+    rows, count = shape[axis], tirx.Cast("int64", idx_ptr.shape[0])
     total = leading * columns
-    block = min(GPU_BLOCK_THREADS, total)
+    static_total = total.value if isinstance(total, tirx.IntImm) else None
+    block = min(GPU_BLOCK_THREADS, static_total) if static_total else GPU_BLOCK_THREADS
+    blocks = (total + block - 1) // block
     zero = tirx.const(0, out_ptr.dtype)
-    blocks = -(-total // block)
     bx, tx = tirx.Var("blockIdx.x", "int32"), tirx.Var("threadIdx.x", "int32")
     with IRBuilder() as ib:
         task = tirx.Cast("int64", bx) * block + tirx.Cast("int64", tx)
@@ -129,16 +135,21 @@ def _gpu_ir(leading, rows, columns, count, dy_ptr, idx_ptr, out_ptr) -> tirx.Stm
             with T.Then():
                 out_base = task // columns * rows * columns + task % columns
                 grad_base = task // columns * count * columns + task % columns
-                with T.serial(_i64(rows)) as r:
+                with T.serial(rows) as r:
                     out[out_base + r * columns] = zero
-                with T.serial(tirx.Cast("int64", count)) as l:
+                with T.serial(count) as l:
                     at = out_base + tirx.Cast("int64", idx[l]) * columns
                     out[at] = out[at] + grad[grad_base + l * columns]
     body = ib.get()
-    for var, extent in ((tx, block), (bx, blocks)):  # innermost first
+    for var, extent in ((tx, tirx.IntImm("int32", block)), (bx, tirx.Cast("int32", blocks))):  # innermost first
         thread = tirx.IterVar(tvm.ir.Range(0, extent), var, 1, var.name)  # 1: a thread index
-        body = tirx.AttrStmt(thread, "thread_extent", tirx.IntImm("int32", extent), body)
+        body = tirx.AttrStmt(thread, "thread_extent", extent, body)
     return body
+
+
+def _product(dims: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+    """The product of int64 extents, folded where they are constants."""
+    return Analyzer().simplify(math.prod(dims, start=tirx.IntImm("int64", 1)))
 
 
 def _extern(bb: relax.BlockBuilder, dy: relax.Expr, x: relax.Expr, indices: relax.Expr, ir) -> relax.Expr:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.numeric.test_dynamic_batch import assert_zoo_trains_with_varying_batch
 from tests.numeric.test_model_zoo import assert_zoo_trains_as_in_eager
 from tests.numeric.zoo import ZOO
 
@@ -19,3 +20,10 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_trains_on_the_gpu_as_in_eager(name: str) -> None:
     assert_zoo_trains_as_in_eager(name, torch.device("cuda"), steps=4)
+
+
+@pytest.mark.parametrize("name", ["gpt_tied", "llama", "resnet18", "seq2seq", "lstm", "unet"])
+def test_zoo_trains_on_the_gpu_with_a_dynamic_batch(name: str) -> None:
+    """Batch sizes 3, 1 and 5 through one compile: the kernels' extents symbolic on the GPU
+    (the embedding gradient's count of tokens among them)."""
+    assert_zoo_trains_with_varying_batch(name, torch.device("cuda"))

@@ -139,12 +139,18 @@ def test_training_models_no_one_here_wrote_varying_batch(name: str) -> None:
     had no dims, nor had the RMSNorm after it), at batch sizes 3, 1 and 5 with one compile: every step as close to float64 eager as the zoo
     test asks of a static graph (ResNet-18's batch norms at 1x1 and 2x2 pixels make float32
     itself drift by 6e-5 there)."""
+    assert_zoo_trains_with_varying_batch(name, torch.device("cpu"))
+
+
+def assert_zoo_trains_with_varying_batch(name: str, device: torch.device) -> None:
+    """ZOO[name] trained in one dynamic-batch graph on `device` at batch sizes 3, 1 and 5,
+    every step against eager float64 and float32 on the same device (tests/numeric/test_model_zoo.py)."""
     from tests.numeric.test_model_zoo import _assert_step_close, _double
     from tests.numeric.zoo import ZOO
 
     entry = ZOO[name]
     torch.manual_seed(0)
-    model = entry.make().train()
+    model = entry.make().train().to(device)
     reference, eager32 = copy.deepcopy(model).double(), copy.deepcopy(model)
     make = lambda m: torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)  # noqa: E731
     optimizers = [make(m) for m in (model, reference, eager32)]
@@ -154,6 +160,7 @@ def test_training_models_no_one_here_wrote_varying_batch(name: str) -> None:
         x, y = entry.batch(g)
         rows = torch.arange(n) % len(x)
         x, y = x[rows] + (0.1 * torch.randn(x[rows].shape) if x.is_floating_point() else 0), y[rows]
+        x, y = x.to(device), y.to(device)
         loss = graph(x, y)
         _assert_step_close(loss, eager_step(reference, entry.loss, [optimizers[1]], _double(x), y),
                            eager_step(eager32, entry.loss, [optimizers[2]], x, y), f"step {step} (batch {n}) loss")

@@ -81,3 +81,24 @@ def test_an_embedding_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
     assert not runs_on_host(kernel) and "blockIdx.x" in kernel.script()
     # dy, the table, the indices, the output, and the symbolic count of tokens
     assert len(kernel.params) == 5
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
+def test_a_max_pool_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
+    """dlight's reduction rules split the pool gradient's window argmax of a symbolic batch over
+    threads in a way LowerCrossThreadReduction refuses at code generation; ApplyGPUSchedules
+    now tries that lowering on each rule's schedule and gives the kernel to the next rule."""
+    from torch import nn
+
+    from tests.conftest import TrainGraph
+    from tvmgraph import entry
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 8 * 8, 5))
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    graph.config.enable_dynamic_batch(True)
+    traced = graph.trace(torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,)))
+    options = traced.signature.options
+    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
+                               graph._state().grad_scaler)
+    _, executable = traced.lower(plan).build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    assert "cuda" in [m.kind for m in executable.mod.imports[0].imports]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 import tvm
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm_ffi.structural import structural_visit
 
@@ -56,6 +56,10 @@ class ApplyGPUSchedules:
                 continue
             for rule in self.rules:
                 scheduled = _try_rule(rule, func, target, gvar.name_hint)
+                if scheduled is not None and not _cross_thread_sums_lower(scheduled, target):
+                    logger.debug("ApplyGPUSchedules: %s's schedule of %s does not lower", type(rule).__name__,
+                                 gvar.name_hint)
+                    continue
                 if scheduled is not None:
                     updates[gvar] = scheduled.with_attr("tirx.is_scheduled", True)
                     break
@@ -68,6 +72,17 @@ class ApplyGPUSchedules:
                 raise PassError(f"kernel {gvar.name_hint} writes memory outside any GPU thread binding: no GPU "
                                 f"schedule rule could bind it, and as host code it would read device pointers")
         return mod
+
+
+def _cross_thread_sums_lower(func: tirx.PrimFunc, target: tvm.target.Target) -> bool:
+    """Whether the sums a schedule splits over threads lower (the first lowering pass a
+    rule's schedule can fail, at code generation: dlight's reduction rules split a window
+    argmax of a dynamic batch across threads into a block LowerCrossThreadReduction refuses)."""
+    try:
+        s_tir.transform.LowerCrossThreadReduction()(tvm.IRModule({"main": func.with_attr("target", target)}))
+    except Exception:  # noqa: BLE001  (TVM's errors come as several types)
+        return False
+    return True
 
 
 def runs_on_host(func: tirx.PrimFunc) -> bool:
