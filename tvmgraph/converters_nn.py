@@ -684,7 +684,9 @@ def native_group_norm(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     """(out, mean, rstd), mean and rstd of shape (N, groups), computed only when used."""
     bb = importer.block_builder
     x = importer.env[node.args[0]]
-    n, channels, groups, eps = int(node.args[3]), int(node.args[4]), int(node.args[6]), float(node.args[7])
+    # The batch from x's shape: node.args[3] is a symbol (an fx Node) with a dynamic batch.
+    n = x.ty.shape[0]
+    channels, groups, eps = int(node.args[4]), int(node.args[6]), float(node.args[7])
     dtype = x.ty.dtype.dtype
     # The stock converter passes a missing weight or bias on as a null argument (a crash later).
     gamma, beta = (importer.env[a] if a is not None else relax.const(np.full(channels, fill, dtype=dtype), dtype)

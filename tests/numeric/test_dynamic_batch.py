@@ -68,6 +68,22 @@ def test_training_mlp_varying_batch_matches_eager() -> None:
     assert graph.num_compiled == 1 and graph.step == 6
 
 
+def test_group_norm_with_a_varying_batch_matches_eager() -> None:
+    """GroupNorm's converter took the batch size from the traced call's arguments (a symbol
+    with a dynamic batch: TypeError in int()); it reads it from the input's shape now.
+    Inference, then training (its mean and rstd feed the gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 10))
+    graph = dynamic(ModuleGraph(copy.deepcopy(model).eval()))
+    for batch in (2, 5, 1):
+        x = torch.randn(batch, 3, 6, 6)
+        with torch.no_grad():
+            assert_close(graph(x), graph.model(x), atol=1e-5, rtol=1e-4)
+    graph = run_dynamic_side_by_side(model, batches_of((4, 1, 7), (3, 6, 6)))
+    assert graph.num_compiled == 1
+
+
 def test_training_through_flatten_and_mse_mean_matches_eager() -> None:
     """x.flatten(1) reshapes to a shape holding the batch; mse_loss takes a mean over it."""
     torch.manual_seed(0)
