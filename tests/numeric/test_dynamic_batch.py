@@ -84,6 +84,18 @@ def test_group_norm_with_a_varying_batch_matches_eager() -> None:
     assert graph.num_compiled == 1
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+def test_upsampling_and_adaptive_pooling_train_with_a_varying_batch(mode: str) -> None:
+    """The gradients of resize2d (F.interpolate) and adaptive_avg_pool2d are products with
+    constant matrices along H and W: they asked for a static batch too (UnsupportedOpError on
+    a U-Net with bilinear upsampling); only H and W need to be static."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(scale_factor=2, mode=mode),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.AdaptiveAvgPool2d(3), nn.Flatten(), nn.Linear(36, 10))
+    graph = run_dynamic_side_by_side(model, batches_of((4, 1, 6), (3, 5, 5)))
+    assert graph.num_compiled == 1
+
+
 def test_training_through_flatten_and_mse_mean_matches_eager() -> None:
     """x.flatten(1) reshapes to a shape holding the batch; mse_loss takes a mean over it."""
     torch.manual_seed(0)

@@ -86,6 +86,15 @@ def shape_of(expr: relax.Expr) -> list[int]:
     return [int(dim) for dim in shape]
 
 
+def spatial_shape_of(expr: relax.Expr, count: int = 2) -> list[int]:
+    """The last `count` dims (an image's H and W) as Python ints: static even where a dynamic
+    batch makes the leading dim symbolic."""
+    shape = list(expr.ty.shape)[-count:]
+    if not all(isinstance(dim, tvm.tirx.IntImm) for dim in shape):
+        raise NotImplementedError(f"tvmgraph.gradients need static spatial dims, got {list(expr.ty.shape)}")
+    return [int(dim) for dim in shape]
+
+
 def dims_of(expr: relax.Expr) -> list[int | tvm.tirx.PrimExpr]:
     """The shape of a tensor-typed expression: ints, and a symbolic dim (a dynamic batch) as
     it is, for gradients that only pass the shape on to Relax ops (broadcast, reshape, zeros)."""

@@ -8,7 +8,7 @@ import numpy as np
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import dims_of, dtype_of, register, scalar_of, shape_of, tuple_field_grad
+from ._common import dims_of, dtype_of, register, scalar_of, spatial_shape_of, tuple_field_grad
 
 op = relax.op
 
@@ -59,8 +59,8 @@ def adaptive_avg_pool2d_grad(
         )
     x = orig_call.args[0]
     dtype = dtype_of(x)
-    in_h, in_w = shape_of(x)[2:]
-    out_h, out_w = shape_of(orig_var)[2:]
+    in_h, in_w = spatial_shape_of(x)
+    out_h, out_w = spatial_shape_of(orig_var)
     grad: relax.Expr = output_grad
     if (out_w, out_h) == (1, 1):
         # Global pooling, the common case: a broadcast needs no matrices.
@@ -128,8 +128,8 @@ def resize2d_grad(
         )
     x = orig_call.args[0]
     dtype = dtype_of(x)
-    in_h, in_w = shape_of(x)[2:]
-    out_h, out_w = shape_of(orig_var)[2:]
+    in_h, in_w = spatial_shape_of(x)
+    out_h, out_w = spatial_shape_of(orig_var)
     resize_w_t = ctx.emit(_resize_matrix_t(attrs, in_w, out_w, 3, dtype))
     resize_h_t = ctx.emit(_resize_matrix_t(attrs, in_h, out_h, 2, dtype))
     grad = op.matmul(output_grad, op.permute_dims(resize_w_t, [1, 0]))
