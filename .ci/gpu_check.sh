@@ -5,7 +5,8 @@
 #   .ci/gpu_check.sh [tests|profile|bench|all]      logs go to $OUT (or /tmp/gpu_out)
 # Time limits and the benchmark's rows: TESTS_S, PROFILE_S, BENCH_S (seconds), CASES, MODES,
 # ENGINES, BENCH_ARGS (more benchmarks.run flags), PROFILE_CASES; PYTEST_ARGS
-# picks tests (split on spaces, so no quoted words: "-k float16", "--deselect=tests/gpu/...").
+# picks tests (split on spaces, so no quoted words: "-k float16", "-k (llama)or(seq2seq)",
+# "--deselect=tests/gpu/..."; tests/gpu/test_cuda_zoo.py alone takes about 3 minutes).
 # A file .gpu/amp_probe.py, if any, is a one-off probe run between the two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
