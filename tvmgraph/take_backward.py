@@ -15,11 +15,10 @@ On a GPU the same plan, one thread per (leading index, column): TVM's legalizati
 loop nest that no GPU rule can bind to threads, so a CUDA build ran it on the host, with device
 pointers (every model with an embedding segfaulted in its first training step on an H200).
 
-`axis` must be given (tvmgraph's gradients always pass it, with 1-D indices) and the table's
-shape static; on the CPU the count of indices too (a dynamic batch's keeps TVM's serial
-legalization there). Anything else keeps TVM's legalization (on a GPU the compile then stops:
-ApplyGPUSchedules).
-Importing this module registers it.
+`axis` must be given (tvmgraph's gradients always pass it, with 1-D indices). On the CPU the
+shapes must be static too (a dynamic batch keeps TVM's serial legalization there); on a GPU
+any extent may be symbolic. Anything else keeps TVM's legalization (on a GPU the compile then
+stops: ApplyGPUSchedules). Importing this module registers it.
 """
 
 from __future__ import annotations
