@@ -16,8 +16,8 @@ loop nest that no GPU rule can bind to threads, so a CUDA build ran it on the ho
 pointers (every model with an embedding segfaulted in its first training step on an H200).
 
 `axis` must be given (tvmgraph's gradients always pass it, with 1-D indices). On the CPU the
-shapes must be static too (a dynamic batch keeps TVM's serial legalization there); on a GPU
-any extent may be symbolic. Anything else keeps TVM's legalization (on a GPU the compile then
+table's shape must be static (the count of indices may be symbolic: a dynamic batch's tokens);
+on a GPU any extent may be symbolic. Anything else keeps TVM's legalization (on a GPU the compile then
 stops: ApplyGPUSchedules). Importing this module registers it.
 """
 
@@ -75,15 +75,13 @@ def _parallel_take_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.E
         return _stock._grad_take_backward(bb, call)
     leading, columns = math.prod(x_shape[:axis]), math.prod(x_shape[axis + 1:])
     rows = x_shape[axis]
-    idx_shape = _static(indices.ty.shape)
-    if _static(dy.ty.shape) is None or idx_shape is None:
-        return _stock._grad_take_backward(bb, call)
-    count = idx_shape[0]
     chunks = column_chunks(leading, columns, os.cpu_count() or 1)
     width = columns // chunks
     vector = VECTOR_COLUMNS if width % VECTOR_COLUMNS == 0 else 1
+    # The count of indices from the buffer: symbolic with a dynamic batch (n * seq tokens).
     return _extern(bb, dy, x, indices,
-                   lambda *ptrs: _cpu_ir(leading, rows, columns, count, chunks, vector, *ptrs))
+                   lambda dy_ptr, idx_ptr, out_ptr: _cpu_ir(leading, rows, columns, idx_ptr.shape[0], chunks,
+                                                            vector, dy_ptr, idx_ptr, out_ptr))
 
 
 def _i64(n: int) -> tirx.IntImm:
@@ -105,7 +103,7 @@ def _cpu_ir(leading, rows, columns, count, chunks, vector, dy_ptr, idx_ptr, out_
                 with T.serial(_i64(width // vector)) as c:
                     with T.vectorized(_i64(vector)) as v:
                         out[out_base + r * columns + c * vector + v] = zero
-            with T.serial(_i64(count)) as l:
+            with T.serial(tirx.Cast("int64", count)) as l:
                 row = tirx.Cast("int64", idx[l]) * columns
                 with T.serial(_i64(width // vector)) as c:
                     with T.vectorized(_i64(vector)) as v:

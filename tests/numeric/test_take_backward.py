@@ -63,6 +63,30 @@ def test_an_embedding_gradient_runs_in_parallel_over_column_chunks() -> None:
     assert "T.parallel(" in mod["take_backward"].script()
 
 
+def test_a_symbolic_count_of_indices_keeps_the_parallel_kernel() -> None:
+    """A dynamic batch's embedding gradient takes n * seq indices, a symbolic count: the loop
+    over them takes it as its extent (TVM's serial legalization ran instead), and each count
+    gets torch's numbers exactly."""
+    n = tvm.tirx.Var("n", "int64")
+    dy = relax.Var("dy", relax.TensorType([n, 64], "float32"))
+    x = relax.Var("x", relax.TensorType([100, 64], "float32"))
+    idx = relax.Var("idx", relax.TensorType([n], "int32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [dy, x, idx]):
+        with bb.dataflow():
+            out = bb.emit_output(relax_grad.take_backward(dy, x, idx, 0))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    assert "T.parallel(" in mod["take_backward"].script()
+    vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
+    for count in (7, 300):
+        indices = torch.randint(0, 100, (count,), dtype=torch.int32)
+        grad, table = torch.randn(count, 64), torch.randn(100, 64, requires_grad=True)
+        got = vm["main"](*(tvm.runtime.tensor(t.detach().numpy()) for t in (grad, table, indices))).numpy()
+        torch.index_select(table, 0, indices.long()).backward(grad)
+        np.testing.assert_array_equal(got, table.grad.numpy())
+
+
 def test_a_gpu_target_gets_a_kernel_bound_to_gpu_threads() -> None:
     """The CPU kernel (and TVM's) is a bare loop nest, which no GPU rule can bind to threads:
     built for CUDA it ran on the host with device pointers (every zoo model with an embedding
