@@ -65,6 +65,19 @@ class TrainGraph(tvmgraph.nn.Graph):
         return loss
 
 
+def lower_train_step(graph: tvmgraph.nn.Graph, *args):
+    """`graph` traced on `args` and its training step (forward, autodiff, optimizer update)
+    lowered without calling it: (the LoweredGraph, its compile options), for build-only tests."""
+    from tvmgraph import entry
+
+    traced = graph.trace(*args)
+    options = traced.signature.options
+    state = graph._state()
+    plan = entry.training_plan(graph.name, state.optimizers, traced, graph.named_parameters, options,
+                               state.grad_scaler)
+    return traced.lower(plan), options
+
+
 class SGDStep(tvmgraph.nn.Graph):
     """One SGD step with lr=1 on `model(*inputs)` (a scalar loss): a parameter moves by minus its
     gradient. Momentum changes nothing on the first step (the buffer starts as the gradient)."""

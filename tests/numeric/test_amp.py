@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import tvmgraph
-from tests.conftest import Fn, ModuleGraph, TrainGraph
+from tests.conftest import Fn, ModuleGraph, TrainGraph, lower_train_step
 from tests.models import EncoderBlock, SmallCNN, mlp
-from tvmgraph import entry, errors
+from tvmgraph import errors
 
 # Graph and eager round to bfloat16 at the same places (the casts autocast records) and both
 # accumulate matmuls and sums in float32, but in a different order: a result can land on the
@@ -525,11 +525,7 @@ def test_float16_train_step_with_scaler_compiles_for_cuda() -> None:
     graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.Adam(model.parameters(), lr=1e-3))
     graph.config.enable_amp(True, dtype=torch.float16)
     graph.set_grad_scaler(_scaler())
-    traced = graph.trace(torch.randn(8, 32), torch.randint(0, 10, (8,)))
-    options = traced.signature.options
-    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
-                               graph._state().grad_scaler)
-    lowered = traced.lower(plan)
+    lowered, options = lower_train_step(graph, torch.randn(8, 32), torch.randint(0, 10, (8,)))
     assert "float16" in lowered.as_text() and "loss_scale" in lowered.as_text()
     _, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
     host = executable.mod.imports[0]
@@ -544,11 +540,8 @@ def test_float16_transformer_train_step_compiles_for_cuda() -> None:
     model = EncoderBlock()
     graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     graph.config.enable_amp(True, dtype=torch.float16)
-    traced = graph.trace(torch.randn(4, 16, 32), torch.randn(4, 16, 32))
-    options = traced.signature.options
-    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
-                               graph._state().grad_scaler)
-    _, executable = traced.lower(plan).build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    lowered, options = lower_train_step(graph, torch.randn(4, 16, 32), torch.randn(4, 16, 32))
+    _, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
     host = executable.mod.imports[0]
     assert "cuda" in [m.kind for m in host.imports]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import tvm
 
-from tests.conftest import ModuleGraph
+from tests.conftest import ModuleGraph, TrainGraph, lower_train_step
 from tests.models import SmallCNN
 
 
@@ -30,19 +30,14 @@ def test_a_tied_embedding_gpt_training_step_builds_for_cuda_with_every_kernel_on
     """The embedding's gradient (take_backward) was host code in a CUDA build: the zoo's GPT
     segfaulted in its first step on an H200. Now every kernel that writes memory is bound to
     GPU threads (numbers against eager on a GPU: tests/gpu/test_cuda_zoo.py)."""
-    from tests.conftest import TrainGraph
     from tests.numeric.zoo import ZOO
-    from tvmgraph import entry
     from tvmgraph.schedules.apply_gpu import runs_on_host
 
     gpt = ZOO["gpt_tied"]
     model = gpt.make().train()
     graph = TrainGraph(model, gpt.loss, gpt.optimizer(model))
-    traced = graph.trace(*gpt.batch(torch.Generator().manual_seed(0)))
-    options = traced.signature.options
-    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
-                               graph._state().grad_scaler)
-    optimized, executable = traced.lower(plan).build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    lowered, options = lower_train_step(graph, *gpt.batch(torch.Generator().manual_seed(0)))
+    optimized, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
     kernels = {gv.name_hint: f for gv, f in optimized.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
     assert any(name.startswith("take_backward") for name in kernels)
     assert [name for name, f in kernels.items() if runs_on_host(f)] == []
@@ -57,8 +52,6 @@ def test_an_embedding_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
     ApplyGPUSchedules refuses)."""
     from torch import nn
 
-    from tests.conftest import TrainGraph
-    from tvmgraph import entry
     from tvmgraph.schedules.apply_gpu import runs_on_host
 
     class Bag(nn.Module):
@@ -72,11 +65,8 @@ def test_an_embedding_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
     model = Bag()
     graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
     graph.config.enable_dynamic_batch(True)
-    traced = graph.trace(torch.randint(0, 50, (4, 6)), torch.randint(0, 5, (4,)))
-    options = traced.signature.options
-    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
-                               graph._state().grad_scaler)
-    optimized, _ = traced.lower(plan).build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    lowered, options = lower_train_step(graph, torch.randint(0, 50, (4, 6)), torch.randint(0, 5, (4,)))
+    optimized, _ = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
     kernel = optimized["take_backward"]
     assert not runs_on_host(kernel) and "blockIdx.x" in kernel.script()
     # dy, the table, the indices, the output, and the symbolic count of tokens
@@ -90,15 +80,10 @@ def test_a_max_pool_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
     now tries that lowering on each rule's schedule and gives the kernel to the next rule."""
     from torch import nn
 
-    from tests.conftest import TrainGraph
-    from tvmgraph import entry
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 8 * 8, 5))
     graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
     graph.config.enable_dynamic_batch(True)
-    traced = graph.trace(torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,)))
-    options = traced.signature.options
-    plan = entry.training_plan(graph.name, graph._state().optimizers, traced, graph.named_parameters, options,
-                               graph._state().grad_scaler)
-    _, executable = traced.lower(plan).build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    lowered, options = lower_train_step(graph, torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,)))
+    _, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
     assert "cuda" in [m.kind for m in executable.mod.imports[0].imports]

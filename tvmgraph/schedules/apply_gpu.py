@@ -56,13 +56,14 @@ class ApplyGPUSchedules:
                 continue
             for rule in self.rules:
                 scheduled = _try_rule(rule, func, target, gvar.name_hint)
-                if scheduled is not None and not _cross_thread_sums_lower(scheduled, target):
+                if scheduled is None:
+                    continue
+                if not _cross_thread_sums_lower(scheduled, target):
                     logger.debug("ApplyGPUSchedules: %s's schedule of %s does not lower", type(rule).__name__,
                                  gvar.name_hint)
                     continue
-                if scheduled is not None:
-                    updates[gvar] = scheduled.with_attr("tirx.is_scheduled", True)
-                    break
+                updates[gvar] = scheduled.with_attr("tirx.is_scheduled", True)
+                break
             else:
                 logger.debug("ApplyGPUSchedules: no rule scheduled %s", gvar.name_hint)
         mod = with_functions(mod, updates)
