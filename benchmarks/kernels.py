@@ -23,10 +23,13 @@ cache can pass 100% of it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,6 +38,7 @@ import tvm
 from tvm import relax
 
 from tvmgraph.hardware import Limits, limits
+from tvmgraph.openmp_launch import use_openmp_threads
 from tvmgraph.profile import KernelTime
 from tvmgraph.schedules import ApplyCPUSchedules
 
@@ -192,7 +196,16 @@ def _build(mod: tvm.IRModule, schedule: bool) -> relax.VirtualMachine:
     # "pooled": the allocator tvmgraph runs with (config.settings.vm_allocator); the default
     # one would page-fault every output in afresh.
     executable = tvm.compile(mod, target=TARGET, relax_pipeline=None)
-    return relax.VirtualMachine(executable, tvm.cpu(), memory_cfg="pooled")
+    # Exported and loaded as a graph's program is, so that its kernels run on torch's OpenMP
+    # threads (tvmgraph/openmp_launch.py) as they do in a graph.
+    path = Path(_LIBRARIES.name) / f"kernel{len(os.listdir(_LIBRARIES.name))}.so"
+    executable.export_library(str(path))
+    library = tvm.runtime.load_module(str(path))
+    use_openmp_threads(path)
+    return relax.VirtualMachine(library, tvm.cpu(), memory_cfg="pooled")
+
+
+_LIBRARIES = tempfile.TemporaryDirectory(prefix="tvmgraph-kernels-")
 
 
 def timer(fn: Callable[[], object], seconds: float) -> Callable[[], float]:

@@ -41,6 +41,7 @@ from tvmgraph.artifact_format import ArtifactFormatError, document_digest, files
     verify_files, write_file
 from tvmgraph.artifact_format import FILE_NAME as _FILE_NAME
 from tvmgraph.artifact_format import document_digest as _document_digest  # noqa: F401 (tests build documents)
+from tvmgraph.openmp_launch import use_openmp_threads
 
 logger = logging.getLogger("tvmgraph.cache")
 
@@ -112,6 +113,7 @@ class CompiledCache:
             meta = self.decode(doc["meta"], data)
             lib_path = path / doc["library"]
             lib = tvm.runtime.load_module(str(lib_path))  # only now does native code run
+            use_openmp_threads(lib_path)
         except UnknownFormatError as e:
             logger.info("compiled cache entry %s: %s; rebuilding it", path, e)
             self._discard(path)

@@ -25,6 +25,7 @@ import tvm
 from tvm import relax
 
 from .lower import LoweredSignature
+from .openmp_launch import use_openmp_threads
 from .training.accumulation import MICRO_STEP
 from .training.train_step import FUNC_NAME as TRAIN_STEP
 from .training.train_step import TrainStepLayout
@@ -61,7 +62,9 @@ class CompiledProgram:
         """Write the program into `cache` under `key`; returns it running from the stored library
         (another process's, verified, when it stored the same key first)."""
         path = cache.store(key, self.library, meta=self.meta(), export=export)
-        return replace(self, library=tvm.runtime.load_module(str(path)), key=key)
+        library = tvm.runtime.load_module(str(path))
+        use_openmp_threads(path)
+        return replace(self, library=library, key=key)
 
     @classmethod
     def from_cache(cls, cache: CompiledCache, key: str) -> CompiledProgram | None:

@@ -396,7 +396,7 @@ def _env_path(name: str, default: Path) -> Path:
 # Every TVMGRAPH_* variable tvmgraph reads; any other one is most likely a typo and is reported.
 KNOWN_VARIABLES = ("TVMGRAPH_CACHE_DIR", "TVMGRAPH_VM_ALLOCATOR", "TVMGRAPH_CPU_SCHEDULES", "TVMGRAPH_FAST_MATH",
                    "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE", "TVMGRAPH_CACHE_MAX_BYTES",
-                   "TVMGRAPH_CHECK_PASSES", "TVMGRAPH_TUNING", "TVMGRAPH_KERNEL_CHECKS")
+                   "TVMGRAPH_CHECK_PASSES", "TVMGRAPH_TUNING", "TVMGRAPH_KERNEL_CHECKS", "TVMGRAPH_OPENMP_THREADS")
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -435,6 +435,8 @@ class Settings:
     # CPU kernels that check their arguments on every call (codegen.build_executable): off for
     # the programs a graph runs, which get checked tensors only; saved deployments keep them.
     kernel_checks: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_KERNEL_CHECKS", False))
+    # CPU kernels run on torch's OpenMP threads (tvmgraph/openmp_launch.py); 0: on TVM's own pool.
+    openmp_threads: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_OPENMP_THREADS", True))
     # The persistent compiled cache under cache_dir/compiled (TVMGRAPH_COMPILE_CACHE=0: off).
     compile_cache: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_COMPILE_CACHE", True))
     # Size limit of the compiled cache in bytes (default 2 GiB); least recently used entries go first.

@@ -24,6 +24,7 @@ import numpy as np
 
 from .artifact_format import ArtifactFormatError, read_document, verify_files
 from .errors import SavedGraphError, SavedGraphInputError
+from .openmp_launch import use_openmp_threads
 from .vm_results import releasing
 
 logger = logging.getLogger("tvmgraph.deploy")
@@ -218,6 +219,7 @@ class SavedGraph:
         if missing:
             raise _refuse(path, manifest["parameters"], f"has no tensor {missing[0]!r}", "Save the graph again.")
         lib = tvm.runtime.load_module(str(path / manifest["library"]))  # native code runs from here on
+        use_openmp_threads(path / manifest["library"])  # where torch runs too
         self._vm = VirtualMachine(lib, self._dev)
         self._entry = releasing(self._vm, manifest["entry"])
 

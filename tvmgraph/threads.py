@@ -1,5 +1,9 @@
 """How many threads TVM's CPU kernels run on, set before TVM's thread pool starts.
 
+Graph programs run their kernels on torch's OpenMP threads instead (tvmgraph/openmp_launch.py);
+TVM's pool serves where that launcher is not used (a process without torch, a program run from
+memory).
+
 TVM reads TVM_NUM_THREADS and TVM_THREAD_POOL_SPIN_COUNT once, when its thread pool starts (the
 first parallel kernel). `import tvmgraph` sets both, unless the user exported them, so that
 every way into TVM gets them: a graph, a saved graph loaded without torch (`tvmgraph.load`), a
