@@ -24,6 +24,6 @@ def test_zoo_trains_on_the_gpu_as_in_eager(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["gpt_tied", "llama", "resnet18", "seq2seq", "lstm", "unet"])
 def test_zoo_trains_on_the_gpu_with_a_dynamic_batch(name: str) -> None:
-    """Batch sizes 3, 1 and 5 through one compile: the kernels' extents symbolic on the GPU
+    """Batch sizes 3, 5 and 1 through one compile: the kernels' extents symbolic on the GPU
     (the embedding gradient's count of tokens among them)."""
     assert_zoo_trains_with_varying_batch(name, torch.device("cuda"))
