@@ -539,6 +539,14 @@ def _prepare_b(sch: s_tir.Schedule, main: SBlockRV, b: int, tile: Tile, pack: bo
     return producer
 
 
+# A B read across its rows (x @ W.T) is packed this many rows at a time. Rows 4 KiB apart (K a
+# multiple of 1024 floats) fall into one L1 set, and an 8-way L1 (Zen 3, Zen 4: 32 KiB) holds 8
+# of them: 16 rows at once (one AVX-512 vector) evicted each other at every step of K. Zen 4,
+# relu(x @ W.T + b) at 64 x 1024 x 1024: 0.92 ms (65% of the FMA peak) with 16 rows, against
+# 0.67 ms for the same product with W stored transposed.
+PACK_ROWS_AT_ONCE = 8
+
+
 def _schedule_pack(sch: s_tir.Schedule, producer: SBlockRV, tile: Tile, b_contiguous: bool,
                    parallel: bool) -> None:
     """Copy B into panels one vector at a time, in the order B's own rows run."""
@@ -552,10 +560,11 @@ def _schedule_pack(sch: s_tir.Schedule, producer: SBlockRV, tile: Tile, b_contig
         sch.reorder(jo, k, jv, jj)
         outer = [*s, jo]
     else:
-        # B's rows run along K (x @ W.T): one vector's worth of rows at a time, each row read
-        # in order along K; reading all nj rows 4 KiB apart at once would overflow an L1 set
-        # when K is a multiple of 1024.
-        sch.reorder(jo, jv, k, jj)
+        # B's rows run along K (x @ W.T): PACK_ROWS_AT_ONCE rows at a time, each read in order
+        # along K (see PACK_ROWS_AT_ONCE).
+        rows = min(tile.lanes, PACK_ROWS_AT_ONCE)
+        jh, jj = sch.split(jj, [None, rows])
+        sch.reorder(jo, jv, jh, k, jj)
         outer = [*s, jo, jv]
     sch.vectorize(jj)
     if parallel:
