@@ -12,22 +12,16 @@ import pytest
 
 from tvmgraph.openmp_launch import loaded_openmp_runtime
 
+ROOT = Path(__file__).resolve().parents[2]  # the subprocess imports tests.conftest from here
+
 # Runs a graph with parallel kernels right after an eager op, and reports how many threads the
 # graph call added to the process and how far its result is from eager's.
 CALL_AFTER_EAGER = r"""
-import json, os, torch, tvmgraph
+import json, os, torch
+from tests.conftest import ModuleGraph
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
-
-class Infer(tvmgraph.nn.Graph):
-    def __init__(self):
-        super().__init__()
-        self.model = model
-
-    def build(self, x):
-        return self.model(x)
-
-graph = Infer()
+graph = ModuleGraph(model)
 x = torch.randn(128, 256)
 with torch.no_grad():
     expected = model(x)  # eager: torch's OpenMP workers start here
@@ -42,8 +36,8 @@ print(json.dumps({"new_threads": len(os.listdir("/proc/self/task")) - before,
 def _call_after_eager(cache: Path, **env: str) -> dict:
     clean = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "TVMGRAPH_OPENMP_THREADS")}
     run = lambda: subprocess.run([sys.executable, "-c", CALL_AFTER_EAGER], capture_output=True, text=True,
-                                 timeout=300, check=True, env={**clean, "TVMGRAPH_CACHE_DIR": str(cache),
-                                                               "OMP_NUM_THREADS": "2", **env})
+                                 timeout=300, check=True, cwd=ROOT, env={**clean, "TVMGRAPH_CACHE_DIR": str(cache),
+                                                                         "OMP_NUM_THREADS": "2", **env})
     run()  # compiles into the cache; the second process only loads, so only the call can add threads
     return json.loads(run().stdout.strip().splitlines()[-1])
 
