@@ -38,7 +38,7 @@ import tvm
 from tvm import relax
 
 from tvmgraph.hardware import Limits, limits
-from tvmgraph.openmp_launch import use_openmp_threads
+from tvmgraph.openmp_launch import load_library
 from tvmgraph.profile import KernelTime
 from tvmgraph.schedules import ApplyCPUSchedules
 
@@ -200,9 +200,7 @@ def _build(mod: tvm.IRModule, schedule: bool) -> relax.VirtualMachine:
     # threads (tvmgraph/openmp_launch.py) as they do in a graph.
     path = Path(_LIBRARIES.name) / f"kernel{len(os.listdir(_LIBRARIES.name))}.so"
     executable.export_library(str(path))
-    library = tvm.runtime.load_module(str(path))
-    use_openmp_threads(path)
-    return relax.VirtualMachine(library, tvm.cpu(), memory_cfg="pooled")
+    return relax.VirtualMachine(load_library(path), tvm.cpu(), memory_cfg="pooled")
 
 
 _LIBRARIES = tempfile.TemporaryDirectory(prefix="tvmgraph-kernels-")

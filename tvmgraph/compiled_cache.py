@@ -41,7 +41,7 @@ from tvmgraph.artifact_format import ArtifactFormatError, document_digest, files
     verify_files, write_file
 from tvmgraph.artifact_format import FILE_NAME as _FILE_NAME
 from tvmgraph.artifact_format import document_digest as _document_digest  # noqa: F401 (tests build documents)
-from tvmgraph.openmp_launch import use_openmp_threads
+from tvmgraph.openmp_launch import load_library
 
 logger = logging.getLogger("tvmgraph.cache")
 
@@ -103,8 +103,6 @@ class CompiledCache:
 
     def load(self, key: str) -> Entry | None:
         """The entry for `key`, or None on a miss or an untrusted entry (which is removed)."""
-        import tvm
-
         path = self.root / key
         if not path.is_dir():
             return None
@@ -112,8 +110,7 @@ class CompiledCache:
             doc, data = self._verify(path, key)
             meta = self.decode(doc["meta"], data)
             lib_path = path / doc["library"]
-            lib = tvm.runtime.load_module(str(lib_path))  # only now does native code run
-            use_openmp_threads(lib_path)
+            lib = load_library(lib_path)  # only now does native code run
         except UnknownFormatError as e:
             logger.info("compiled cache entry %s: %s; rebuilding it", path, e)
             self._discard(path)

@@ -25,7 +25,7 @@ import tvm
 from tvm import relax
 
 from .lower import LoweredSignature
-from .openmp_launch import use_openmp_threads
+from .openmp_launch import load_library
 from .training.accumulation import MICRO_STEP
 from .training.train_step import FUNC_NAME as TRAIN_STEP
 from .training.train_step import TrainStepLayout
@@ -62,9 +62,7 @@ class CompiledProgram:
         """Write the program into `cache` under `key`; returns it running from the stored library
         (another process's, verified, when it stored the same key first)."""
         path = cache.store(key, self.library, meta=self.meta(), export=export)
-        library = tvm.runtime.load_module(str(path))
-        use_openmp_threads(path)
-        return replace(self, library=library, key=key)
+        return replace(self, library=load_library(path), key=key)
 
     @classmethod
     def from_cache(cls, cache: CompiledCache, key: str) -> CompiledProgram | None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from .artifact_format import ArtifactFormatError, read_document, verify_files
 from .errors import SavedGraphError, SavedGraphInputError
-from .openmp_launch import use_openmp_threads
+from .openmp_launch import load_library
 from .vm_results import releasing
 
 logger = logging.getLogger("tvmgraph.deploy")
@@ -218,8 +218,7 @@ class SavedGraph:
         missing = [t for k, t in self._sources if k in ("parameter", "buffer", "constant") and t not in self._state]
         if missing:
             raise _refuse(path, manifest["parameters"], f"has no tensor {missing[0]!r}", "Save the graph again.")
-        lib = tvm.runtime.load_module(str(path / manifest["library"]))  # native code runs from here on
-        use_openmp_threads(path / manifest["library"])  # where torch runs too
+        lib = load_library(path / manifest["library"])  # native code runs from here on
         self._vm = VirtualMachine(lib, self._dev)
         self._entry = releasing(self._vm, manifest["entry"])
 

@@ -9,8 +9,8 @@ TVM's threads, one of which shares a core with a spinning OpenMP worker and gets
 late. Measured on 2 vCPUs (AMD Zen 4), the batch-64 MLP with a 13 us eager preprocessing step
 before each call: inference 9.4 ms instead of 1.65, the training step 12.4 ms instead of 4.5.
 
-`use_openmp_threads(library_path)` points those two pointers of a loaded library at a small
-launcher (SOURCE) that runs the kernel's tasks as one OpenMP parallel region on the OpenMP
+`load_library(path)` loads a compiled library as `tvm.runtime.load_module` does, then
+(`use_openmp_threads`) points those two pointers at a small launcher (SOURCE) that runs the kernel's tasks as one OpenMP parallel region on the OpenMP
 runtime torch already loaded: one pool for eager and compiled code, as wide as
 `torch.get_num_threads()`, warm after either. Without a loaded OpenMP runtime (a process
 without torch, `tvmgraph.load`), without a C compiler to build the launcher, for a program run
@@ -29,6 +29,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("tvmgraph")
 
@@ -132,6 +133,17 @@ def _built_launcher() -> Path:
                        check=True, capture_output=True)
         os.replace(built, path)
     return path
+
+
+def load_library(path: str | os.PathLike) -> Any:
+    """`tvm.runtime.load_module(path)` with its parallel kernels on the process's OpenMP threads.
+    Every load goes through here: loading a library already loaded (a second graph with the same
+    cache key) makes TVM point its launcher back at TVM's pool."""
+    import tvm
+
+    library = tvm.runtime.load_module(str(path))  # native code runs from here on
+    use_openmp_threads(path)
+    return library
 
 
 def use_openmp_threads(library_path: str | os.PathLike) -> bool:
