@@ -52,8 +52,9 @@ class CPUTarget:
     vector_bits: int
     num_vector_registers: int
     pack_reused_rows: int = PACK_REUSED_ROWS
-    # Which measured tables the rules use (matmul's register tiles): "zen" for LLVM's znver*
-    # names, "intel" for every other x86 name (the tables measured off Zen, like the threshold).
+    # Which measured tables the rules use (matmul's register tiles): "zen4" for LLVM's znver4
+    # (AVX-512 on 256-bit units), "zen" for the other znver* names, "intel" for every other x86
+    # name (the tables measured off Zen, like the threshold).
     core: str = "intel"
 
     @staticmethod
@@ -73,7 +74,8 @@ class CPUTarget:
         bits = _x86_vector_bits(target) if x86 else llvm_get_vector_width(target)
         if bits <= 0:
             bits = 128
-        zen = str(target.attrs.get("mcpu", "")).startswith("znver")
+        mcpu = str(target.attrs.get("mcpu", ""))
+        zen = mcpu.startswith("znver")
         # AVX-512 doubles the register file as well as its width; AVX2 and SSE have 16.
         registers = 32 if bits >= 512 else 16
         if not zen:
@@ -83,7 +85,7 @@ class CPUTarget:
         else:
             pack_reused_rows = PACK_REUSED_ROWS_ZEN
         return CPUTarget(vector_bits=bits, num_vector_registers=registers,
-                         pack_reused_rows=pack_reused_rows, core="zen" if zen else "intel")
+                         pack_reused_rows=pack_reused_rows, core=_core_family(mcpu))
 
     def lanes(self, dtype: str) -> int:
         """How many `dtype` elements one vector register holds (at least 1)."""
@@ -91,6 +93,13 @@ class CPUTarget:
 
 
 _BY_DESCRIPTION: dict[str, CPUTarget] = {}
+
+
+def _core_family(mcpu: str) -> str:
+    """The measured tables a CPU name uses (CPUTarget.core)."""
+    if mcpu == "znver4":
+        return "zen4"
+    return "zen" if mcpu.startswith("znver") else "intel"
 
 
 def _x86_vector_bits(target: Target) -> int:

@@ -122,8 +122,19 @@ _TILES_16_REGS = {
     (6, 2): 1.0, (4, 3): 1.0, (5, 2): 0.95, (4, 2): 0.8, (3, 2): 0.7, (2, 2): 0.5, (1, 2): 0.25,
     (1, 1): 0.1,
 }
-TILES = {("zen", 32): _ZEN_TILES_32_REGS, ("intel", 32): _INTEL_TILES_32_REGS,
-         ("zen", 16): _TILES_16_REGS, ("intel", 16): _TILES_16_REGS}
+# Zen 4 (AVX-512 on 256-bit units, 2 vCPUs; `benchmarks.peak` 232 GFLOP/s), nothing padded,
+# 480 x 768 x {1024, 4096} `a @ b` and 480 x 768 x 1024 `a @ b.T`: every tile of at most 8 rows
+# that does not spill ran at 91-93% of the FMA peak on average, within 3% of each other (5 x 3
+# first); 2 x 4 81%, 12 x 2 82% and 16 x 1 45% (rows of A 4 KiB apart: 12 or 16 of them share
+# one set of the 8-way L1d; 94% at K = 256), 8 x 4 spills (79%).
+_ZEN4_TILES_32_REGS = {
+    (5, 3): 1.0, (4, 3): 0.99, (8, 2): 0.99, (4, 4): 0.99, (6, 4): 0.985, (8, 3): 0.985,
+    (6, 2): 0.985, (3, 4): 0.98, (4, 2): 0.975, (12, 2): 0.88, (2, 4): 0.86, (8, 4): 0.85,
+    (16, 1): 0.5, (1, 4): 0.2, (1, 1): 0.05,
+}
+TILES = {("zen", 32): _ZEN_TILES_32_REGS, ("zen4", 32): _ZEN4_TILES_32_REGS,
+         ("intel", 32): _INTEL_TILES_32_REGS,
+         ("zen", 16): _TILES_16_REGS, ("zen4", 16): _TILES_16_REGS, ("intel", 16): _TILES_16_REGS}
 
 # A static I padded to whole tiles: each tile's rows of A copied (zero-padded) once per B panel.
 # With 32 registers (panels of 32-64 columns) that cost about 5%; with 16 (16-24 columns) each
@@ -131,6 +142,19 @@ TILES = {("zen", 32): _ZEN_TILES_32_REGS, ("intel", 32): _INTEL_TILES_32_REGS,
 # slower than over 1026 or 66 (4 x 2, 4 x 3 need no padding there and ran faster), a 4-row tile
 # over 1026 rows 45% slower than over 1024.
 _PADDING_PENALTY = {32: 1.05, 16: 1.25}
+# On Zen 4 the copy costs more, the more so the fewer vectors a tile has to share it: at
+# 484 x 768 x {256, 1024, 2304, 4096} (I padded to 486 for 6 rows), each tile against itself
+# unpadded at 480 rows: 6 x 4 1.08-1.13x the time, 5 x 3 1.08-1.13x, 6 x 2 1.11-1.2x; ResNet-18's
+# layer-4 product (512 x 4608 x 256 rows, 6 x 4 padding 512 to 516) 80% of the FMA peak against
+# 92-94% for 4 x 4 and 8 x 2, which divide 512. About 1 + 0.35 / vectors.
+_ZEN4_PADDING_COST_PER_TILE = 0.35
+
+
+def _padding_penalty(core: str, registers: int, nvec: int) -> float:
+    """Time factor of a tile whose rows do not divide a static I (see _PADDING_PENALTY)."""
+    if core == "zen4" and registers == 32:
+        return 1.0 + _ZEN4_PADDING_COST_PER_TILE / nvec
+    return _PADDING_PENALTY[registers]
 # A symbolic axis padded at run time: a zero-filled copy of all of A, made under a bounds test
 # TVM cannot simplify (the transformer's 8192 x 1024 x 256 product over a dynamic batch: 2.3x
 # its static time with a 6-row tile, which pads n * 128 rows); or A padded along a static I
@@ -145,7 +169,8 @@ ACCUMULATOR_SCOPE = "global"
 STACK_BYTES = 1024  # TVM keeps allocations under this on the stack (see the NOTE)
 # On Sapphire Rapids the 8 x 3 tile (1.5 KiB) ran 0.76-0.93x as fast as 4 x 3 at K = 64 and
 # 1.05-1.14x at K = 256: the call costs 7 to 28 of its K steps; 16 is taken.
-_ALLOC_COST_IN_K_STEPS = {"zen": 64, "intel": 16}
+# On Zen 4 the tiles of 1 KiB and more ran 2-5% behind the others at K = 256 (about 8 steps).
+_ALLOC_COST_IN_K_STEPS = {"zen": 64, "zen4": 8, "intel": 16}
 # Copying one float of B into a packed panel (memory-bound) costs about as much as this many
 # vector FMA steps of one tile row.
 _PACK_COST = 16.0
@@ -180,7 +205,7 @@ def choose_tile(
         pads_j = j_pad != j_extent if j_multiple is None else j_multiple % (nvec * lanes) != 0
         cost = i_pad * j_pad / speed
         if pads_i:  # the zero-padded copy of A
-            cost *= _SYMBOLIC_PADDING_PENALTY if i_multiple is not None or symbolic_k else _PADDING_PENALTY[registers]
+            cost *= _SYMBOLIC_PADDING_PENALTY if i_multiple is not None or symbolic_k else _padding_penalty(core, registers, nvec)
         if mi * nvec * lanes * dtype_bytes >= STACK_BYTES:
             cost *= 1.0 + _ALLOC_COST_IN_K_STEPS[core] / max(k_extent, 1)
         if b_contiguous and pads_j:
