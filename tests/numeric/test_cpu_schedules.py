@@ -198,9 +198,13 @@ def test_matmul_packs_b_panel_by_panel_when_there_are_enough_panels(monkeypatch:
 
 
 @pytest.mark.parametrize("m, n, k, row_blocks", [
-    (1030, 200, 600, True),  # A 2.4 MiB, taller than B; I and J padded to whole tiles
+    (1030, 160, 600, True),  # A 2.4 MiB, taller than B (in L2); I and J padded to whole tiles
     (1024, 256, 256, False),  # A 1 MiB: panels outermost
     (256, 1024, 2048, False),  # B taller than A
+    # ResNet-18's layer-4 product: A 9.4 MB, but blocks of 8 rows would reread all of B
+    # (4.7 MB, beyond L2) 64 times: 302 MB against 75 MB for A once per panel.
+    (512, 256, 4608, False),
+    (4096, 256, 1024, True),  # a GPT's tied embedding: B (1 MB) 64 times, A (16 MB) 8 times
 ])
 def test_a_tall_operand_too_big_for_l2_is_read_in_blocks_of_rows(monkeypatch: pytest.MonkeyPatch, m: int, n: int,
                                                                   k: int, row_blocks: bool) -> None:
@@ -213,7 +217,7 @@ def test_a_tall_operand_too_big_for_l2_is_read_in_blocks_of_rows(monkeypatch: py
 
     monkeypatch.setattr(matmul.os, "cpu_count", lambda: 2)
     func = te_matmul(m, n, k, True, False)
-    a, b, bias = torch.randn(k, m), torch.randn(k, n), torch.randn(n)
+    a, b, bias = torch.randn(k, m) / k ** 0.5, torch.randn(k, n), torch.randn(n)  # sums of O(1)
     out, _ = run_prim_func(func, a, b, bias, out_shape=(m, n))
     torch.testing.assert_close(out, torch.relu(a.T @ b + bias), **TOL)
     sch = Matmul().apply(func, TARGET, False)
