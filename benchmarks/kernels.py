@@ -38,13 +38,14 @@ import tvm
 from tvm import relax
 
 from tvmgraph.hardware import Limits, limits
+from tvmgraph.codegen import build_executable
 from tvmgraph.openmp_launch import load_library
+from tvmgraph.target import target_for
 from tvmgraph.profile import KernelTime
 from tvmgraph.schedules import ApplyCPUSchedules
 
-TARGET = tvm.target.Target(
-    {"kind": "llvm", "mcpu": tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()}
-)
+# The target a graph compiles for on this machine (its LLVM opt-level included).
+TARGET = target_for(torch.device("cpu"))
 Builder = Callable[..., relax.Expr]
 
 
@@ -195,7 +196,12 @@ def _build(mod: tvm.IRModule, schedule: bool) -> relax.VirtualMachine:
         mod = tvm.transform.Sequential(passes)(mod)
     # "pooled": the allocator tvmgraph runs with (config.settings.vm_allocator); the default
     # one would page-fault every output in afresh.
-    executable = tvm.compile(mod, target=TARGET, relax_pipeline=None)
+    # Scheduled: built as a graph's program is (tvmgraph's codegen at the graph's LLVM
+    # opt-level, more for the kernels that ask for it, no argument checks); stock: tvm.compile.
+    if schedule:
+        executable = build_executable(mod, TARGET, kernel_checks=False)
+    else:
+        executable = tvm.compile(mod, target=TARGET, relax_pipeline=None)
     # Exported and loaded as a graph's program is, so that its kernels run on torch's OpenMP
     # threads (tvmgraph/openmp_launch.py) as they do in a graph.
     path = Path(_LIBRARIES.name) / f"kernel{len(os.listdir(_LIBRARIES.name))}.so"
