@@ -13,6 +13,7 @@ from .conv_grad import ConvWeightGradient as ConvWeightGradient
 from .elementwise import Elementwise as Elementwise
 from .fallback import Fallback as Fallback
 from .gemv import MatrixVector as MatrixVector
+from .im2col import Im2col as Im2col
 from .matmul import Matmul as Matmul
 from .reduction import Reduction as Reduction
 from .rules import default_rules as default_rules

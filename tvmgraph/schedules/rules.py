@@ -10,11 +10,13 @@ from .conv_grad import ConvWeightGradient
 from .elementwise import Elementwise
 from .fallback import Fallback
 from .gemv import MatrixVector
+from .im2col import Im2col
 from .matmul import Matmul
 from .reduction import Reduction
 
 
 def default_rules() -> list[ScheduleRule]:
-    """Convolutions, matrix-vector, matmul, reductions, element-wise, then the catch-all `Fallback`."""
+    """Convolutions, matrix-vector, matmul, reductions, im2col copies, element-wise, then the
+    catch-all `Fallback`."""
     return [ConvWeightGradient(), Conv2d(), Conv1d(), MatrixVector(), Matmul(), Reduction(),
-            Elementwise(), Fallback()]
+            Im2col(), Elementwise(), Fallback()]
