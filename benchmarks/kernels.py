@@ -105,6 +105,12 @@ KERNELS = [
            _matmul_bias_relu, lambda x, w, b: F.relu(x @ w + b), _mm(64, 1024, 784)),
     Kernel("matmul+bias+relu 64x1024x1024", "mlp", ((64, 1024), (1024, 1024), (1024,)),
            _matmul_bias_relu, lambda x, w, b: F.relu(x @ w + b), _mm(64, 1024, 1024)),
+    # The suite's MLP as nn.Linear holds it: W[out, in], read across its rows (x @ W.T), the
+    # layout the graph's inference kernels run (the rows above store W transposed).
+    Kernel("linear+relu 64x784->1024", "mlp", ((64, 784), (1024, 784), (1024,)),
+           _linear, lambda x, w, b: F.relu(F.linear(x, w, b)), _mm(64, 1024, 784)),
+    Kernel("linear+relu 64x1024->1024", "mlp", ((64, 1024), (1024, 1024), (1024,)),
+           _linear, lambda x, w, b: F.relu(F.linear(x, w, b)), _mm(64, 1024, 1024)),
     Kernel("matmul+bias+relu 1x1024x1024", "mlp", ((1, 1024), (1024, 1024), (1024,)),
            _matmul_bias_relu, lambda x, w, b: F.relu(x @ w + b), _mm(1, 1024, 1024)),
     # ---- large MLP (3 x 4096, batch 256): B panels of K x 64 floats outgrow the L2 cache ------
