@@ -9,7 +9,8 @@
 
 Each matmul (`relax.matmul`) or convolution (`relax.nn.conv2d`) is grouped with a chain of up to
 `MAX_EPILOGUE` ops, each applied to the previous result: a bias or residual `add`, an activation
-(`relu`, `clip` as in relu6, `gelu`, `gelu_tanh`), or a `reshape` between them (nn.Linear on a
+(`relu`, `clip` as in relu6, `gelu`, `gelu_tanh`), a `multiply` by a per-channel factor (an
+eval-mode batch norm, relay_passes/inference_batch_norm.py), or a `reshape` between them (nn.Linear on a
 3-D input, or a residual added in another shape). A matmul operand that is a transpose
 (`permute_dims` of the last two axes, as in nn.Linear's `x @ w.T` and every weight gradient) is
 grouped too, so that the kernel reads the untransposed tensor; so is the reshape-transpose-
@@ -65,6 +66,9 @@ def _epilogue_op(x: DFPattern) -> DFPattern:
     for name in UNARY:
         step = step | is_op(name)(x)
     step = step | is_op("relax.clip")(x, wildcard(), wildcard())
+    # A per-channel scale (an eval-mode batch norm, relay_passes/inference_batch_norm.py; _check
+    # takes no other multiply).
+    step = step | is_op("relax.multiply")(x, wildcard()) | is_op("relax.multiply")(wildcard(), x)
     return step | is_op("relax.reshape")(x, wildcard())
 
 
@@ -120,11 +124,26 @@ def _check(context: PatternCheckContext) -> bool:
             outside = not isinstance(var, relax.DataflowVar)  # a result of the block
             if outside or any(u not in inside for u in context.var_usages.get(var, [])):
                 return False
-        elif not _same_size(_numel(value), size):
+        elif not _same_size(_numel(value), size) or not _multiplies_per_axis(value, inside):
             return False
         if _symbolic_reshape(value) or _splits_innermost_axis(value):
             return False
     return True
+
+
+def _multiplies_per_axis(value: relax.Call, inside: set[relax.Var]) -> bool:
+    """Not a multiply, or one by a factor that varies along one axis at most (a per-channel
+    scale); a product of two activations (a gate) stays out of the group."""
+    if not (isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.multiply"):
+        return True
+    factors = [a for a in value.args if not (isinstance(a, relax.Var) and a in inside)]
+    if len(factors) != 1 or not isinstance(factors[0].ty, relax.TensorType):
+        return False
+    shape = factors[0].ty.shape
+    if not isinstance(shape, relax.ShapeExpr):
+        return False
+    varying = [d for d in shape.values if not (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)]
+    return len(varying) <= 1
 
 
 def _splits_innermost_axis(value: relax.Call) -> bool:

@@ -49,6 +49,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "UnitSumsAsReshapes": None,
     "RecomputeLateReads": None,
     "Im2colConv": None,
+    "InferenceBatchNormAsScale": None,
     "FuseEpilogue": "graph.config.allow_fuse_add_to_output(False)",
     "FuseCastScale": "graph.config.allow_fuse_cast_scale(False)",
     "tvmgraph.ApplyTuningLog": "graph.config.enable_tuning(False) or TVMGRAPH_TUNING=off",
@@ -185,6 +186,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.pad_ragged_softmax import PadRaggedSoftmax
     from relay_passes.direct_conv1d import DirectConv1d
     from relay_passes.im2col_conv import Im2colConv
+    from relay_passes.inference_batch_norm import InferenceBatchNormAsScale
     from relay_passes.legalize_once import LegalizeOnce
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
     from relay_passes.recompute_late_reads import RecomputeLateReads
@@ -245,6 +247,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    recurrent weight, its input read one step at a time) is one product over the
         #    stacked steps, or one concatenation.
         StackStepGradients(report),
+        #    An eval-mode batch norm is a per-channel multiply-add, which FuseEpilogue then
+        #    takes into the convolution or matmul before it.
+        InferenceBatchNormAsScale(report),
         #    Each matmul/conv2d is grouped with its epilogue and operand transposes
         #    (allow_fuse_add_to_output); FuseOps (step 5) fuses the rest.
         FuseEpilogue(config.fuse_add_to_output, report),
