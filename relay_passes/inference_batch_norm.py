@@ -3,8 +3,9 @@
     bn = R.nn.batch_norm(x, gamma, beta, mean, var, axis=1, epsilon=e, training=False)
     y = bn[0]
         ->
-    scale = R.reshape(gamma / R.sqrt(var + e), [1, C, 1, 1])
-    shift = R.reshape(beta - mean * gamma / R.sqrt(var + e), [1, C, 1, 1])
+    alpha = gamma * (1 / R.sqrt(var + e))
+    scale = R.reshape(alpha, [1, C, 1, 1])
+    shift = R.reshape(beta + -(mean * alpha), [1, C, 1, 1])
     y = x * scale + shift
 
 the form torch's CPU kernel computes it in (ATen's batch_norm inference precomputes

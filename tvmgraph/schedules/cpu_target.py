@@ -74,8 +74,8 @@ class CPUTarget:
         bits = _x86_vector_bits(target) if x86 else llvm_get_vector_width(target)
         if bits <= 0:
             bits = 128
-        mcpu = str(target.attrs.get("mcpu", ""))
-        zen = mcpu.startswith("znver")
+        core = _core_family(str(target.attrs.get("mcpu", "")))
+        zen = core != "intel"
         # AVX-512 doubles the register file as well as its width; AVX2 and SSE have 16.
         registers = 32 if bits >= 512 else 16
         if not zen:
@@ -85,7 +85,7 @@ class CPUTarget:
         else:
             pack_reused_rows = PACK_REUSED_ROWS_ZEN
         return CPUTarget(vector_bits=bits, num_vector_registers=registers,
-                         pack_reused_rows=pack_reused_rows, core=_core_family(mcpu))
+                         pack_reused_rows=pack_reused_rows, core=core)
 
     def lanes(self, dtype: str) -> int:
         """How many `dtype` elements one vector register holds (at least 1)."""

@@ -155,6 +155,8 @@ def _padding_penalty(core: str, registers: int, nvec: int) -> float:
     if core == "zen4" and registers == 32:
         return 1.0 + _ZEN4_PADDING_COST_PER_TILE / nvec
     return _PADDING_PENALTY[registers]
+
+
 # A symbolic axis padded at run time: a zero-filled copy of all of A, made under a bounds test
 # TVM cannot simplify (the transformer's 8192 x 1024 x 256 product over a dynamic batch: 2.3x
 # its static time with a 6-row tile, which pads n * 128 rows); or A padded along a static I
