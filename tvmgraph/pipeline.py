@@ -43,6 +43,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
+    "SafeSoftmaxAsOneKernel": None,
     "PadRaggedSoftmax": None,
     "SplitAsSlices": None,
     "StackStepGradients": None,
@@ -184,6 +185,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.fuse_epilogue import FuseEpilogue
     from relay_passes.fuse_model_update import FuseModelUpdate
     from relay_passes.pad_ragged_softmax import PadRaggedSoftmax
+    from relay_passes.safe_softmax import SafeSoftmaxAsOneKernel
     from relay_passes.direct_conv1d import DirectConv1d
     from relay_passes.im2col_conv import Im2colConv
     from relay_passes.inference_batch_norm import InferenceBatchNormAsScale
@@ -205,7 +207,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from .schedules.bool_order import BoolOrder
     from .schedules.division_free_bounds import DivisionFreeBounds
     from .schedules.offset_floordiv import OffsetFloorDiv
-    from .schedules.propagate_nan import PropagateNaN
+    from .schedules.propagate_nan import PropagateNaN, has_one_instruction_maximum
     from .schedules.serial_half_fills import SerialHalfFills
 
     T = relax.transform
@@ -222,9 +224,10 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),
         SimplifyPower(report),
-        #    On the CPU, softmax rows that no vector divides (65 tokens) are padded with -inf to
-        #    whole vectors, so that their max and sum vectorize.
-        *([PadRaggedSoftmax(report)] if target.kind.name == "llvm" else []),
+        #    On the CPU, attention's softmax and its test for empty rows are one kernel, and
+        #    softmax rows that no vector divides (65 tokens) are padded with -inf to whole
+        #    vectors, so that their max and sum vectorize.
+        *([SafeSoftmaxAsOneKernel(report), PadRaggedSoftmax(report)] if target.kind.name == "llvm" else []),
         #    bfloat16/float16 matmuls, convolutions, sums and activations compute in float32, as
         #    torch's do (after SimplifyBroadcastMatmul, whose patterns its casts would hide).
         AccumulateFloat32(report),
@@ -289,7 +292,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    simplifies `(x % c + k) // d` wrongly (a strided slice's gradient came out shifted).
         OffsetFloorDiv(),
         #    A float max/min with a NaN operand is NaN, as in torch (TVM's drops it on CPU).
-        *([PropagateNaN()] if target.kind.name == "llvm" else []),
+        *([PropagateNaN(has_one_instruction_maximum(target))] if target.kind.name == "llvm" else []),
         #    isnan (and isinf, isfinite) as a test of the bits, which vectorizes.
         *([BitwiseIsNaN()] if target.kind.name == "llvm" else []),
         #    A padded tile's bounds test under a dynamic batch without its division, which

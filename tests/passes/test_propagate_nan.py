@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import tvm
 from tvm import relax, tirx
 
-from tvmgraph.schedules.propagate_nan import PropagateNaN
+from tvmgraph.schedules.bitwise_isnan import BitwiseIsNaN
+from tvmgraph.schedules.propagate_nan import PropagateNaN, has_one_instruction_maximum
 
 
 def _legalized(*ops, dtype: str = "float32") -> tvm.IRModule:
@@ -30,23 +32,41 @@ def _kernels(mod: tvm.IRModule) -> dict[str, str]:
     return {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
 
 
-def test_float32_max_and_min_become_llvm_maximum_and_minimum() -> None:
-    """relu, an element-wise minimum and a max reduction: the same kernels, each max/min an
-    IEEE maximum/minimum (NaN if either operand is)."""
-    ops = (lambda x, y, i: relax.op.nn.relu(x), lambda x, y, i: relax.op.minimum(x, y),
-           lambda x, y, i: relax.op.max(x, axis=1))
-    before, after = _kernels(_legalized(*ops)), _kernels(PropagateNaN()(_legalized(*ops)))
+_OPS = (lambda x, y, i: relax.op.nn.relu(x), lambda x, y, i: relax.op.minimum(x, y),
+        lambda x, y, i: relax.op.max(x, axis=1))
+
+
+def test_float32_max_and_min_become_selects_that_keep_nan() -> None:
+    """x86: relu, an element-wise minimum and a max reduction: the same kernels, each max/min a
+    select that keeps the first operand's NaN (the compare is false), and tests the second's
+    unless it is a constant (relu's 0)."""
+    before, after = _kernels(_legalized(*_OPS)), _kernels(PropagateNaN()(_legalized(*_OPS)))
     rewrites = {
         "relu": ("T.max(x[v_i0, v_i1], T.float32(0.0))",
-                 'T.call_llvm_pure_intrin("float32", "llvm.maximum", x[v_i0, v_i1], T.float32(0.0))'),
+                 "T.Select(x[v_i0, v_i1] < T.float32(0.0), T.float32(0.0), x[v_i0, v_i1])"),
         "minimum": ("T.min(x[v_ax0, v_ax1], y[v_ax0, v_ax1])",
-                    'T.call_llvm_pure_intrin("float32", "llvm.minimum", x[v_ax0, v_ax1], y[v_ax0, v_ax1])'),
+                    "T.Select(T.isnan(y[v_ax0, v_ax1]), y[v_ax0, v_ax1], "
+                    "T.Select(x[v_ax0, v_ax1] > y[v_ax0, v_ax1], y[v_ax0, v_ax1], x[v_ax0, v_ax1]))"),
         "max": ("T.max(x_red[v_ax0], x[v_ax0, v_k1])",
-                'T.call_llvm_pure_intrin("float32", "llvm.maximum", x_red[v_ax0], x[v_ax0, v_k1])'),
+                "T.Select(T.isnan(x[v_ax0, v_k1]), x[v_ax0, v_k1], "
+                "T.Select(x_red[v_ax0] < x[v_ax0, v_k1], x[v_ax0, v_k1], x_red[v_ax0]))"),
     }
     for name, (old, new) in rewrites.items():
         assert before[name].count(old) == 1, name
         assert after[name] == before[name].replace(old, new), name
+
+
+def test_float32_max_and_min_become_llvm_maximum_and_minimum_on_aarch64() -> None:
+    """AArch64 computes IEEE 754-2019's maximum/minimum in one instruction (fmax/fmin)."""
+    before = _kernels(_legalized(*_OPS))
+    after = _kernels(PropagateNaN(ieee_intrinsics=True)(_legalized(*_OPS)))
+    old = "T.max(x[v_i0, v_i1], T.float32(0.0))"
+    new = 'T.call_llvm_pure_intrin("float32", "llvm.maximum", x[v_i0, v_i1], T.float32(0.0))'
+    assert after["relu"] == before["relu"].replace(old, new)
+    assert after["minimum"].count('"llvm.minimum"') == 1 and after["max"].count('"llvm.maximum"') == 1
+    aarch64 = tvm.target.Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu"})
+    assert has_one_instruction_maximum(aarch64)
+    assert not has_one_instruction_maximum(tvm.target.Target({"kind": "llvm", "mcpu": "znver4"}))
 
 
 def test_half_floats_get_selects_that_skip_constants() -> None:
@@ -69,14 +89,23 @@ def test_integer_max_and_kernels_without_one_are_untouched() -> None:
         assert out[gv.name_hint].same_as(func), gv.name_hint
 
 
-def test_built_kernels_propagate_nan_like_numpy() -> None:
-    """Built for the CPU: relu(NaN) and max over a row holding NaN are NaN (0 and 2 before)."""
-    mod = PropagateNaN()(_legalized(lambda x, y, i: relax.op.nn.relu(x), lambda x, y, i: relax.op.max(x, axis=1)))
+@pytest.mark.parametrize("ieee_intrinsics", [False, True], ids=["selects", "llvm.maximum"])
+def test_built_kernels_propagate_nan_like_numpy(ieee_intrinsics: bool) -> None:
+    """Built for the CPU (with BitwiseIsNaN after, as in the pipeline): relu(NaN), a minimum with
+    NaN on either side and max over a row holding NaN, first or later, are NaN (0 and 2 before);
+    -inf and +inf stay what numpy gives."""
+    mod = _legalized(*_OPS)
+    mod = BitwiseIsNaN()(PropagateNaN(ieee_intrinsics)(mod))
     ex = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
     vm = relax.VirtualMachine(ex, tvm.cpu())
     x = np.arange(32, dtype="float32").reshape(4, 8) - 16
+    y = -x
     x[1, 3] = math.nan
+    x[2, 0] = math.nan  # the row's first element: NaN must stay through later larger ones
+    x[3, 2], x[3, 5] = math.inf, -math.inf
+    y[0, 4] = math.nan
     ints = tvm.runtime.tensor(np.zeros((4, 8), dtype="int32"))
-    relu, row_max = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(x), ints)
+    relu, minimum, row_max = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y), ints)
     np.testing.assert_array_equal(relu.numpy(), np.maximum(x, 0))  # numpy's maximum keeps NaN
+    np.testing.assert_array_equal(minimum.numpy(), np.minimum(x, y))
     np.testing.assert_array_equal(row_max.numpy(), np.max(x, axis=1))
