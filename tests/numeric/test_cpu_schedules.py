@@ -232,6 +232,36 @@ def test_a_tall_operand_too_big_for_l2_is_read_in_blocks_of_rows(monkeypatch: py
         assert len(extents) < 7, extents
 
 
+@pytest.mark.parametrize("m, n, k, rows_outer", [
+    (1040, 128, 128, True),    # a ViT's attention output projection
+    (1040, 128, 256, True),    # its second MLP layer
+    (2048, 96, 128, True),     # three panels of 32
+    (128, 256, 64, False),     # B wider than A is tall
+    (1024, 768, 256, False),   # B (768 KiB) past L2
+])
+def test_a_tall_a_meets_a_small_b_by_bands_of_rows(monkeypatch: pytest.MonkeyPatch, m: int, n: int, k: int,
+                                                   rows_outer: bool) -> None:
+    """x @ W.T with B packed whole: the parallel loop runs over (row tiles, panels) when A is
+    taller than B is wide and B fits L2 (each thread then reads a band of A's rows, the band the
+    kernel before left in its L2), else over (panels, row tiles). Matches torch either way."""
+    from tvmgraph.schedules import matmul
+
+    monkeypatch.setattr(matmul.os, "cpu_count", lambda: 2)
+    func = te_matmul(m, n, k, False, True)
+    a, b, bias = torch.randn(m, k) / k ** 0.5, torch.randn(n, k), torch.randn(n)
+    out, _ = run_prim_func(func, a, b, bias, out_shape=(m, n))
+    torch.testing.assert_close(out, torch.relu(a @ b.T + bias), **TOL)
+    sch = Matmul().apply(func, TARGET, False)
+    parallel = sch.get(sch.get_loops(sch.get_sblock("matmul_update"))[0])
+    assert parallel.kind == tirx.ForKind.PARALLEL
+    lines = sch.mod["main"].script().splitlines()
+    update = next(i for i, line in enumerate(lines) if 'T.sblock("matmul_update")' in line)
+    row = next(line for line in lines[update:] if f"v1 = T.axis.spatial({m}," in line)
+    # Rows outermost: a tile's first row is the parallel index over the panels, times the
+    # tile's rows; panels outermost: the parallel index modulo the row tiles, times them.
+    assert (f"{parallel.loop_var.name} // " in row) is rows_outer, row
+
+
 @pytest.mark.parametrize("mcpu, m, packed", [
     ("znver5", 64, False), ("znver5", 96, True), ("znver5", 256, True),
     ("znver3", 8, False), ("znver3", 16, True), ("znver3", 64, True),
@@ -275,18 +305,20 @@ def test_padded_rows_of_a_product_stored_through_a_reshape_stay_out_of_the_outpu
 
 
 def test_a_reshape_reading_a_padded_axis_through_a_modulo_is_fused_into_the_store() -> None:
-    """Legalized, `reshape(x @ W.T, (2, 128, n))` reads the product at
-    `[(b * 128 + v // n + t) % 256, v % n]`. With J padded to whole tiles, the padded axis was
+    """Legalized, `reshape(x @ W.T, (2, 120, n))` reads the product at
+    `[(b * 120 + v // n + t) % 240, v % n]`. With J padded to whole tiles, the padded axis was
     read at `v % n`, not at a plain iterator, so the reshape stayed out of the tile's store and
     the whole padded product went through a workspace (the GPT's logits: 16 MiB above eager's
     inference peak, and a pass over them). Simplified under the iterators' ranges, it reads
-    `[b * 128 + t, v]` and fuses. Matches torch."""
-    m, n, k = 256, 100, 64
+    `[b * 120 + t, v]` and fuses. Matches torch. 240 rows, which every tile's row count divides
+    (with 256, Intel's 6-row tile padded I too, and a reshape reading a padded I through the
+    modulo rightly stays out)."""
+    m, n, k = 240, 100, 64
     a = te.placeholder((m, k), name="A")
     w = te.placeholder((n, k), name="W")
     r = te.reduce_axis((0, k), name="k")
     c = te.compute((m, n), lambda i, j: te.sum(a[i, r] * w[j, r], axis=r), name="matmul")
-    out = te.compute((2, 128, n), lambda b, t, v: c[(b * 128 + v // n + t) % m, v % n], name="reshape")
+    out = te.compute((2, 120, n), lambda b, t, v: c[(b * 120 + v // n + t) % m, v % n], name="reshape")
     func = te.create_prim_func([a, w, out])
     with TARGET:
         scheduled = ApplyCPUSchedules()(tvm.IRModule({"main": func}))["main"]
@@ -294,8 +326,8 @@ def test_a_reshape_reading_a_padded_axis_through_a_modulo_is_fused_into_the_stor
     assert "T.unroll(" in script, "not register-tiled: the case is not exercised"
     assert 'T.sblock("reshape")' not in script, script
     x, y = torch.randn(m, k), torch.randn(n, k)
-    got, _ = run_prim_func(func, x, y, out_shape=(2, 128, n))
-    torch.testing.assert_close(got, (x @ y.T).reshape(2, 128, n), **TOL)
+    got, _ = run_prim_func(func, x, y, out_shape=(2, 120, n))
+    torch.testing.assert_close(got, (x @ y.T).reshape(2, 120, n), **TOL)
 
 
 @pytest.mark.parametrize("b_trans", [False, True])
