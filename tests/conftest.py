@@ -10,6 +10,9 @@ import tempfile
 os.environ.setdefault("TVMGRAPH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmgraph-test-cache-"))
 # Every pass's result is checked (relax.analysis.well_formed) in every compile of the tests.
 os.environ.setdefault("TVMGRAPH_CHECK_PASSES", "1")
+# A CPU schedule rule's own Python error fails the test instead of leaving the kernel to a slower
+# rule (tvmgraph/schedules/apply.py).
+os.environ.setdefault("TVMGRAPH_STRICT_SCHEDULES", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

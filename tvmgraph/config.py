@@ -396,7 +396,7 @@ def _env_path(name: str, default: Path) -> Path:
 # Every TVMGRAPH_* variable tvmgraph reads; any other one is most likely a typo and is reported.
 KNOWN_VARIABLES = ("TVMGRAPH_CACHE_DIR", "TVMGRAPH_VM_ALLOCATOR", "TVMGRAPH_CPU_SCHEDULES", "TVMGRAPH_FAST_MATH",
                    "TVMGRAPH_LLVM_OPT_LEVEL", "TVMGRAPH_COMPILE_CACHE", "TVMGRAPH_CACHE_MAX_BYTES",
-                   "TVMGRAPH_CHECK_PASSES", "TVMGRAPH_TUNING", "TVMGRAPH_KERNEL_CHECKS", "TVMGRAPH_OPENMP_THREADS")
+                   "TVMGRAPH_CHECK_PASSES", "TVMGRAPH_STRICT_SCHEDULES", "TVMGRAPH_TUNING", "TVMGRAPH_KERNEL_CHECKS", "TVMGRAPH_OPENMP_THREADS")
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -445,6 +445,10 @@ class Settings:
     # an optional pass that breaks it (tvmgraph/pipeline.py). TVMGRAPH_CHECK_PASSES=1: always (the
     # tests set it); otherwise at graph.debug(1) and when a compile fails (it is then rerun).
     check_passes: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_CHECK_PASSES", False))
+    # A CPU schedule rule that fails with an error of its own Python (not TVM's refusal of a
+    # primitive) raises instead of leaving the kernel to the next rule (tvmgraph/schedules/
+    # apply.py). TVMGRAPH_STRICT_SCHEDULES=1: the tests set it.
+    strict_schedules: bool = field(default_factory=lambda: _env_flag("TVMGRAPH_STRICT_SCHEDULES", False))
     # Compiles apply the graph's tuning log (autotune/); TVMGRAPH_TUNING=0 compiles every graph
     # with the default schedules (on/off or 1/0).
     tuning: bool = field(default_factory=lambda: _env_choice("TVMGRAPH_TUNING", "on", ("on", "off", "1", "0"))

@@ -166,7 +166,10 @@ def default_schedules(target: tvm.target.Target, options: CompileOptions) -> lis
     if target.kind.name == "cuda":
         return [ApplyGPUSchedules()]
 
-    return [ApplyCPUSchedules(fast_math=options.fast_math)] if options.cpu_schedules else []
+    from .config import settings
+
+    return [ApplyCPUSchedules(fast_math=options.fast_math, strict=settings.strict_schedules)] \
+        if options.cpu_schedules else []
 
 
 @register_pipeline("default")

@@ -1396,6 +1396,35 @@ def test_a_failing_rule_falls_through_to_the_next() -> None:
     assert bool(mod["main"].attrs["tirx.is_scheduled"])
 
 
+class _Buggy(Matmul):
+    """A rule whose own Python fails (a bug, not TVM refusing a primitive)."""
+
+    def apply(self, func, target, tunable):  # noqa: ANN001, ANN201
+        return {}["tile"]
+
+
+class _Refused(Matmul):
+    """A rule that asks TVM for a block the kernel does not have: TVM's own check refuses."""
+
+    def apply(self, func, target, tunable):  # noqa: ANN001, ANN201
+        sch = tvm.s_tir.Schedule(func)
+        sch.get_sblock("no_such_block")
+        return sch
+
+
+def test_strict_schedules_raise_a_rule_bug_and_pass_on_what_tvm_refuses() -> None:
+    """With `strict` (TVMGRAPH_STRICT_SCHEDULES=1, set by the tests), a rule's own bug raises
+    instead of leaving the kernel to a slower rule unnoticed; TVM refusing a primitive stays
+    what it is, a rule that does not fit, and the next rule schedules the kernel."""
+    mod = tvm.IRModule({"main": te_matmul(16, 32, 8, False, False)})
+    with TARGET:
+        with pytest.raises(KeyError, match="tile"):
+            ApplyCPUSchedules(_Buggy(), Fallback(), strict=True)(mod)
+        for rule, strict in ((_Buggy(), False), (_Refused(), True), (_Refused(), False)):
+            scheduled = ApplyCPUSchedules(rule, Fallback(), strict=strict)(mod)
+            assert bool(scheduled["main"].attrs["tirx.is_scheduled"]), (rule, strict)
+
+
 def test_a_failing_gpu_rule_falls_through_to_the_next() -> None:
     """The same for dlight's GPU rules (TVM 0.27's Reduction rule raised inside rfactor on a
     float16 AMP step and ended its CUDA build): the kernel gets the next rule's schedule."""

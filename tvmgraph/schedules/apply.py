@@ -7,7 +7,10 @@ reads the target from a PrimFunc's "target" attribute; without an llvm target it
 
 Like `tvm.s_tir.dlight.ApplyDefaultSchedule`, it tries the rules in order on each PrimFunc and
 keeps the first schedule a rule returns. Unlike dlight, a rule that raises is logged and
-skipped: a missing schedule makes a kernel slow, never the build fail.
+skipped: a missing schedule makes a kernel slow, never the build fail. With `strict` (the tests
+set TVMGRAPH_STRICT_SCHEDULES=1) an error of the rule's own Python (a TypeError, NameError,
+KeyError... rather than TVM's refusal of a primitive) is raised instead: such a bug once left
+kernels on slower schedules, unnoticed, until a benchmark moved.
 """
 
 from __future__ import annotations
@@ -59,13 +62,14 @@ class ApplyCPUSchedules:
     `fast_math.py` for their accuracy); the rewrite is kept where a rule schedules the function.
     """
 
-    def __init__(self, *rules: ScheduleRule, fast_math: bool = True) -> None:
+    def __init__(self, *rules: ScheduleRule, fast_math: bool = True, strict: bool = False) -> None:
         if not rules:
             from .rules import default_rules
 
             rules = tuple(default_rules())
         self.rules = list(rules)
         self.fast_math = fast_math
+        self.strict = strict
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         """Return `mod` with every unscheduled PrimFunc replaced by its scheduled version."""
@@ -97,7 +101,7 @@ class ApplyCPUSchedules:
         for rule in self.rules:
             if getattr(rule, "needs_reduction", False) and not reduces:
                 continue
-            scheduled = _try_rule(rule, func, target, gvar.name_hint)
+            scheduled = _try_rule(rule, func, target, gvar.name_hint, self.strict)
             if scheduled is not None:
                 scheduled = scheduled.with_attr("tirx.is_scheduled", True)
                 level = getattr(rule, "llvm_opt_level", None)
@@ -116,14 +120,23 @@ def _has_reduction(func: tirx.PrimFunc) -> bool:
                     lambda block: any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars))
 
 
+def _raised_by_tvm(err: Exception) -> bool:
+    """Whether TVM's own checks raised `err` (a primitive refused where a schedule does not fit a
+    kernel, an rfactor TVM cannot do): expected, the next rule gets the function. Errors that
+    cross TVM's FFI carry `__tvm_ffi_error__`; anything else is a bug of the rule's Python."""
+    return isinstance(err, s_tir.ScheduleError) or hasattr(err, "__tvm_ffi_error__")
+
+
 def _try_rule(
-    rule: ScheduleRule, func: tirx.PrimFunc, target: Target, name: str
+    rule: ScheduleRule, func: tirx.PrimFunc, target: Target, name: str, strict: bool = False
 ) -> tirx.PrimFunc | None:
     try:
         sch = rule.apply(func, target, False)
     # NOTE: a rule is heuristic code over arbitrary TIR; whatever it raises must only cost
     # the schedule, so the next rule gets the function.
     except Exception as err:  # noqa: BLE001
+        if strict and not _raised_by_tvm(err):
+            raise
         logger.debug("rule %s failed on %s: %s", type(rule).__name__, name, err)
         return None
     if sch is None:
