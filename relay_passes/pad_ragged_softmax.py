@@ -74,13 +74,20 @@ class _Padder(PyExprMutator):
                                      primfunc_name_hint=f"{name}_padded")
 
 
+def padded_rows(x: te.Tensor, padded: int) -> te.Tensor:
+    """`x` with its last axis padded to `padded` with -inf (`x` itself when it has that length)."""
+    rank, extent = len(x.shape), int(x.shape[-1])
+    if padded == extent:
+        return x
+    return topi.nn.pad(x, [0] * rank, [0] * (rank - 1) + [padded - extent],
+                       pad_value=tvm.tirx.const(float("-inf"), x.dtype))
+
+
 def _padded_softmax(x: te.Tensor, padded: int, log: bool) -> te.Tensor:
     """(log_)softmax over the last axis of `x`, computed on rows padded to `padded` with -inf."""
-    rank, extent = len(x.shape), int(x.shape[-1])
-    rows = topi.nn.pad(x, [0] * rank, [0] * (rank - 1) + [padded - extent],
-                       pad_value=tvm.tirx.const(float("-inf"), x.dtype))
+    rows = padded_rows(x, padded)
     out = topi.nn.log_softmax(rows, axis=-1) if log else topi.nn.softmax(rows, axis=-1)
-    return topi.strided_slice(out, [0] * rank, [int(d) for d in x.shape])
+    return topi.strided_slice(out, [0] * len(x.shape), [int(d) for d in x.shape])
 
 
 @tvm.transform.module_pass(opt_level=0, name="PadRaggedSoftmax")

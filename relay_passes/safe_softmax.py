@@ -39,7 +39,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from relay_passes import current_cpu, graph_functions, mutate_graph_functions, report_counts
 from relay_passes.bindings import vars_in
-from relay_passes.pad_ragged_softmax import padded_extent
+from relay_passes.pad_ragged_softmax import padded_extent, padded_rows
 from relay_passes.rebind import rebind
 
 
@@ -56,8 +56,9 @@ def _is_const(expr: relax.Expr, value: float) -> bool:
     return data.shape == () and float(data) == value
 
 
-def _last_axis(call: relax.Call, attr: str = "axis") -> bool:
-    axes = getattr(call.attrs, attr)
+def _last_axis(call: relax.Call) -> bool:
+    """Whether the call's `axis` attribute is the last axis of its first argument, alone."""
+    axes = call.attrs.axis
     ndim = call.args[0].ty.ndim
     axes = [axes] if isinstance(axes, (int, tvm.tirx.IntImm)) else list(axes or [])
     return len(axes) == 1 and int(axes[0]) % ndim == ndim - 1
@@ -120,10 +121,8 @@ class _Fuser(PyExprMutator):
 def _safe_softmax(x: te.Tensor, padded: int) -> te.Tensor:
     """Softmax over the last axis of `x` (rows padded to `padded` with -inf), 0 on the rows
     that are all -inf (see the module docstring)."""
-    rank, extent = len(x.shape), int(x.shape[-1])
     neg_inf = tirx.const(float("-inf"), x.dtype)
-    rows = x if padded == extent else topi.nn.pad(x, [0] * rank, [0] * (rank - 1) + [padded - extent],
-                                                 pad_value=neg_inf)
+    rows = padded_rows(x, padded)
     row_max = topi.max(rows, axis=-1)
     exp = te.compute(rows.shape, lambda *i: te.exp(rows[i] - row_max[i[:-1]]), name="exp")
     total = topi.sum(exp, axis=-1)

@@ -166,8 +166,6 @@ def default_schedules(target: tvm.target.Target, options: CompileOptions) -> lis
     if target.kind.name == "cuda":
         return [ApplyGPUSchedules()]
 
-    from .config import settings
-
     return [ApplyCPUSchedules(fast_math=options.fast_math, strict=settings.strict_schedules)] \
         if options.cpu_schedules else []
 
