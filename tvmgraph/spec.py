@@ -123,7 +123,8 @@ _TENSOR = TreeDef("tensor")
 
 
 @functools.cache
-def _tuple_of_tensors(n: int) -> TreeDef:
+def tuple_of_tensors(n: int) -> TreeDef:
+    """The tree of n tensor arguments (one object per n: compared by identity)."""
     return TreeDef("tuple", (_TENSOR,) * n)
 
 
@@ -133,7 +134,7 @@ def flatten(tree: Any, path: str = "") -> tuple[list[torch.Tensor], TreeDef]:
         return [tree], _TENSOR
     if type(tree) is tuple and all(isinstance(t, torch.Tensor) for t in tree):
         # A graph's arguments, most of the time: one shared TreeDef, compared by identity later.
-        return list(tree), _tuple_of_tensors(len(tree))
+        return list(tree), tuple_of_tensors(len(tree))
     if tree is None:
         return [], TreeDef("none")
     if isinstance(tree, (list, tuple)):

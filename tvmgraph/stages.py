@@ -286,7 +286,7 @@ class CompiledGraph:
         rng = [_draw_seed(self.device)] if self._has_rng else []
         inputs, _ = runnable_all(flat_inputs)
         passed_state, copied = runnable_all(state, thorough=False)
-        passed_extra, _ = runnable_all(extra, thorough=False)
+        passed_extra = runnable_all(extra, thorough=False)[0] if extra else ()
         try:
             results = self._entry(*inputs, *rng, *passed_state, *passed_extra)
         except Exception:  # the VM raises plain errors; say which tensor is at fault
