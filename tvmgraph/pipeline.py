@@ -43,6 +43,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
+    "AttentionAsOneKernel": None,
     "SafeSoftmaxAsOneKernel": None,
     "PadRaggedSoftmax": None,
     "SplitAsSlices": None,
@@ -186,6 +187,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.fuse_epilogue import FuseEpilogue
     from relay_passes.fuse_model_update import FuseModelUpdate
     from relay_passes.pad_ragged_softmax import PadRaggedSoftmax
+    from relay_passes.attention import AttentionAsOneKernel
     from relay_passes.safe_softmax import SafeSoftmaxAsOneKernel
     from relay_passes.direct_conv1d import DirectConv1d
     from relay_passes.im2col_conv import Im2colConv
@@ -225,10 +227,12 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),
         SimplifyPower(report),
-        #    On the CPU, attention's softmax and its test for empty rows are one kernel, and
+        #    On the CPU, `softmax(q @ k.T) @ v` is one kernel where nothing else reads its
+        #    scores; attention's softmax and its test for empty rows are one kernel, and
         #    softmax rows that no vector divides (65 tokens) are padded with -inf to whole
         #    vectors, so that their max and sum vectorize.
-        *([SafeSoftmaxAsOneKernel(report), PadRaggedSoftmax(report)] if target.kind.name == "llvm" else []),
+        *([AttentionAsOneKernel(report), SafeSoftmaxAsOneKernel(report), PadRaggedSoftmax(report)]
+          if target.kind.name == "llvm" else []),
         #    bfloat16/float16 matmuls, convolutions, sums and activations compute in float32, as
         #    torch's do (after SimplifyBroadcastMatmul, whose patterns its casts would hide).
         AccumulateFloat32(report),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tvm.s_tir.dlight.base import ScheduleRule
 
+from .attention import Attention
 from .conv import Conv2d
 from .conv1d import Conv1d
 from .conv_grad import ConvWeightGradient
@@ -16,7 +17,7 @@ from .reduction import Reduction
 
 
 def default_rules() -> list[ScheduleRule]:
-    """Convolutions, matrix-vector, matmul, reductions, im2col copies, element-wise, then the
-    catch-all `Fallback`."""
-    return [ConvWeightGradient(), Conv2d(), Conv1d(), MatrixVector(), Matmul(), Reduction(),
+    """Attention kernels, convolutions, matrix-vector, matmul, reductions, im2col copies,
+    element-wise, then the catch-all `Fallback`."""
+    return [Attention(), ConvWeightGradient(), Conv2d(), Conv1d(), MatrixVector(), Matmul(), Reduction(),
             Im2col(), Elementwise(), Fallback()]

@@ -1,0 +1,216 @@
+"""AttentionAsOneKernel: `softmax(q @ k.T) @ v` in one CPU kernel, its queries down the lanes.
+
+Matches, in a dataflow block (the steps marked ? are optional):
+
+    s = matmul(q, kt)                    q [..., L, D], kt [..., D, L2], float32, static
+    s = reshape(s) ?    s = multiply(s, c) or divide(s, c) ?    s = reshape(s) ?
+    y = softmax(s, axis=-1)  or  torch's _safe_softmax of s (the converter's pattern,
+                                   relay_passes/safe_softmax.py)
+    y = reshape(y) ?
+    o = matmul(y, v)                     v [..., L2, Dv], the same batch dims (no broadcast)
+
+and, when nothing else reads s, y or the steps between them (a softmax gradient that reads y
+keeps them all), replaces `o` by
+
+    o = call_tir(attention, (q, kt, v))[:, :L]           batch dims flattened, then restored
+
+with `attention` the kernel of tvmgraph/schedules/attention.py (what it computes, and why the
+queries run along the vectors); it returns its queries padded to whole vectors, hence the crop
+(which fuses into o's reader). A ViT of 65 tokens and 4 heads of 32 (batch 16) spent 0.65 ms
+a layer in the two products and the softmax on a 2-vCPU Xeon; the kernel takes 0.28-0.36 ms.
+Masked attention (a mask added to or filled into s, a causal SDPA) does not match.
+
+CPU (llvm) targets only. Position: after autodiff and SimplifyBroadcastMatmul, before
+SafeSoftmaxAsOneKernel (which would take the softmax) and LegalizeOps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+
+import tvm
+from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from relay_passes import current_cpu, graph_functions, mutate_graph_functions, report_counts
+from relay_passes.bindings import vars_in
+from relay_passes.rebind import rebind
+from relay_passes.safe_softmax import _call, _is_const, _last_axis
+
+R = relax.op
+
+
+def _static(expr: relax.Expr) -> tuple[int, ...] | None:
+    """The static shape of a float32 tensor of 3 or more dimensions."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or str(ty.dtype) != "float32" or ty.shape is None:
+        return None
+    dims = ty.shape.values
+    if len(dims) < 3 or not all(isinstance(d, tirx.IntImm) for d in dims):
+        return None
+    return tuple(int(d) for d in dims)
+
+
+def _scalar(expr: relax.Expr) -> float | None:
+    if not isinstance(expr, tvm.ir.expr.GenericConst):
+        return None
+    data = expr.value.numpy()
+    return float(data) if data.shape == () and str(data.dtype) == "float32" else None
+
+
+@mutator
+class _Fuser(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, uses: Counter[relax.Var], lanes: int) -> None:
+        super().__init__(mod)
+        self.uses = uses
+        self.lanes = lanes
+        self.counts: Counter[str] = Counter()
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        rebind(self, binding, self.visit_expr(binding.value))
+
+    def _bound(self, expr: relax.Expr) -> relax.Expr | None:
+        return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+
+    def _once(self, var: relax.Expr) -> bool:
+        return isinstance(var, relax.Var) and self.uses[var] == 1
+
+    def _through_reshapes(self, var: relax.Expr) -> relax.Expr:
+        """The value `var` is a reshape of (through reshapes each read only there)."""
+        while self._once(var) and (reshape := _call(self._bound(var), "relax.reshape")) is not None:
+            var = reshape.args[0]
+        return var
+
+    def _softmax_input(self, probs: relax.Expr) -> tuple[relax.Expr, bool] | None:
+        """(x, safe) for `probs` = softmax(x, -1) or torch's _safe_softmax of x, when `probs`
+        and the softmax's own steps are read nowhere else."""
+        if not self._once(probs):
+            return None
+        value = self._bound(probs)
+        softmax = _call(value, "relax.nn.softmax")
+        if softmax is not None:
+            return (softmax.args[0], False) if _last_axis(softmax) else None
+        where = _call(value, "relax.where")
+        if where is None or not _is_const(where.args[1], 0.0) or not self._once(where.args[2]):
+            return None
+        softmax = _call(self._bound(where.args[2]), "relax.nn.softmax")
+        if softmax is None or not _last_axis(softmax):
+            return None
+        x = self._empty_rows_of(where.args[0])
+        logits = softmax.args[0]
+        masked = _call(self._bound(logits), "relax.where")
+        if masked is not None and masked.args[0].same_as(where.args[0]) and _is_const(masked.args[1], 0.0):
+            logits = masked.args[2]
+        return (x, True) if x is not None and logits.same_as(x) else None
+
+    def _empty_rows_of(self, cond: relax.Expr) -> relax.Expr | None:
+        """The x of `equal(max(astype(not_equal(x, -inf), int32), [-1], keepdims), 0)`, each
+        step read only by the next (the empty-row mask also masks the logits: two reads)."""
+        equal = _call(self._bound(cond), "relax.equal")
+        if equal is None or not _is_const(equal.args[1], 0) or not self._once(equal.args[0]):
+            return None
+        reduced = _call(self._bound(equal.args[0]), "relax.max")
+        if reduced is None or not bool(reduced.attrs.keepdims) or not _last_axis(reduced):
+            return None
+        cast = _call(self._bound(reduced.args[0]), "relax.astype") if self._once(reduced.args[0]) else None
+        if cast is None or not self._once(cast.args[0]):
+            return None
+        finite = _call(self._bound(cast.args[0]), "relax.not_equal")
+        return finite.args[0] if finite is not None and _is_const(finite.args[1], -math.inf) else None
+
+    def _scores(self, x: relax.Expr, safe: bool) -> tuple[relax.Call, float | None, bool] | None:
+        """(matmul(q, kt), scale, divide) of the softmax's input `x`, when `x` is read by the
+        softmax only (and by its empty-row test: twice) and each step before it once."""
+        if not isinstance(x, relax.Var) or self.uses[x] != (2 if safe else 1):
+            return None
+        reshape = _call(self._bound(x), "relax.reshape")
+        s = self._through_reshapes(reshape.args[0]) if reshape is not None else x
+        scale, divide = None, False
+        value = self._bound(s)
+        op = _call(value, "relax.multiply")
+        if op is None:
+            op = _call(value, "relax.divide")
+        if op is not None and _scalar(op.args[1]) is not None and (s is x or self._once(s)):
+            scale, divide = _scalar(op.args[1]), op.op.name == "relax.divide"
+            s = self._through_reshapes(op.args[0])
+        matmul = _call(self._bound(s), "relax.matmul") if (s is x or self._once(s)) else None
+        return (matmul, scale, divide) if matmul is not None else None
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        matmul = _call(call, "relax.matmul")
+        if matmul is None:
+            return call
+        probs, v = matmul.args
+        found = self._softmax_input(self._through_reshapes(probs))
+        if found is None:
+            return call
+        x, safe = found
+        scores = self._scores(x, safe)
+        if scores is None:
+            return call
+        product, scale, divide = scores
+        q, kt = product.args
+        shapes = [_static(t) for t in (q, kt, v, probs, x)]
+        if any(shape is None for shape in shapes):
+            return call
+        (*lead, queries, depth), kt_shape, v_shape, p_shape, x_shape = shapes
+        keys, features = kt_shape[-1], v_shape[-1]
+        # Batch dimensions equal (no broadcast); reshapes keep the elements in order, so with
+        # the same trailing (queries, keys) on both sides of the softmax every row of scores
+        # is the row the softmax and v see.
+        if (kt_shape != (*lead, depth, keys) or v_shape != (*lead, keys, features)
+                or p_shape != (*lead, queries, keys) or x_shape[-2:] != (queries, keys)):
+            return call
+        batch = math.prod(lead)
+        bb = self.builder_
+        if len(lead) > 1:
+            q, kt, v = (bb.emit(R.reshape(t, (batch, *shape[-2:]))) for t, shape in
+                        ((q, (queries, depth)), (kt, (depth, keys)), (v, (keys, features))))
+        out = self._rewrite(q, kt, v, (batch, queries, depth, keys, features), scale, divide, safe)
+        return R.reshape(bb.emit(out), (*lead, queries, features)) if len(lead) > 1 else out
+
+    def _rewrite(self, q: relax.Expr, kt: relax.Expr, v: relax.Expr, dims: tuple[int, ...],
+                 scale: float | None, divide: bool, safe: bool) -> relax.Expr:
+        from tvmgraph.schedules.attention import attention_kernel
+
+        batch, queries, depth, keys, features = dims
+        kernel = attention_kernel(batch, keys, queries, depth, features, self.lanes, scale, divide, safe)
+        gv = self.builder_.add_func(kernel, "attention")
+        self.counts[f"{'safe ' if safe else ''}softmax over {keys} keys, {queries} queries of {depth}"] += 1
+        padded = -(-queries // self.lanes) * self.lanes
+        out = relax.call_tir(gv, [q, kt, v], relax.TensorType((batch, padded, features), "float32"))
+        if padded == queries:
+            return out
+        return R.strided_slice(self.builder_.emit(out), axes=[1], begin=[0], end=[queries])
+
+
+def _uses(mod: tvm.IRModule) -> Counter[relax.Var]:
+    """How many times each variable of the graph functions is read."""
+    uses: Counter[relax.Var] = Counter()
+    for _, func in graph_functions(mod):
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                uses.update(vars_in(binding.value))
+        uses.update(vars_in(func.body.body))
+    return uses
+
+
+@tvm.transform.module_pass(opt_level=0, name="AttentionAsOneKernel")
+class AttentionAsOneKernel:
+    """Compute each `softmax(q @ k.T) @ v` whose intermediates nothing else reads as one
+    kernel (CPU only)."""
+
+    def __init__(self, report: Callable[[str], None] | None = None) -> None:
+        self.report = report or (lambda msg: None)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        cpu = current_cpu()
+        if cpu is None:
+            return mod
+        fuser = _Fuser(mod, _uses(mod), cpu.lanes("float32"))
+        out = mutate_graph_functions(fuser, mod, drop_unused=True)
+        report_counts(self.report, "AttentionAsOneKernel", fuser.counts)
+        return out if fuser.counts else mod
