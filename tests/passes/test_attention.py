@@ -116,12 +116,15 @@ def _compiled(model: torch.nn.Module, *args: torch.Tensor, caplog: pytest.LogCap
 
 @pytest.mark.parametrize("form", ["scaled", "divided", "safe", "bmm", "sdpa"])
 @pytest.mark.parametrize("queries", [13, 32])
-def test_matches_torch_on_every_kind_of_row(form: str, queries: int, caplog: pytest.LogCaptureFixture) -> None:
-    """Through a whole graph (PropagateNaN, fast exp, the Attention schedule at -O3). Rows: a NaN
-    query, an infinite one (NaN scores), one whose scores are all -inf (0 for _safe_softmax,
-    NaN for softmax), large scores (exp's range)."""
+@pytest.mark.parametrize("features", [5, 16], ids=["features across vectors", "features along vectors"])
+def test_matches_torch_on_every_kind_of_row(form: str, queries: int, features: int,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Through a whole graph (PropagateNaN, fast exp, the Attention schedule at -O3), with the
+    weighted sum's features along the vector lanes (16: whole AVX2 and AVX-512 vectors) or its
+    queries. Rows: a NaN query, an infinite one (NaN scores), one whose scores are all -inf (0
+    for _safe_softmax, NaN for softmax), large scores (exp's range)."""
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 3, queries, 7) * 3, torch.randn(2, 3, 11, 7), torch.randn(2, 3, 11, 5)
+    q, k, v = torch.randn(2, 3, queries, 7) * 3, torch.randn(2, 3, 11, 7), torch.randn(2, 3, 11, features)
     k[..., 0] = k[..., 0].abs() + 0.5
     q[0, 0, 1, 3] = math.nan
     q[0, 1, 2, 4] = math.inf
@@ -136,7 +139,7 @@ def test_matches_torch_on_every_kind_of_row(form: str, queries: int, caplog: pyt
         expected = model(q, k, v)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5, equal_nan=True)
     assert fused_here, caplog.text
-    out = out.reshape(2, 3, queries, 5)
+    out = out.reshape(2, 3, queries, features)
     assert torch.isnan(out[0, 0, 1]).all() and torch.isnan(out[0, 1, 2]).all()
     if form in ("safe", "sdpa"):
         assert (out[1, 2, 3] == 0).all()
