@@ -13,7 +13,6 @@ import tvm
 from tvm import relax
 from torch.nn import functional as F
 
-import tvmgraph
 from relay_passes.attention import AttentionAsOneKernel
 from tests.conftest import ModuleGraph
 
