@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import tvm
 from tvm import relax
@@ -44,3 +44,23 @@ def current_cpu() -> CPUTarget | None:
     if target is None or target.kind.name != "llvm":
         return None
     return CPUTarget.from_target(target)
+
+
+class CountingMutator(Protocol):
+    """A PyExprMutator that counts what it rewrote (`counts`, for `report_counts`)."""
+
+    counts: Mapping[str, int]
+
+
+def rewrite_on_cpu(mod: tvm.IRModule, pass_name: str, report: Callable[[str], None],
+                   make: Callable[[CPUTarget], CountingMutator], drop_unused: bool = False) -> tvm.IRModule:
+    """What a CPU-only rewriting pass does with `mod`: nothing outside an llvm target; else
+    `make(cpu)`'s rewrite of the graph functions (the bindings left unread dropped with
+    `drop_unused`), reported, or `mod` itself when nothing was rewritten."""
+    cpu = current_cpu()
+    if cpu is None:
+        return mod
+    rewriter = make(cpu)
+    out = mutate_graph_functions(rewriter, mod, drop_unused=drop_unused)
+    report_counts(report, pass_name, rewriter.counts)
+    return out if rewriter.counts else mod

@@ -34,10 +34,10 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import current_cpu, graph_functions, mutate_graph_functions, report_counts
-from relay_passes.bindings import vars_in
+from relay_passes import rewrite_on_cpu
+from relay_passes.bindings import read_counts
 from relay_passes.rebind import rebind
-from relay_passes.safe_softmax import _call, _is_const, _last_axis
+from relay_passes.safe_softmax_pattern import call_of, reduces_last_axis, safe_softmax_parts
 
 R = relax.op
 
@@ -79,68 +79,43 @@ class _Fuser(PyExprMutator):
 
     def _through_reshapes(self, var: relax.Expr) -> relax.Expr:
         """The value `var` is a reshape of (through reshapes each read only there)."""
-        while self._once(var) and (reshape := _call(self._bound(var), "relax.reshape")) is not None:
+        while self._once(var) and (reshape := call_of(self._bound(var), "relax.reshape")) is not None:
             var = reshape.args[0]
         return var
 
     def _softmax_input(self, probs: relax.Expr) -> tuple[relax.Expr, bool] | None:
         """(x, safe) for `probs` = softmax(x, -1) or torch's _safe_softmax of x, when `probs`
-        and the softmax's own steps are read nowhere else."""
+        and the softmax inside a _safe_softmax are read nowhere else."""
         if not self._once(probs):
             return None
         value = self._bound(probs)
-        softmax = _call(value, "relax.nn.softmax")
+        softmax = call_of(value, "relax.nn.softmax")
         if softmax is not None:
-            return (softmax.args[0], False) if _last_axis(softmax) else None
-        where = _call(value, "relax.where")
-        if where is None or not _is_const(where.args[1], 0.0) or not self._once(where.args[2]):
-            return None
-        softmax = _call(self._bound(where.args[2]), "relax.nn.softmax")
-        if softmax is None or not _last_axis(softmax):
-            return None
-        x = self._empty_rows_of(where.args[0])
-        logits = softmax.args[0]
-        masked = _call(self._bound(logits), "relax.where")
-        if masked is not None and masked.args[0].same_as(where.args[0]) and _is_const(masked.args[1], 0.0):
-            logits = masked.args[2]
-        return (x, True) if x is not None and logits.same_as(x) else None
-
-    def _empty_rows_of(self, cond: relax.Expr) -> relax.Expr | None:
-        """The x of `equal(max(astype(not_equal(x, -inf), int32), [-1], keepdims), 0)`, each
-        step read only by the next (the empty-row mask also masks the logits: two reads)."""
-        equal = _call(self._bound(cond), "relax.equal")
-        if equal is None or not _is_const(equal.args[1], 0) or not self._once(equal.args[0]):
-            return None
-        reduced = _call(self._bound(equal.args[0]), "relax.max")
-        if reduced is None or not bool(reduced.attrs.keepdims) or not _last_axis(reduced):
-            return None
-        cast = _call(self._bound(reduced.args[0]), "relax.astype") if self._once(reduced.args[0]) else None
-        if cast is None or not self._once(cast.args[0]):
-            return None
-        finite = _call(self._bound(cast.args[0]), "relax.not_equal")
-        return finite.args[0] if finite is not None and _is_const(finite.args[1], -math.inf) else None
+            return (softmax.args[0], False) if reduces_last_axis(softmax) else None
+        parts = safe_softmax_parts(call_of(value, "relax.where"), self._bound)
+        return (parts[0], True) if parts is not None and self._once(parts[1]) else None
 
     def _scores(self, x: relax.Expr, safe: bool) -> tuple[relax.Call, float | None, bool] | None:
         """(matmul(q, kt), scale, divide) of the softmax's input `x`, when `x` is read by the
         softmax only (and by its empty-row test: twice) and each step before it once."""
         if not isinstance(x, relax.Var) or self.uses[x] != (2 if safe else 1):
             return None
-        reshape = _call(self._bound(x), "relax.reshape")
+        reshape = call_of(self._bound(x), "relax.reshape")
         s = self._through_reshapes(reshape.args[0]) if reshape is not None else x
         scale, divide = None, False
         value = self._bound(s)
-        op = _call(value, "relax.multiply")
+        op = call_of(value, "relax.multiply")
         if op is None:
-            op = _call(value, "relax.divide")
+            op = call_of(value, "relax.divide")
         if op is not None and _scalar(op.args[1]) is not None and (s is x or self._once(s)):
             scale, divide = _scalar(op.args[1]), op.op.name == "relax.divide"
             s = self._through_reshapes(op.args[0])
-        matmul = _call(self._bound(s), "relax.matmul") if (s is x or self._once(s)) else None
+        matmul = call_of(self._bound(s), "relax.matmul") if (s is x or self._once(s)) else None
         return (matmul, scale, divide) if matmul is not None else None
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        matmul = _call(call, "relax.matmul")
+        matmul = call_of(call, "relax.matmul")
         if matmul is None:
             return call
         probs, v = matmul.args
@@ -187,17 +162,6 @@ class _Fuser(PyExprMutator):
         return R.strided_slice(self.builder_.emit(out), axes=[1], begin=[0], end=[queries])
 
 
-def _uses(mod: tvm.IRModule) -> Counter[relax.Var]:
-    """How many times each variable of the graph functions is read."""
-    uses: Counter[relax.Var] = Counter()
-    for _, func in graph_functions(mod):
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                uses.update(vars_in(binding.value))
-        uses.update(vars_in(func.body.body))
-    return uses
-
-
 @tvm.transform.module_pass(opt_level=0, name="AttentionAsOneKernel")
 class AttentionAsOneKernel:
     """Compute each `softmax(q @ k.T) @ v` whose intermediates nothing else reads as one
@@ -207,10 +171,5 @@ class AttentionAsOneKernel:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        cpu = current_cpu()
-        if cpu is None:
-            return mod
-        fuser = _Fuser(mod, _uses(mod), cpu.lanes("float32"))
-        out = mutate_graph_functions(fuser, mod, drop_unused=True)
-        report_counts(self.report, "AttentionAsOneKernel", fuser.counts)
-        return out if fuser.counts else mod
+        return rewrite_on_cpu(mod, "AttentionAsOneKernel", self.report,
+                              lambda cpu: _Fuser(mod, read_counts(mod), cpu.lanes("float32")), drop_unused=True)

@@ -3,6 +3,7 @@ group would read itself: helpers the passes that walk bindings share."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import tvm
@@ -19,6 +20,17 @@ if TYPE_CHECKING:
 # Ops that only relabel their input's elements (a reshape, a transpose): layout views, which
 # the passes treat as the tensor they read.
 VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze"})
+
+
+def read_counts(mod: tvm.IRModule) -> Counter[relax.Var]:
+    """How many times each variable of `mod`'s graph functions is read."""
+    counts: Counter[relax.Var] = Counter()
+    for _, func in graph_functions(mod):
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                counts.update(vars_in(binding.value))
+        counts.update(vars_in(func.body.body))
+    return counts
 
 
 def vars_in(expr: relax.Expr) -> list[relax.Var]:

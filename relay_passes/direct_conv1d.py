@@ -38,7 +38,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import current_cpu, mutate_graph_functions, report_counts
+from relay_passes import rewrite_on_cpu
 from relay_passes.rebind import rebind
 from tvmgraph.schedules.conv1d import BLOCK, padded_row
 from tvmgraph.schedules.cpu_target import CPUTarget
@@ -131,10 +131,4 @@ class DirectConv1d:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        cpu = current_cpu()
-        if cpu is None:
-            return mod
-        rewriter = _Rewriter(mod, cpu)
-        out = mutate_graph_functions(rewriter, mod, drop_unused=True)
-        report_counts(self.report, "DirectConv1d", rewriter.counts)
-        return out if rewriter.counts else mod
+        return rewrite_on_cpu(mod, "DirectConv1d", self.report, lambda cpu: _Rewriter(mod, cpu), drop_unused=True)

@@ -29,7 +29,7 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import current_cpu, mutate_graph_functions, report_counts
+from relay_passes import rewrite_on_cpu
 from relay_passes.rebind import rebind
 
 _SOFTMAX = frozenset({"relax.nn.softmax", "relax.nn.log_softmax"})
@@ -98,10 +98,4 @@ class PadRaggedSoftmax:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        cpu = current_cpu()
-        if cpu is None:
-            return mod
-        padder = _Padder(mod, cpu.lanes("float32"))
-        out = mutate_graph_functions(padder, mod)
-        report_counts(self.report, "PadRaggedSoftmax", padder.counts)
-        return out if padder.counts else mod
+        return rewrite_on_cpu(mod, "PadRaggedSoftmax", self.report, lambda cpu: _Padder(mod, cpu.lanes("float32")))

@@ -29,7 +29,6 @@ Position: after autodiff (the kernel has no gradient), before PadRaggedSoftmax a
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -37,31 +36,11 @@ import tvm
 from tvm import relax, te, tirx, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from relay_passes import current_cpu, graph_functions, mutate_graph_functions, report_counts
-from relay_passes.bindings import vars_in
+from relay_passes import rewrite_on_cpu
+from relay_passes.bindings import read_counts
 from relay_passes.pad_ragged_softmax import padded_extent, padded_rows
 from relay_passes.rebind import rebind
-
-
-def _call(expr: relax.Expr | None, name: str) -> relax.Call | None:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name:
-        return expr
-    return None
-
-
-def _is_const(expr: relax.Expr, value: float) -> bool:
-    if not isinstance(expr, tvm.ir.expr.GenericConst):
-        return False
-    data = expr.value.numpy()
-    return data.shape == () and float(data) == value
-
-
-def _last_axis(call: relax.Call) -> bool:
-    """Whether the call's `axis` attribute is the last axis of its first argument, alone."""
-    axes = call.attrs.axis
-    ndim = call.args[0].ty.ndim
-    axes = [axes] if isinstance(axes, (int, tvm.tirx.IntImm)) else list(axes or [])
-    return len(axes) == 1 and int(axes[0]) % ndim == ndim - 1
+from relay_passes.safe_softmax_pattern import call_of, safe_softmax_parts
 
 
 @mutator
@@ -78,36 +57,12 @@ class _Fuser(PyExprMutator):
     def _bound(self, expr: relax.Expr) -> relax.Expr | None:
         return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
 
-    def _empty_rows_of(self, cond: relax.Expr) -> relax.Expr | None:
-        """The x of `equal(max(astype(not_equal(x, -inf), int32), [-1], keepdims), 0)`."""
-        equal = _call(self._bound(cond), "relax.equal")
-        if equal is None or not _is_const(equal.args[1], 0):
-            return None
-        reduced = _call(self._bound(equal.args[0]), "relax.max")
-        if reduced is None or not bool(reduced.attrs.keepdims) or not _last_axis(reduced):
-            return None
-        cast = _call(self._bound(reduced.args[0]), "relax.astype")
-        finite = _call(self._bound(cast.args[0]), "relax.not_equal") if cast is not None else None
-        if finite is None or not _is_const(finite.args[1], -math.inf):
-            return None
-        return finite.args[0]
-
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        where = _call(call, "relax.where")
-        if where is None or not _is_const(where.args[1], 0.0):
+        parts = safe_softmax_parts(call_of(call, "relax.where"), self._bound)
+        if parts is None or self.uses[parts[1]] != 1:
             return call
-        cond, probs = where.args[0], where.args[2]
-        softmax = _call(self._bound(probs), "relax.nn.softmax")
-        if softmax is None or self.uses[probs] != 1 or not _last_axis(softmax):
-            return call
-        x = self._empty_rows_of(cond)
-        logits = softmax.args[0]
-        masked = _call(self._bound(logits), "relax.where")
-        if masked is not None and masked.args[0].same_as(cond) and _is_const(masked.args[1], 0.0):
-            logits = masked.args[2]  # softmax(where(empty, 0, x)): the same rows of x
-        if x is None or not logits.same_as(x):
-            return call
+        x = parts[0]
         ty = x.ty
         if not isinstance(ty, relax.TensorType) or str(ty.dtype) not in ("float32", "float64") \
                 or ty.shape is None or not isinstance(ty.shape.values[-1], tirx.IntImm):
@@ -134,17 +89,6 @@ def _safe_softmax(x: te.Tensor, padded: int) -> te.Tensor:
         name="safe_softmax")
 
 
-def _uses(mod: tvm.IRModule) -> Counter[relax.Var]:
-    """How many times each variable of the graph functions is read."""
-    uses: Counter[relax.Var] = Counter()
-    for _, func in graph_functions(mod):
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                uses.update(vars_in(binding.value))
-        uses.update(vars_in(func.body.body))
-    return uses
-
-
 @tvm.transform.module_pass(opt_level=0, name="SafeSoftmaxAsOneKernel")
 class SafeSoftmaxAsOneKernel:
     """Compute each `where(empty rows, 0, softmax(x))` as one kernel (CPU only)."""
@@ -153,10 +97,5 @@ class SafeSoftmaxAsOneKernel:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        cpu = current_cpu()
-        if cpu is None:
-            return mod
-        fuser = _Fuser(mod, _uses(mod), cpu.lanes)
-        out = mutate_graph_functions(fuser, mod, drop_unused=True)
-        report_counts(self.report, "SafeSoftmaxAsOneKernel", fuser.counts)
-        return out if fuser.counts else mod
+        return rewrite_on_cpu(mod, "SafeSoftmaxAsOneKernel", self.report,
+                              lambda cpu: _Fuser(mod, read_counts(mod), cpu.lanes), drop_unused=True)

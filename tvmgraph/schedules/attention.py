@@ -140,16 +140,9 @@ class Attention(ScheduleRule):
         queries = sch.get_sblock("queries")
         d, i = sch.get_loops(queries)[-2:]
         sch.reorder(i, d)  # read q's rows in order; the scattered writes stay in L1
+        # the scores: tiles of (keys x vectors of queries), the sum over d outside the tile
         product = sch.get_sblock("product")
-        j, i, d = sch.get_loops(product)[-3:]
-        rows, vectors = _register_tile(sch.get(j).extent.value, sch.get(i).extent.value // lanes, registers)
-        jo, ji = sch.split(j, [None, rows])
-        io, ivo, iv = sch.split(i, [None, vectors, lanes])
-        sch.reorder(jo, io, d, ji, ivo, iv)
-        sch.unroll(ji)
-        sch.unroll(ivo)
-        sch.vectorize(iv)
-        _vectorize_init(sch, sch.decompose_reduction(product, d), lanes)
+        _register_tiles(sch, product, *sch.get_loops(product)[-3:], lanes, registers)
         for name in ("row_max", "total"):
             block = sch.get_sblock(name)
             i, j = sch.get_loops(block)[-2:]
@@ -160,19 +153,24 @@ class Attention(ScheduleRule):
         # the weighted sum: tiles of (queries x vectors of features) or (features x vectors of
         # queries), the sum over the keys outside the tile
         weighted = sch.get_sblock("weighted")
-        rows_loop, lanes_loop, j = sch.get_loops(weighted)[-3:]
-        rows, vectors = _register_tile(sch.get(rows_loop).extent.value, sch.get(lanes_loop).extent.value // lanes,
-                                       registers)
-        ro, ri = sch.split(rows_loop, [None, rows])
-        vo, vvo, vv = sch.split(lanes_loop, [None, vectors, lanes])
-        sch.reorder(ro, vo, j, ri, vvo, vv)
-        sch.unroll(ri)
-        sch.unroll(vvo)
-        sch.vectorize(vv)
-        _vectorize_init(sch, sch.decompose_reduction(weighted, j), lanes)
+        _register_tiles(sch, weighted, *sch.get_loops(weighted)[-3:], lanes, registers)
         if str(func.attrs[ATTRIBUTE]) == "features":  # the output, a vector of features at a time
             sch.vectorize(sch.split(sch.get_loops(out)[-1], [None, lanes])[1])
         return sch
+
+
+def _register_tiles(sch: s_tir.Schedule, block: s_tir.SBlockRV, rows: s_tir.LoopRV, columns: s_tir.LoopRV,
+                    reduction: s_tir.LoopRV, lanes: int, registers: int) -> None:
+    """Compute `block` (loops rows, columns, reduction) in register tiles of rows x vectors of
+    columns (`_register_tile`), the reduction loop outside each tile."""
+    tile_rows, vectors = _register_tile(sch.get(rows).extent.value, sch.get(columns).extent.value // lanes, registers)
+    row_tiles, row = sch.split(rows, [None, tile_rows])
+    column_tiles, vector, lane = sch.split(columns, [None, vectors, lanes])
+    sch.reorder(row_tiles, column_tiles, reduction, row, vector, lane)
+    sch.unroll(row)
+    sch.unroll(vector)
+    sch.vectorize(lane)
+    _vectorize_init(sch, sch.decompose_reduction(block, reduction), lanes)
 
 
 def _vectorize_init(sch: s_tir.Schedule, init: s_tir.SBlockRV, lanes: int) -> None:
