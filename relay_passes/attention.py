@@ -18,7 +18,8 @@ with `attention` the kernel of tvmgraph/schedules/attention.py (what it computes
 queries run along the vectors); it returns its queries padded to whole vectors, hence the crop
 (which fuses into o's reader). A ViT of 65 tokens and 4 heads of 32 (batch 16) spent 0.65 ms
 a layer in the two products and the softmax on a 2-vCPU Xeon; the kernel takes 0.26-0.35 ms.
-Masked attention (a mask added to or filled into s, a causal SDPA) does not match.
+Masked attention (a mask added to or filled into s, a causal SDPA) does not match, nor do
+sequences whose scores of one batch would not stay in L2 (MAX_SCORES_BYTES).
 
 CPU (llvm) targets only. Position: after autodiff and SimplifyBroadcastMatmul, before
 SafeSoftmaxAsOneKernel (which would take the softmax) and LegalizeOps.
@@ -40,6 +41,10 @@ from relay_passes.rebind import rebind
 from relay_passes.safe_softmax_pattern import call_of, reduces_last_axis, safe_softmax_parts
 
 R = relax.op
+# A batch's scores and exponentials (keys x padded queries, float32, two of them) above this
+# leave L2; measured up to 128 x 128 (the transformer's heads, 128 KiB): longer sequences keep
+# the products and the softmax.
+MAX_SCORES_BYTES = 256 * 1024
 
 
 def _static(expr: relax.Expr) -> tuple[int, ...] | None:
@@ -138,6 +143,9 @@ class _Fuser(PyExprMutator):
         # is the row the softmax and v see.
         if (kt_shape != (*lead, depth, keys) or v_shape != (*lead, keys, features)
                 or p_shape != (*lead, queries, keys) or x_shape[-2:] != (queries, keys)):
+            return call
+        padded = -(-queries // self.lanes) * self.lanes
+        if 2 * keys * padded * 4 > MAX_SCORES_BYTES:
             return call
         batch = math.prod(lead)
         bb = self.builder_

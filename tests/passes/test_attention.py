@@ -77,11 +77,14 @@ def test_queries_a_vector_divides_are_not_cropped() -> None:
     assert "R.call_tir(attention" in main and "R.strided_slice" not in main and "R.reshape" not in main, main
 
 
-@pytest.mark.parametrize("case", ["softmax read again", "masked scores", "cuda"])
+@pytest.mark.parametrize("case", ["softmax read again", "masked scores", "cuda", "long sequence"])
 def test_what_the_kernel_cannot_replace_is_left_alone(case: str) -> None:
     """A training step's softmax gradient reads the softmax (fusing would compute it twice); an
-    added mask stands between the product and the softmax; GPU targets have their own kernels."""
-    before = attention_module(extra_read=case == "softmax read again", mask=case == "masked scores")
+    added mask stands between the product and the softmax; GPU targets have their own kernels;
+    a batch's scores over 256 tokens (2 x 256 KiB) would not stay in L2."""
+    tokens = 256 if case == "long sequence" else None
+    before = attention_module(extra_read=case == "softmax read again", mask=case == "masked scores",
+                              **({"queries": tokens, "keys": tokens} if tokens else {}))
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_80"}) if case == "cuda" else AVX2
     tvm.ir.assert_structural_equal(fused(before, target), before)
 
