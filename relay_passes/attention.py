@@ -38,7 +38,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from relay_passes import rewrite_on_cpu
 from relay_passes.bindings import read_counts
 from relay_passes.rebind import rebind
-from relay_passes.safe_softmax_pattern import call_of, reduces_last_axis, safe_softmax_parts
+from relay_passes.safe_softmax_pattern import call_of, reduces_last_axis, safe_softmax_parts, scalar_value
+from tvmgraph.schedules.attention import attention_kernel, padded_queries
 
 R = relax.op
 # A batch's scores and exponentials (keys x padded queries, float32, two of them) above this
@@ -56,13 +57,6 @@ def _static(expr: relax.Expr) -> tuple[int, ...] | None:
     if len(dims) < 3 or not all(isinstance(d, tirx.IntImm) for d in dims):
         return None
     return tuple(int(d) for d in dims)
-
-
-def _scalar(expr: relax.Expr) -> float | None:
-    if not isinstance(expr, tvm.ir.expr.GenericConst):
-        return None
-    data = expr.value.numpy()
-    return float(data) if data.shape == () and str(data.dtype) == "float32" else None
 
 
 @mutator
@@ -112,8 +106,9 @@ class _Fuser(PyExprMutator):
         op = call_of(value, "relax.multiply")
         if op is None:
             op = call_of(value, "relax.divide")
-        if op is not None and _scalar(op.args[1]) is not None and (s is x or self._once(s)):
-            scale, divide = _scalar(op.args[1]), op.op.name == "relax.divide"
+        factor = scalar_value(op.args[1], "float32") if op is not None else None
+        if factor is not None and (s is x or self._once(s)):
+            scale, divide = factor, op.op.name == "relax.divide"
             s = self._through_reshapes(op.args[0])
         matmul = call_of(self._bound(s), "relax.matmul") if (s is x or self._once(s)) else None
         return (matmul, scale, divide) if matmul is not None else None
@@ -144,7 +139,7 @@ class _Fuser(PyExprMutator):
         if (kt_shape != (*lead, depth, keys) or v_shape != (*lead, keys, features)
                 or p_shape != (*lead, queries, keys) or x_shape[-2:] != (queries, keys)):
             return call
-        padded = -(-queries // self.lanes) * self.lanes
+        padded = padded_queries(queries, self.lanes)
         if 2 * keys * padded * 4 > MAX_SCORES_BYTES:
             return call
         batch = math.prod(lead)
@@ -152,18 +147,15 @@ class _Fuser(PyExprMutator):
         if len(lead) > 1:
             q, kt, v = (bb.emit(R.reshape(t, (batch, *shape[-2:]))) for t, shape in
                         ((q, (queries, depth)), (kt, (depth, keys)), (v, (keys, features))))
-        out = self._rewrite(q, kt, v, (batch, queries, depth, keys, features), scale, divide, safe)
+        out = self._rewrite(q, kt, v, (batch, queries, padded, depth, keys, features), scale, divide, safe)
         return R.reshape(bb.emit(out), (*lead, queries, features)) if len(lead) > 1 else out
 
     def _rewrite(self, q: relax.Expr, kt: relax.Expr, v: relax.Expr, dims: tuple[int, ...],
                  scale: float | None, divide: bool, safe: bool) -> relax.Expr:
-        from tvmgraph.schedules.attention import attention_kernel
-
-        batch, queries, depth, keys, features = dims
+        batch, queries, padded, depth, keys, features = dims
         kernel = attention_kernel(batch, keys, queries, depth, features, self.lanes, scale, divide, safe)
         gv = self.builder_.add_func(kernel, "attention")
         self.counts[f"{'safe ' if safe else ''}softmax over {keys} keys, {queries} queries of {depth}"] += 1
-        padded = -(-queries // self.lanes) * self.lanes
         out = relax.call_tir(gv, [q, kt, v], relax.TensorType((batch, padded, features), "float32"))
         if padded == queries:
             return out

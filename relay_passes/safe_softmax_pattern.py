@@ -29,12 +29,19 @@ def call_of(expr: relax.Expr | None, name: str) -> relax.Call | None:
     return None
 
 
+def scalar_value(expr: relax.Expr, dtype: str | None = None) -> float | None:
+    """The value of `expr` when it is a scalar constant (of `dtype`, if given), else None."""
+    if not isinstance(expr, tvm.ir.expr.GenericConst):
+        return None
+    data = expr.value.numpy()
+    if data.shape != () or (dtype is not None and str(data.dtype) != dtype):
+        return None
+    return float(data)
+
+
 def is_scalar(expr: relax.Expr, value: float) -> bool:
     """Whether `expr` is a scalar constant equal to `value`."""
-    if not isinstance(expr, tvm.ir.expr.GenericConst):
-        return False
-    data = expr.value.numpy()
-    return data.shape == () and float(data) == value
+    return scalar_value(expr) == value
 
 
 def reduces_last_axis(call: relax.Call) -> bool:

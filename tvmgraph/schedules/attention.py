@@ -45,10 +45,15 @@ from .cpu_target import CPUTarget
 
 # Marks a PrimFunc made by `attention_kernel` (the rule schedules nothing else).
 ATTRIBUTE = "tvmgraph.attention"
-# TVM's op pattern for "never fuse": the pass's layout ops around the call fuse into their own
-# neighbours instead (relax FuseOps reads the attribute when it is present).
+# TVM's op pattern for "never fuse": the crop and reshapes the pass puts around the call fuse
+# into their other neighbours instead (relax FuseOps reads the attribute when it is present).
 OPAQUE = 8
 MAX_TILE = 8  # keys (scores) or output features (weighted sum) per register tile
+
+
+def padded_queries(queries: int, lanes: int) -> int:
+    """The rows of the kernel's output: `queries` rounded up to whole vectors of `lanes`."""
+    return -(-queries // lanes) * lanes
 
 
 def attention_kernel(batch: int, keys: int, queries: int, depth: int, features: int, lanes: int,
@@ -59,7 +64,7 @@ def attention_kernel(batch: int, keys: int, queries: int, depth: int, features: 
 
     `scale` multiplies the scores (divides them with `divide`), as the graph did after its
     product; None for none. `safe`: torch's `_safe_softmax` (0 on rows that are all -inf)."""
-    padded = -(-queries // lanes) * lanes
+    padded = padded_queries(queries, lanes)
     q = te.placeholder((batch, queries, depth), "float32", name="q")
     kt = te.placeholder((batch, depth, keys), "float32", name="kt")
     v = te.placeholder((batch, keys, features), "float32", name="v")
