@@ -33,11 +33,11 @@ from collections.abc import Callable
 
 import tvm
 from tvm import relax, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from relay_passes import rewrite_on_cpu
 from relay_passes.bindings import read_counts
-from relay_passes.rebind import rebind
+from relay_passes.rebind import BoundRewriter
 from relay_passes.safe_softmax_pattern import call_of, reduces_last_axis, safe_softmax_parts, scalar_value
 from tvmgraph.schedules.attention import attention_kernel, padded_queries
 
@@ -60,18 +60,11 @@ def _static(expr: relax.Expr) -> tuple[int, ...] | None:
 
 
 @mutator
-class _Fuser(PyExprMutator):
+class _Fuser(BoundRewriter):
     def __init__(self, mod: tvm.IRModule, uses: Counter[relax.Var], lanes: int) -> None:
         super().__init__(mod)
         self.uses = uses
         self.lanes = lanes
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
-
-    def _bound(self, expr: relax.Expr) -> relax.Expr | None:
-        return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
 
     def _once(self, var: relax.Expr) -> bool:
         return isinstance(var, relax.Var) and self.uses[var] == 1

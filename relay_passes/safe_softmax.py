@@ -34,28 +34,21 @@ from collections.abc import Callable
 
 import tvm
 from tvm import relax, te, tirx, topi
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from relay_passes import rewrite_on_cpu
 from relay_passes.bindings import read_counts
 from relay_passes.pad_ragged_softmax import padded_extent, padded_rows
-from relay_passes.rebind import rebind
+from relay_passes.rebind import BoundRewriter
 from relay_passes.safe_softmax_pattern import call_of, safe_softmax_parts
 
 
 @mutator
-class _Fuser(PyExprMutator):
+class _Fuser(BoundRewriter):
     def __init__(self, mod: tvm.IRModule, uses: Counter[relax.Var], lanes: Callable[[str], int]) -> None:
         super().__init__(mod)
         self.uses = uses
         self.lanes = lanes
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
-
-    def _bound(self, expr: relax.Expr) -> relax.Expr | None:
-        return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
