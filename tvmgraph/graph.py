@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import inspect
 import itertools
@@ -413,7 +414,7 @@ class Graph:
             entry = last
         else:
             variants = st.entries.get(signature, ())
-            entry = next((e for e in variants if e.traced.result.attributes.holds()), None)
+            entry = _holding(variants)
         if entry is None:
             # About to compile: look at the model afresh first. `model.double()` or `p.data = ...`
             # change tensors with no registration for the guard to see; filed under the stale
@@ -422,7 +423,7 @@ class Graph:
             fresh = self._signature(st, args_tree, flat)
             if fresh != signature:
                 signature, variants = fresh, st.entries.get(fresh, ())
-                entry = next((e for e in variants if e.traced.result.attributes.holds()), None)
+                entry = _holding(variants)
         if entry is None:
             entry = self._compile(st, signature, args_tree, flat, variants[-1] if variants else None)
         entry.data_parallel = parallel
@@ -661,6 +662,11 @@ class Graph:
 
 
 _TRAINING = operator.attrgetter("training")
+
+
+def _holding(entries: collections.abc.Sequence[CompiledGraph]) -> CompiledGraph | None:
+    """The first of a signature's entries whose attribute values (attribute_guard.py) hold."""
+    return next((e for e in entries if e.traced.result.attributes.holds()), None)
 
 
 def _training_guards(st: _GraphState) -> tuple:
