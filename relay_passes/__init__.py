@@ -22,10 +22,13 @@ def graph_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax
 def mutate_graph_functions(mutator: relax.PyExprMutator, mod: tvm.IRModule,
                            drop_unused: bool = False) -> tvm.IRModule:
     """The module `mutator` (a PyExprMutator made over `mod`) builds by visiting each of `mod`'s
-    graph functions; with `drop_unused`, the bindings left unread go (`remove_all_unused`)."""
+    graph functions; with `drop_unused`, the dataflow bindings left unread go (`bindings.drop_unread`,
+    which keeps the boundary between a training step's forward and backward blocks)."""
+    from relay_passes.bindings import drop_unread  # bindings imports this module
+
     for gv, func in graph_functions(mod):
         new = mutator.visit_expr(func)
-        mutator.builder_.update_func(gv, relax.analysis.remove_all_unused(new) if drop_unused else new)
+        mutator.builder_.update_func(gv, drop_unread(new) if drop_unused else new)
     return mutator.builder_.get()
 
 

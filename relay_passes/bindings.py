@@ -116,6 +116,38 @@ def _block_boundary() -> relax.BindingBlock:
     return relax.BindingBlock([relax.VarBinding(relax.Var("block_boundary", relax.TupleType([])), relax.Tuple([]))])
 
 
+def drop_unread(func: relax.Function) -> relax.Function:
+    """`func` without the dataflow bindings nothing reads (transitively); blocks outside dataflow
+    are kept as they are. Unlike `relax.analysis.remove_all_unused`, this keeps a boundary
+    block (`cut_block`), which nothing reads either: without it the normalizer merged the
+    forward and backward passes back into one block, and fusion mixed their work."""
+    if not isinstance(func.body, relax.SeqExpr):
+        return func
+    reads: Counter[relax.Var] = Counter(vars_in(func.body.body))
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            reads.update(vars_in(binding.value))
+    dropped: set[relax.Var] = set()
+    for block in reversed(func.body.blocks):  # readers come after what they read: one sweep
+        if isinstance(block, relax.DataflowBlock):
+            for binding in reversed(block.bindings):
+                if reads[binding.var] == 0:
+                    dropped.add(binding.var)
+                    reads.subtract(vars_in(binding.value))
+    if not dropped:
+        return func
+    blocks = []
+    for block in func.body.blocks:
+        if isinstance(block, relax.DataflowBlock):
+            kept = [b for b in block.bindings if b.var not in dropped]
+            if kept:
+                blocks.append(relax.DataflowBlock(kept))
+        else:
+            blocks.append(block)
+    body = relax.SeqExpr(blocks, func.body.body)
+    return relax.BlockBuilder().normalize(relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))
+
+
 def rewrite_dataflow_blocks(mod: tvm.IRModule, rewrite) -> tuple[tvm.IRModule, list[str]]:
     """`mod` with each dataflow block of its graph functions replaced by `rewrite(block)`, a list
     of blocks (`[block]` for no change), and normalized; and the names of the functions that

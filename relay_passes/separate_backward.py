@@ -30,8 +30,9 @@ forward kernel, a copy (+8 MiB planned in the benchmark GPT's step).
 The backward pass starts at `bindings.backward_start` (autodiff's first `*_adjoint`). Forward
 variables the backward pass reads become block outputs (non-dataflow `Var`s).
 
-Position: after RecomputeUpcasts (and after Im2colConv, which drops unused bindings and with
-them the boundary), before the fusion passes.
+Position: after RecomputeUpcasts, before the fusion passes. A pass after it that drops unread
+bindings must keep the boundary, which nothing reads (`bindings.drop_unread`, as
+`mutate_graph_functions(drop_unused=True)` does; TVM's `remove_all_unused` drops it).
 """
 
 from __future__ import annotations

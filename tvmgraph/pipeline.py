@@ -237,8 +237,6 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    torch's do (after SimplifyBroadcastMatmul, whose patterns its casts would hide).
         AccumulateFloat32(report),
         #    On the CPU, convolutions on images narrower than a vector are im2col + matmul.
-        #    NOTE: before SeparateBackward: it drops unused bindings, and with them the boundary
-        #    that keeps the forward and backward blocks apart (bindings.cut_block).
         *([Im2colConv(report)] if target.kind.name == "llvm" else []),
         #    On the CPU, a conv1d is computed over rows padded to whole register tiles, then
         #    cropped (its stride-s input split into s contiguous phases).

@@ -1,4 +1,5 @@
-"""relay_passes/bindings.py: what a binding reads, walked in Python for the common shapes."""
+"""relay_passes/bindings.py: what a binding reads, walked in Python for the common shapes; unread
+bindings dropped with the forward/backward boundary kept."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from relay_passes.bindings import _visited_vars, vars_in
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from relay_passes.bindings import _visited_vars, drop_unread, vars_in
 
 
 def test_vars_in_reads_as_the_visitor_does() -> None:
@@ -33,3 +37,43 @@ def test_vars_in_reads_as_the_visitor_does() -> None:
         got, want = vars_in(value), _visited_vars(value)
         assert len(got) == len(want) and all(a.same_as(b) for a, b in zip(got, want)), value
     assert [v.name for v in vars_in(values[1])] == ["x", "y", "x"]
+
+
+def test_drop_unread_keeps_the_boundary_between_the_blocks() -> None:
+    """An unread chain goes (`b` only feeds the unread `c`); the boundary block, which nothing
+    reads either, stays, and with it the two dataflow blocks (relax.analysis.remove_all_unused
+    dropped it: the blocks merged)."""
+
+    @I.ir_module
+    class Cut:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")):
+            with R.dataflow():
+                a = R.add(x, x)
+                b = R.multiply(x, x)
+                c = R.exp(b)
+                R.output(a)
+            block_boundary = R.tuple()
+            with R.dataflow():
+                d = R.multiply(a, a)
+                e = R.negative(a)
+                R.output(d)
+            return d
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")):
+            with R.dataflow():
+                a = R.add(x, x)
+                R.output(a)
+            block_boundary = R.tuple()
+            with R.dataflow():
+                d = R.multiply(a, a)
+                R.output(d)
+            return d
+
+    tvm.ir.assert_structural_equal(drop_unread(Cut["main"]), Expected["main"])
+    assert [type(b).__name__ for b in drop_unread(Cut["main"]).body.blocks] == \
+        ["DataflowBlock", "BindingBlock", "DataflowBlock"]
+    assert drop_unread(Expected["main"]).same_as(Expected["main"])  # nothing unread: unchanged
