@@ -1481,6 +1481,62 @@ def test_rules_that_need_a_reduction_schedule_no_element_wise_kernel() -> None:
             assert rule.apply(func, TARGET, False) is None, type(rule).__name__
 
 
+def test_rules_that_need_one_binary_reduction_skip_other_reductions() -> None:
+    """A matmul rule (`needs_binary_reduction`) is not tried on a sum (one read) nor on a kernel
+    of two reductions; it is on a matmul."""
+    from tvmgraph.schedules.apply import KernelFacts
+
+    counting = _Counting()
+    x = te.placeholder((64, 64), name="x")
+    k = te.reduce_axis((0, 64), "k")
+    total = te.create_prim_func([x, te.compute((64,), lambda i: te.sum(x[i, k], axis=k), name="s")])
+    k2 = te.reduce_axis((0, 64), "k2")
+    s = te.compute((64,), lambda i: te.sum(x[i, k2], axis=k2), name="s")
+    k3 = te.reduce_axis((0, 64), "k3")
+    two = te.create_prim_func([x, te.compute((64,), lambda i: te.max(x[i, k3] - s[i], axis=k3), name="m")])
+    with TARGET:
+        for func in (total, two):
+            ApplyCPUSchedules(counting, Fallback())(tvm.IRModule({"main": func}))
+        assert counting.tried == []
+        ApplyCPUSchedules(counting, Fallback())(tvm.IRModule({"main": te_matmul(16, 32, 8, False, False)}))
+    assert len(counting.tried) == 1
+    assert KernelFacts.of(total) == KernelFacts(True, False, frozenset({"s"}))
+    assert not KernelFacts.of(two).binary_reduction and KernelFacts.of(two).reduces
+
+
+def test_skipped_rules_schedule_no_kernel_they_are_skipped_on() -> None:
+    """What skipping them relies on: a rule with `needs_binary_reduction` returns None on a sum,
+    a softmax-like pair of reductions and a batch norm's statistics; one with `needs_block`
+    returns None on a matmul (which has no block of that name)."""
+    from tvmgraph.schedules import default_rules
+    from tvmgraph.schedules.apply import KernelFacts
+
+    x = te.placeholder((8, 16, 32), name="x")
+    ka = te.reduce_axis((0, 32), "ka")
+    total = te.create_prim_func([x, te.compute((8, 16), lambda a, b: te.sum(x[a, b, ka], axis=ka), name="s")])
+    kb = te.reduce_axis((0, 32), "kb")
+    m = te.compute((8, 16), lambda a, b: te.max(x[a, b, kb], axis=kb), name="m")
+    kc = te.reduce_axis((0, 32), "kc")
+    softmax_sum = te.create_prim_func([x, te.compute((8, 16), lambda a, b: te.sum(tvm.tirx.exp(x[a, b, kc] - m[a, b]),
+                                                                                 axis=kc), name="z")])
+    n, c = te.reduce_axis((0, 8), "n"), te.reduce_axis((0, 32), "c")
+    squares = te.create_prim_func([x, te.compute((16,), lambda b: te.sum(x[n, b, c] * x[n, b, c], axis=[n, c]),
+                                                 name="sq")])
+    matmul = te_matmul(16, 32, 8, False, False)
+    rules = default_rules()
+    binary = [r for r in rules if getattr(r, "needs_binary_reduction", False)]
+    named = [r for r in rules if getattr(r, "needs_block", None)]
+    assert {type(r).__name__ for r in binary} == {"ConvWeightGradient", "Conv2d", "MatrixVector", "Matmul"}
+    assert {type(r).__name__ for r in named} == {"Conv1d", "Im2col"}
+    for func in (total, softmax_sum, squares):
+        assert not KernelFacts.of(func).binary_reduction
+        for rule in binary:
+            assert rule.apply(func, TARGET, False) is None, type(rule).__name__
+    for rule in named:
+        assert not KernelFacts.of(matmul).admits(rule)
+        assert rule.apply(matmul, TARGET, False) is None, type(rule).__name__
+
+
 def test_scheduled_functions_and_foreign_targets_are_left_alone() -> None:
     """is_scheduled functions are untouched; without an llvm target the pass does nothing."""
     func = te_matmul(16, 32, 8, False, False)

@@ -63,6 +63,7 @@ class Conv2d(ScheduleRule):
 
     # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
     needs_reduction = True
+    needs_binary_reduction = True  # one C += data * w block (find_conv)
 
     # Built at -O3 whatever the target's level (apply.OPT_LEVEL_ATTR): LLVM's -O1 leaves the
     # unrolled window's address arithmetic and the tile's predicates in the inner loop.

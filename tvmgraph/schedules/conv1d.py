@@ -72,6 +72,7 @@ class Conv1d(ScheduleRule):
 
     # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
     needs_reduction = True
+    needs_block = BLOCK
 
     # Built at -O3, as Conv2d's unrolled register tiles are; only measured so (its rows are
     # whole tiles: there is no partial tile's predicate for -O3 to hoist, as in Conv2d).

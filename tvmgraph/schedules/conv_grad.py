@@ -64,6 +64,7 @@ class ConvWeightGradient(ScheduleRule):
 
     # Schedules only a kernel with a reduction block (ApplyCPUSchedules tries it on no other).
     needs_reduction = True
+    needs_binary_reduction = True  # one C += data * dy block (find_conv)
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when the PrimFunc is not a conv weight gradient."""

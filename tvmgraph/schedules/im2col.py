@@ -28,6 +28,8 @@ BLOCK_NAME = "im2col"  # relay_passes/im2col_conv.py's `_im2col`
 class Im2col(ScheduleRule):
     """Parallel over (image, channel), one vector per output row."""
 
+    needs_block = BLOCK_NAME  # ApplyCPUSchedules tries it on no other kernel
+
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool) -> s_tir.Schedule | None:
         """Return the schedule, or None when `func` is not an im2col copy."""
         if not is_cpu(target):
