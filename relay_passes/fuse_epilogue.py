@@ -37,7 +37,10 @@ check this, so `bindings.Acyclic` does, for the groups of each pattern in turn.
 
 Limits: a chain ends at the first op that is not listed (batch_norm, softmax, ...), that
 broadcasts the result to a larger shape, at a reshape that splits the innermost axis (its
-stores would not vectorize; outside the group it is a view), or at a reshape to a symbolic shape (a dynamic batch:
+stores would not vectorize; outside the group it is a view), before a reshape of a value the
+group outputs anyway (a training step's activation that the backward pass reads: the group
+would store the same elements twice; outside, the reshape is a view), or at a reshape to a
+symbolic shape (a dynamic batch:
 FuseOpsByPattern would make the shape a parameter, which LegalizeOps cannot take); a transpose
 or regrouping whose result is also used elsewhere is left out of the group (it is materialized anyway); only float tensors; transposes up to rank 5.
 """
@@ -128,7 +131,30 @@ def _check(context: PatternCheckContext) -> bool:
             return False
         if _symbolic_reshape(value) or _splits_innermost_axis(value):
             return False
+        if _copies_an_output(var, value, context, inside):
+            return False
     return True
+
+
+def _used_outside(var: relax.Var, context: PatternCheckContext, inside: set[relax.Var]) -> bool:
+    """Whether the group would output `var`: a result of the block, or read by a binding outside
+    the match (as the pattern's root is)."""
+    if not isinstance(var, relax.DataflowVar):
+        return True
+    return any(u not in inside for u in context.var_usages.get(var, []))
+
+
+def _copies_an_output(var: relax.Var, value: relax.Call, context: PatternCheckContext,
+                      inside: set[relax.Var]) -> bool:
+    """A reshape that the group would output beside the value it reshapes, which the group
+    outputs too (read outside: a training step's activation read by the backward pass and, as
+    2-D, by the next layer): the kernel would store the same elements twice. Left out, the
+    reshape is a view of the group's output."""
+    if not (isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.reshape"):
+        return False
+    source = value.args[0]
+    return (isinstance(source, relax.Var) and source in inside and _used_outside(source, context, inside)
+            and _used_outside(var, context, inside))
 
 
 def _multiplies_per_axis(value: relax.Call, inside: set[relax.Var]) -> bool:
