@@ -85,7 +85,7 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
     for kernel, seconds in zip(kernels, measure.measure_seconds([k.default for k in kernels], measured_target,
                                                                 build, run)):
         kernel.default_s = seconds
-    chosen = worth_tuning(kernels)
+    chosen = searchable(worth_tuning(kernels), measured_target, graph.name)
     budget = trials if trials is not None else TRIALS_PER_KERNEL * len(chosen)
     defaults = [k.default_s for k in chosen if k.default_s]
     if defaults and rpc is None:  # hopeless candidates cut short (measure.HOPELESS)
@@ -180,6 +180,28 @@ def _records(database: Any, kernel: Kernel) -> list[Any]:
     # By the kernel's IR, not the workload object: a record committed with its own Workload
     # (a MemoryDatabase, a record built by hand) names an equal module through another object.
     return [r for r in database.get_all_tuning_records() if tvm_ffi.structural_equal(r.workload.mod, kernel.mod)]
+
+
+def searchable(kernels: list[Kernel], target: tvm.target.Target, graph_name: str) -> list[Kernel]:
+    """The kernels MetaSchedule can make a design space for. Its generic rules refuse some of
+    tvmgraph's own kernels (the attention kernel: a `reverse-compute-at` its staging does not
+    allow), and one refusal ended the whole search, every other kernel's with it; a kernel left
+    out keeps tvmgraph's schedule."""
+    from tvm.s_tir import meta_schedule as ms
+
+    kept = []
+    with measure.without_tensor_intrin():
+        for kernel in kernels:
+            context = ms.TuneContext(mod=kernel.mod, target=target, space_generator=measure.search_space(target),
+                                     task_name=kernel.name, num_threads=1)
+            try:
+                context.space_generator.generate_design_space(context.mod)
+            except Exception as e:  # noqa: BLE001  (TVM raises its own error types)
+                logger.info("%s: MetaSchedule cannot schedule kernel %s (%s); it keeps tvmgraph's schedule",
+                            graph_name, kernel.name, type(e).__name__)
+                continue
+            kept.append(kernel)
+    return kept
 
 
 def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, build: Any, run: Any,

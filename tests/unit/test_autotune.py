@@ -393,3 +393,28 @@ def test_a_hopeless_candidate_runs_once_and_the_runner_gives_up_early() -> None:
     calls.clear()
     slow = measure.CappedEvaluator(cap_s=0.0)(lib, dev, config, args)
     assert calls == [1] and len(slow) == 3 and len(set(slow)) == 1  # the one run, reported 3 times
+
+
+def test_a_kernel_metaschedule_cannot_schedule_is_left_to_tvmgraphs_schedule(caplog: pytest.LogCaptureFixture) -> None:
+    """MetaSchedule's generic rules refuse tvmgraph's attention kernel (its design space fails in
+    `reverse-compute-at`), and the refusal ended `tvmgraph tune` on every graph with attention
+    (the benchmark transformer's inference). Such a kernel is left out of the search, named at
+    INFO; the others are searched."""
+    from autotune import measure
+    from autotune.tasks import Kernel
+    from autotune.tuner import searchable
+    from tests.numeric.test_cpu_schedules import te_matmul
+    from tvmgraph.schedules.attention import attention_kernel
+
+    def kernel(name: str, func: tvm.tirx.PrimFunc) -> Kernel:
+        mod = tvm.IRModule({"main": func})
+        return Kernel(name, mod, name, 1, 0.0, mod)
+
+    # 16 features: whole vectors of them (the transformer's 64 too), the layout MetaSchedule refuses
+    attention = kernel("attention", attention_kernel(4, 16, 16, 8, 16, 16, 0.5, False, False))
+    product = kernel("matmul", te_matmul(16, 32, 8, False, False))
+    target = measure.tuning_target(CPU)
+    with caplog.at_level(logging.INFO, logger="tvmgraph.autotune"):
+        kept = searchable([attention, product], target, "Graph_0")
+    assert [k.name for k in kept] == ["matmul"]
+    assert "MetaSchedule cannot schedule kernel attention" in _messages(caplog)
