@@ -182,18 +182,24 @@ def _records(database: Any, kernel: Kernel) -> list[Any]:
     return [r for r in database.get_all_tuning_records() if tvm_ffi.structural_equal(r.workload.mod, kernel.mod)]
 
 
+def _tune_context(kernel: Kernel, target: tvm.target.Target, num_threads: int = 1, **more: Any) -> Any:
+    """MetaSchedule's TuneContext for `kernel` with tvmgraph's search space (inside
+    `measure.without_tensor_intrin()`)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    return ms.TuneContext(mod=kernel.mod, target=target, space_generator=measure.search_space(target),
+                          task_name=kernel.name, num_threads=num_threads, **more)
+
+
 def searchable(kernels: list[Kernel], target: tvm.target.Target, graph_name: str) -> list[Kernel]:
     """The kernels MetaSchedule can make a design space for. Its generic rules refuse some of
     tvmgraph's own kernels (the attention kernel: a `reverse-compute-at` its staging does not
     allow), and one refusal ended the whole search, every other kernel's with it; a kernel left
     out keeps tvmgraph's schedule."""
-    from tvm.s_tir import meta_schedule as ms
-
     kept = []
     with measure.without_tensor_intrin():
         for kernel in kernels:
-            context = ms.TuneContext(mod=kernel.mod, target=target, space_generator=measure.search_space(target),
-                                     task_name=kernel.name, num_threads=1)
+            context = _tune_context(kernel, target)
             try:
                 context.space_generator.generate_design_space(context.mod)
             except Exception as e:  # noqa: BLE001  (TVM raises its own error types)
@@ -215,9 +221,8 @@ def _search(kernels: list[Kernel], target: tvm.target.Target, database: Any, bui
     quiet.setLevel(logging.WARNING)
     threads = os.cpu_count() or 1
     with measure.without_tensor_intrin():
-        contexts = [ms.TuneContext(mod=k.mod, target=target, space_generator=measure.search_space(target),
-                                   search_strategy=measure.search_strategy(), task_name=k.name, logger=quiet,
-                                   num_threads=threads).clone() for k in kernels]
+        contexts = [_tune_context(k, target, search_strategy=measure.search_strategy(), logger=quiet,
+                                  num_threads=threads).clone() for k in kernels]
     bar = _progress_bar(trials) if progress else None
 
     def on_round(measured: int, estimate_us: float) -> None:

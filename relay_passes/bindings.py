@@ -26,10 +26,16 @@ def read_counts(mod: tvm.IRModule) -> Counter[relax.Var]:
     """How many times each variable of `mod`'s graph functions is read."""
     counts: Counter[relax.Var] = Counter()
     for _, func in graph_functions(mod):
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                counts.update(vars_in(binding.value))
-        counts.update(vars_in(func.body.body))
+        counts.update(function_reads(func))
+    return counts
+
+
+def function_reads(func: relax.Function) -> Counter[relax.Var]:
+    """How many times each variable is read in `func`'s bindings and result."""
+    counts: Counter[relax.Var] = Counter(vars_in(func.body.body))
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            counts.update(vars_in(binding.value))
     return counts
 
 
@@ -123,10 +129,7 @@ def drop_unread(func: relax.Function) -> relax.Function:
     forward and backward passes back into one block, and fusion mixed their work."""
     if not isinstance(func.body, relax.SeqExpr):
         return func
-    reads: Counter[relax.Var] = Counter(vars_in(func.body.body))
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            reads.update(vars_in(binding.value))
+    reads = function_reads(func)
     dropped: set[relax.Var] = set()
     for block in reversed(func.body.blocks):  # readers come after what they read: one sweep
         if isinstance(block, relax.DataflowBlock):

@@ -124,8 +124,7 @@ def _check(context: PatternCheckContext) -> bool:
         if not isinstance(value, relax.Call) or value.same_as(producer):
             continue
         if var in operand_side:
-            outside = not isinstance(var, relax.DataflowVar)  # a result of the block
-            if outside or any(u not in inside for u in context.var_usages.get(var, [])):
+            if _used_outside(var, context, inside):
                 return False
         elif not _same_size(_numel(value), size) or not _multiplies_per_axis(value, inside):
             return False
