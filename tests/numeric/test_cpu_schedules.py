@@ -284,6 +284,72 @@ def test_matmul_packs_a_b_contiguous_along_j_that_many_rows_reread(mcpu: str, m:
     torch.testing.assert_close(out, torch.relu(a @ b + bias), **TOL)
 
 
+def _store_vector_runs_along_rows(text: str) -> bool:
+    """Whether the epilogue's vectorized loop indexes the output's last (contiguous) axis."""
+    at = text.rindex("T.vectorized(")
+    loop = re.findall(r"for (\w+) in T\.vectorized", text[:at + 14])[-1]
+    store = text[at:]
+    last_index = re.search(r"epilogue\[\w+, (\w+)\] =", store).group(1)
+    return re.search(rf"{last_index} = T\.axis\.spatial\([^\n]*\b{loop}\b", store) is not None
+
+
+@pytest.mark.parametrize("m, n, k, packed", [
+    (64, 1024, 1024, "A"), (48, 1024, 512, "A"), (32, 512, 512, "A"),
+    (16, 1024, 1024, None),  # the MatrixVector rule's dot products: as fast at 16 rows
+    (64, 256, 1024, "B"),  # 4 rows of W per row of x, and W in L2: its copy costs little
+    (128, 2048, 1024, "B"),  # rows enough to pay for packing W
+    (8, 1024, 1024, None),  # fewer rows than a vector's lanes: the MatrixVector rule's
+])
+def test_few_rows_of_x_against_a_large_w_run_as_w_at_x_t(m: int, n: int, k: int, packed: str | None) -> None:
+    """relu(x @ W.T + b). Before: every call packs W into panels (a transposing copy of all of
+    W, a third of a 64 x 1024 x 1024 product on Sapphire Rapids) and the tiles broadcast x.
+    After, for 32 to 64 rows of x against a W of 1 MiB or more with 16 rows per row of x: the
+    operands swap roles (C.T = W @ x.T), W is read in place, x is packed, and the store's
+    vectors still run along the output's rows (along the tile's I, not its J). Decided for
+    Sapphire Rapids (Intel, 32 vector registers; Zen 5 keeps packing W); the numbers are checked
+    on this machine's CPU, whose own decision is checked as well."""
+    func = te_matmul(m, n, k, False, True)
+    with Target({"kind": "llvm", "mcpu": "sapphirerapids"}):
+        scheduled = ApplyCPUSchedules()(tvm.IRModule({"main": func}))["main"]
+    text = scheduled.script()
+    assert ('T.sblock("A_' in text, 'T.sblock("B_' in text) == (packed == "A", packed == "B"), text[:2500]
+    if packed is not None:
+        assert _store_vector_runs_along_rows(text), text[-1500:]
+    x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    out, here = run_prim_func(func, x, w, bias, out_shape=(m, n))
+    torch.testing.assert_close(out, torch.relu(x @ w.T + bias), **TOL)
+    assert ('T.sblock("A_' in here.script()) is (packed == "A" and _swaps_on(TARGET))
+    with Target({"kind": "llvm", "mcpu": "znver5"}):  # measured slower on Zen 5: not swapped
+        zen = ApplyCPUSchedules()(tvm.IRModule({"main": func}))["main"].script()
+    assert 'T.sblock("A_global"' not in zen  # x's panels (a padded A is "A_reindex_pad")
+
+
+def _swaps_on(target: Target) -> bool:
+    cpu = CPUTarget.from_target(target)
+    return cpu.core == "intel" and cpu.num_vector_registers >= 32
+
+
+def test_swapped_operands_keep_the_epilogue_on_the_output_indices() -> None:
+    """A residual add and a scale after x @ W.T (operands swapped): the epilogue reads its other
+    operands at the output's own [row, column], not the tile's transposed ones."""
+    m, n, k = 32, 1024, 512
+    x = relax.Var("x", relax.TensorType((m, k), "float32"))
+    w = relax.Var("w", relax.TensorType((n, k), "float32"))
+    r = relax.Var("r", relax.TensorType((m, n), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, r]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+            out = bb.emit_output(relax.op.multiply(relax.op.add(y, r), relax.const(0.5, "float32")))
+        bb.emit_func_output(out)
+    xs, ws, rs = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+    out, scheduled = run_relax(bb.get(), xs, ws, rs, extra=(relax.transform.FuseTransposeMatmul(),))
+    torch.testing.assert_close(out, (xs @ ws.T + rs) * 0.5, **TOL)
+    if _swaps_on(TARGET):  # swapped here: x is packed
+        (kernel,) = prim_funcs(scheduled).values()
+        assert 'T.sblock("x_' in kernel.script()
+
+
 def test_padded_rows_of_a_product_stored_through_a_reshape_stay_out_of_the_output() -> None:
     """C[n, (b, t)] = A[n, :] @ B[:, (b, t)] with 3 rows, padded to the 4-row tile, stored as
     out[b * 3 + n, t] (a 3-D adaptive average pool's gradient, one axis at a time). Inlined

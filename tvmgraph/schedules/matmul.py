@@ -31,6 +31,9 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      before it is stored. One row of A with B read in place (x @ W at batch 1) runs instead
      parallel(chunks of J) > steps of ROW_STEP rows of B > the chunk's panels > those rows, so
      that B's rows are read along their length (`_tile_one_row_by_k_steps`).
+  5. x @ W.T with 32 to 64 rows of x and a large W (`swap_pays`) runs as W @ x.T: the
+     operands swap roles before step 1, so that W is read in place and x is packed, and the
+     epilogue stores each tile along its I (an output row's contiguous elements).
 
 A dynamic batch makes some axes symbolic: the tile and the panel decision are those of batch 64
 (loops.work_extent), preferring a tile that divides the constant the axis is a multiple of (the
@@ -40,8 +43,10 @@ provably divides it (a 1x1 convolution's J, n * H * W, usually is).
 Limits: float types only; no K blocking (fine while a B panel, K * nj
 floats, fits in L2: K up to ~4096); B is packed on every call, even a weight an inference
 graph reads unchanged: at 64 x 1024 x 1024 that caps the product at 61-67% of the FMA peak on
-Zen 3, where panels packed once ran at 76-83% (docs/benchmarks.md); a matrix-vector product with
-a transposed B packs it too (a dot-product kernel would read it once).
+Zen 3, where panels packed once ran at 76-83% (docs/benchmarks.md); x @ W with W[K, N] (an
+input gradient dy @ W) packs W through strided reads, a new page per row (on Sapphire Rapids
+40% of a 64 x 1024 x 1024 product), which swapping the operands does not avoid (W's columns
+would then be broadcast: 1.4-1.6x the time).
 """
 
 from __future__ import annotations
@@ -265,6 +270,52 @@ def prepare_matmul(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBloc
     return None if operands is None else (sch, main, operands)
 
 
+# x @ W.T with a few rows of x and a large W (nn.Linear at batch 32 to 64: an MLP's inference
+# and forward pass). Packing W into panels is a transposing copy of all of W on every call, and
+# it cost more than a third of the product: 0.25 ms of 0.72 at 64 x 1024 x 1024 (Sapphire
+# Rapids, 2 vCPUs; MKL took 0.77). With the operands' roles swapped, C.T = W @ x.T, the tiles
+# broadcast W's rows, read in place along K (a few sequential streams, from memory once), and
+# the panels are x's, a copy I / J the size. Time swapped / W packed, relu(x @ W.T + b) on that
+# machine (rows x K -> J): 64 x 784 -> 1024 0.89, 64 x 1024 -> 1024 0.84, 64 x 4096 -> 4096
+# 0.76, 64 x 256 -> 1024 0.91, 48 x 1024 -> 1024 0.75; 32 x 1024 -> 1024 0.79 and 32 x 512 ->
+# 512 0.81 against the MatrixVector rule, which took those. Slower: 64 x 1024 -> 256 1.01-1.11
+# and 64 x 256 -> 256 1.6 (W in L2: its copy costs little), 100 rows 1.15, 128 rows 0.99, 256
+# rows 1.04; at 16 rows the MatrixVector rule's dot products are as fast or faster (0.94-1.17,
+# 1.7 at 16 x 1024 -> 256) but for large W (16 x 4096 -> 1024 0.60), left to it. Only measured
+# on Intel with AVX-512, for float32, and taken there only: on Zen 5 an earlier swap (its store
+# still along J) ran 1.4-1.9x slower (docs/schedules.md).
+SWAP_ROWS = (32, 64)  # rows of x, a multiple of the vector lanes (x's panels then need no padding)
+SWAP_MIN_COLUMNS_PER_ROW = 16  # rows of W per row of x
+SWAP_MIN_B_BYTES = 1 << 20  # W
+SWAP_MIN_K = 256
+
+
+def swap_pays(stmt: s_tir.SBlock, a: int, b: int, cpu: CPUTarget, dtype: str) -> bool:
+    """Whether the product C[I, J] = A[I, K] B[J, K] runs faster as C.T = B @ A.T, its tiles
+    along B's rows (see SWAP_ROWS): float32 on an Intel core with AVX-512, static, unbatched,
+    both operands contiguous along K, few rows of A against a large B, and a tile for the
+    swapped product that pads neither axis."""
+    if dtype != "float32" or cpu.core != "intel" or cpu.num_vector_registers < 32:
+        return False
+    if not (contiguous_along_reduction(stmt, a) and contiguous_along_reduction(stmt, b)):
+        return False
+    traits = _traits(stmt, a, b)
+    if traits is None or not all(isinstance(t.extent, tirx.IntImm) for t in traits):
+        return False
+    extent = {IterKind.kIter_S: 1, IterKind.kIter_I: 1, IterKind.kIter_J: 1, IterKind.kIter_K: 1}
+    for trait in traits:
+        if trait.kind in extent:
+            extent[trait.kind] *= int(trait.extent)
+    s, i, j, k = (extent[kind] for kind in (IterKind.kIter_S, IterKind.kIter_I, IterKind.kIter_J,
+                                             IterKind.kIter_K))
+    lanes, dtype_bytes = cpu.lanes(dtype), element_bytes(dtype)
+    if (s != 1 or not SWAP_ROWS[0] <= i <= SWAP_ROWS[1] or i % lanes or k < SWAP_MIN_K
+            or j < SWAP_MIN_COLUMNS_PER_ROW * i or j * k * dtype_bytes < SWAP_MIN_B_BYTES):
+        return False
+    tile = choose_tile(j, i, lanes, cpu.num_vector_registers, k, dtype_bytes, core=cpu.core)
+    return j % tile.mi == 0 and i % tile.nj == 0
+
+
 class Matmul(ScheduleRule):
     """Register-tiled, packed, parallel matmul with the epilogue fused into the store."""
 
@@ -278,12 +329,16 @@ class Matmul(ScheduleRule):
         if prepared is None:
             return None
         sch, main, (a, b) = prepared
+        cpu = CPUTarget.from_target(target)
+        dtype = sch.get(main).writes[0].source.dtype
+        # C.T = W @ x.T: the tiles run along W's rows (see swap_pays) and store transposed.
+        swapped = swap_pays(sch.get(main), a, b, cpu, dtype)
+        if swapped:
+            a, b = b, a
         a_rows_along_k = contiguous_along_reduction(sch.get(main), a)
         extents = canonicalize(sch, main, a, b)
         if extents is None:
             return None
-        cpu = CPUTarget.from_target(target)
-        dtype = sch.get(main).writes[0].source.dtype
         dtype_bytes = element_bytes(dtype)
         lanes = cpu.lanes(dtype)
         b_contiguous = _b_contiguous(func, sch, main, lanes)
@@ -311,10 +366,11 @@ class Matmul(ScheduleRule):
         if chunks is not None:
             outer = tile_loop = _tile_one_row_by_k_steps(sch, main, tile, chunks)
         elif row_blocks is not None:
-            outer, tile_loop = _tile_row_blocks(sch, main, tile, row_blocks, padded)
+            outer, tile_loop = _tile_row_blocks(sch, main, tile, row_blocks, padded, store_along_i=swapped)
         else:
             rows_outer = not panel_major and _rows_outermost(i_at, j_at, k_at, dtype_bytes)
-            outer, tile_loop = _tile_main(sch, main, tile, panel_major, padded, rows_outer)
+            outer, tile_loop = _tile_main(sch, main, tile, panel_major, padded, rows_outer,
+                                          store_along_i=swapped)
         if panel_major:
             sch.compute_at(packed, outer, preserve_unit_loops=True)
             _schedule_pack(sch, packed, tile, b_contiguous, parallel=False)
@@ -614,11 +670,12 @@ def _rows_outermost(i_extent: int, j_extent: int, k_extent: int, dtype_bytes: in
 
 
 def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, panel_major: bool = False,
-               padded: tuple[int, ...] = (), rows_outer: bool = False) -> tuple[LoopRV, LoopRV]:
+               padded: tuple[int, ...] = (), rows_outer: bool = False,
+               store_along_i: bool = False) -> tuple[LoopRV, LoopRV]:
     """Tile the product; the parallel loop runs over (S, J panels, I tiles), with `rows_outer`
     over (S, I tiles, J panels) (_rows_outermost), or with `panel_major` over (S, J panels)
     only, the I tiles of a panel in order inside it. Returns the parallel loop and the loop
-    over tiles."""
+    over tiles. `store_along_i`: see fuse_epilogue."""
     s, i, j, k = sch.get_loops(main)
     io, ii = sch.split(i, [None, tile.mi])
     jo, ji, jv = sch.split(j, [None, tile.nvec, tile.lanes])
@@ -629,19 +686,20 @@ def _tile_main(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, panel_major: boo
     else:
         outer = sch.fuse(s, io, jo) if rows_outer else sch.fuse(s, jo, io)
     tile_loop = io if panel_major else outer
-    _finish_tiles(sch, main, tile, outer, tile_loop, work, (ii, ji, jv, k), padded)
+    _finish_tiles(sch, main, tile, outer, tile_loop, work, (ii, ji, jv, k), padded, store_along_i)
     return outer, tile_loop
 
 
 def _finish_tiles(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, outer: LoopRV, tile_loop: LoopRV,
-                  work: int, inner: tuple[LoopRV, LoopRV, LoopRV, LoopRV], padded: tuple[int, ...]) -> None:
+                  work: int, inner: tuple[LoopRV, LoopRV, LoopRV, LoopRV], padded: tuple[int, ...],
+                  store_along_i: bool = False) -> None:
     """What every tiling of the product shares: the accumulator tile kept in registers and
     stored, with its epilogue, once per `tile_loop` iteration; `outer` parallel; the tile's
     rows and vectors (`inner`: ii, ji, jv and the K loop outside them) unrolled and vectorized."""
     ii, ji, jv, k = inner
     store = sch.cache_write(main, 0, ACCUMULATOR_SCOPE)
     sch.reverse_compute_at(store, tile_loop, preserve_unit_loops=True)
-    fuse_epilogue(sch, store, tile_loop, tile.lanes, padded)
+    fuse_epilogue(sch, store, tile_loop, tile.lanes, padded, along_i=store_along_i)
     parallelize(sch, [outer], work)
     sch.unroll(ii)
     sch.unroll(ji)
@@ -696,7 +754,7 @@ def _row_block_tiles(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, pack: bool
 
 
 def _tile_row_blocks(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, per_block: int,
-                     padded: tuple[int, ...] = ()) -> tuple[LoopRV, LoopRV]:
+                     padded: tuple[int, ...] = (), store_along_i: bool = False) -> tuple[LoopRV, LoopRV]:
     """Tile the product as parallel(S, blocks of `per_block` tiles of rows) > J panels > the
     block's tiles > K > ...; B is packed whole before it. Returns the parallel loop and the
     loop over tiles."""
@@ -706,7 +764,7 @@ def _tile_row_blocks(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, per_block:
     jo, ji, jv = sch.split(j, [None, tile.nvec, tile.lanes])
     sch.reorder(s, ib, jo, io, k, ii, ji, jv)
     outer = sch.fuse(s, ib)
-    _finish_tiles(sch, main, tile, outer, io, work, (ii, ji, jv, k), padded)
+    _finish_tiles(sch, main, tile, outer, io, work, (ii, ji, jv, k), padded, store_along_i)
     return outer, io
 
 
@@ -760,9 +818,14 @@ def _tile_one_row_by_k_steps(sch: s_tir.Schedule, main: SBlockRV, tile: Tile, ch
 
 
 def fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: int,
-                  padded: tuple[int, ...] = ()) -> None:
+                  padded: tuple[int, ...] = (), along_i: bool = False) -> None:
     """Inline the consumers of the accumulator into its store; compute the rest per tile
     where they read what the tile computed at its own indices, else after the whole product.
+
+    `along_i`: the output's rows run along the tile's I (operands swapped, see swap_pays):
+    the store's vector runs along I, a contiguous piece of an output row per column of the
+    tile. Along J each lane went to its own row, 4 KiB apart: 64 x 1024 outputs stored that
+    way took 0.13 ms of a 0.72 ms product.
 
     `padded`: the accumulator's axes zero-padded to whole tiles. A consumer is inlined only if
     it reads each of them at one of its own indices alone: the store then runs over the padded
@@ -792,7 +855,11 @@ def fuse_epilogue(sch: s_tir.Schedule, store: SBlockRV, outer: LoopRV, lanes: in
     # block scheduled, and `schedule_remaining` would then leave it serial (the transformer's
     # GELU over 1024 x 1024 outputs ran on one core in the training step: that kernel took
     # 5.3 ms per step, 4.9 ms with the GELU on both cores).
-    for block in [store, *rest] if per_tile else [store]:
+    if along_i:
+        *_, i_loop, j_loop = sch.get_loops(store)
+        sch.reorder(j_loop, i_loop)
+        sch.vectorize(i_loop)
+    for block in ([] if along_i else [store]) + (rest if per_tile else []):
         inner = sch.get_loops(block)[-1]
         extent = static_extent(sch, inner)
         if extent is not None and extent % lanes == 0:
