@@ -295,7 +295,8 @@ def _store_vector_runs_along_rows(text: str) -> bool:
 
 @pytest.mark.parametrize("m, n, k, packed", [
     (64, 1024, 1024, "A"), (48, 1024, 512, "A"), (32, 512, 512, "A"),
-    (16, 1024, 1024, None),  # the MatrixVector rule's dot products: as fast at 16 rows
+    (16, 1024, 1024, None),  # the MatrixVector rule's dot products: as fast with a W of 4 MiB
+    (16, 2048, 2048, "A"),  # ... not with 16 MiB
     (64, 256, 1024, "B"),  # 4 rows of W per row of x, and W in L2: its copy costs little
     (128, 2048, 1024, "B"),  # rows enough to pay for packing W
     (8, 1024, 1024, None),  # fewer rows than a vector's lanes: the MatrixVector rule's
@@ -303,9 +304,10 @@ def _store_vector_runs_along_rows(text: str) -> bool:
 def test_few_rows_of_x_against_a_large_w_run_as_w_at_x_t(m: int, n: int, k: int, packed: str | None) -> None:
     """relu(x @ W.T + b). Before: every call packs W into panels (a transposing copy of all of
     W, a third of a 64 x 1024 x 1024 product on Sapphire Rapids) and the tiles broadcast x.
-    After, for 32 to 64 rows of x against a W of 1 MiB or more with 16 rows per row of x: the
-    operands swap roles (C.T = W @ x.T), W is read in place, x is packed, and the store's
-    vectors still run along the output's rows (along the tile's I, not its J). Decided for
+    After, for 16 to 64 rows of x against a W of 1 MiB or more (8 MiB under 32 rows) with 16
+    rows of W per row of x: the operands swap roles (C.T = W @ x.T), W is read in place, x is
+    packed, and the store's vectors still run along the output's rows (along the tile's I, not
+    its J). Decided for
     Sapphire Rapids (Intel, 32 vector registers; Zen 5 keeps packing W); the numbers are checked
     on this machine's CPU, whose own decision is checked as well."""
     func = te_matmul(m, n, k, False, True)

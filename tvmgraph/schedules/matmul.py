@@ -31,7 +31,7 @@ Schedule, with `lanes` floats per vector register (16 on AVX-512):
      before it is stored. One row of A with B read in place (x @ W at batch 1) runs instead
      parallel(chunks of J) > steps of ROW_STEP rows of B > the chunk's panels > those rows, so
      that B's rows are read along their length (`_tile_one_row_by_k_steps`).
-  5. x @ W.T with 32 to 64 rows of x and a large W (`swap_pays`) runs as W @ x.T: the
+  5. x @ W.T with 16 to 64 rows of x and a large W (`swap_pays`) runs as W @ x.T: the
      operands swap roles before step 1, so that W is read in place and x is packed, and the
      epilogue stores each tile along its I (an output row's contiguous elements).
 
@@ -270,7 +270,7 @@ def prepare_matmul(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBloc
     return None if operands is None else (sch, main, operands)
 
 
-# x @ W.T with a few rows of x and a large W (nn.Linear at batch 32 to 64: an MLP's inference
+# x @ W.T with a few rows of x and a large W (nn.Linear at batch 16 to 64: an MLP's inference
 # and forward pass). Packing W into panels is a transposing copy of all of W on every call, and
 # it cost more than a third of the product: 0.25 ms of 0.72 at 64 x 1024 x 1024 (Sapphire
 # Rapids, 2 vCPUs; MKL took 0.77). With the operands' roles swapped, C.T = W @ x.T, the tiles
@@ -280,13 +280,17 @@ def prepare_matmul(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBloc
 # 0.76, 64 x 256 -> 1024 0.91, 48 x 1024 -> 1024 0.75; 32 x 1024 -> 1024 0.79 and 32 x 512 ->
 # 512 0.81 against the MatrixVector rule, which took those. Slower: 64 x 1024 -> 256 1.01-1.11
 # and 64 x 256 -> 256 1.6 (W in L2: its copy costs little), 100 rows 1.15, 128 rows 0.99, 256
-# rows 1.04; at 16 rows the MatrixVector rule's dot products are as fast or faster (0.94-1.17,
-# 1.7 at 16 x 1024 -> 256) but for large W (16 x 4096 -> 1024 0.60), left to it. Only measured
+# rows 1.04. At 16 rows only for a W of 8 MiB or more: against the MatrixVector rule or the
+# packed product, 16 x 3072 -> 768 0.67, 16 x 2048 -> 2048 0.78, 16 x 4096 -> 1024 0.59,
+# 16 x 4096 -> 4096 0.56, 16 x 8192 -> 1024 0.56; with less, MatrixVector's dot products were
+# as fast or faster (16 x 1024 -> 1024 0.94, 16 x 2048 -> 512 1.02, 16 x 1024 -> 512 1.17,
+# 16 x 1024 -> 256 1.7). Only measured
 # on Intel with AVX-512, for float32, and taken there only: on Zen 5 an earlier swap (its store
 # still along J) ran 1.4-1.9x slower (docs/schedules.md).
-SWAP_ROWS = (32, 64)  # rows of x, a multiple of the vector lanes (x's panels then need no padding)
+SWAP_ROWS = (16, 64)  # rows of x, a multiple of the vector lanes (x's panels then need no padding)
 SWAP_MIN_COLUMNS_PER_ROW = 16  # rows of W per row of x
 SWAP_MIN_B_BYTES = 1 << 20  # W
+SWAP_MIN_B_BYTES_UNDER_32_ROWS = 8 << 20
 SWAP_MIN_K = 256
 
 
@@ -309,8 +313,9 @@ def swap_pays(stmt: s_tir.SBlock, a: int, b: int, cpu: CPUTarget, dtype: str) ->
     s, i, j, k = (extent[kind] for kind in (IterKind.kIter_S, IterKind.kIter_I, IterKind.kIter_J,
                                              IterKind.kIter_K))
     lanes, dtype_bytes = cpu.lanes(dtype), element_bytes(dtype)
+    min_b_bytes = SWAP_MIN_B_BYTES if i >= 32 else SWAP_MIN_B_BYTES_UNDER_32_ROWS
     if (s != 1 or not SWAP_ROWS[0] <= i <= SWAP_ROWS[1] or i % lanes or k < SWAP_MIN_K
-            or j < SWAP_MIN_COLUMNS_PER_ROW * i or j * k * dtype_bytes < SWAP_MIN_B_BYTES):
+            or j < SWAP_MIN_COLUMNS_PER_ROW * i or j * k * dtype_bytes < min_b_bytes):
         return False
     tile = choose_tile(j, i, lanes, cpu.num_vector_registers, k, dtype_bytes, core=cpu.core)
     return j % tile.mi == 0 and i % tile.nj == 0
