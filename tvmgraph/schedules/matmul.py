@@ -284,9 +284,9 @@ def prepare_matmul(func: tirx.PrimFunc, target: Target) -> tuple[Schedule, SBloc
 # packed product, 16 x 3072 -> 768 0.67, 16 x 2048 -> 2048 0.78, 16 x 4096 -> 1024 0.59,
 # 16 x 4096 -> 4096 0.56, 16 x 8192 -> 1024 0.56; with less, MatrixVector's dot products were
 # as fast or faster (16 x 1024 -> 1024 0.94, 16 x 2048 -> 512 1.02, 16 x 1024 -> 512 1.17,
-# 16 x 1024 -> 256 1.7). Only measured
-# on Intel with AVX-512, for float32, and taken there only: on Zen 5 an earlier swap (its store
-# still along J) ran 1.4-1.9x slower (docs/schedules.md).
+# 16 x 1024 -> 256 1.7). Only measured on Intel with AVX-512, for float32, and taken there
+# only: on Zen 5 an earlier swap (its store still along J) ran 1.4-1.9x slower
+# (docs/schedules.md).
 SWAP_ROWS = (16, 64)  # rows of x, a multiple of the vector lanes (x's panels then need no padding)
 SWAP_MIN_COLUMNS_PER_ROW = 16  # rows of W per row of x
 SWAP_MIN_B_BYTES = 1 << 20  # W
