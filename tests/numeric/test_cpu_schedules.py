@@ -42,7 +42,7 @@ from tvmgraph.schedules import (
 from tvmgraph.schedules.fast_math import fast_erf, fast_exp, fast_sigmoid, fast_tanh, use_fast_math
 from tvmgraph.schedules.loops import MIN_PARALLEL_ELEMENTS
 from tvmgraph.schedules.cpu_target import CPUTarget
-from tvmgraph.schedules.matmul import ROW_STEP, choose_tile
+from tvmgraph.schedules.matmul import ROW_STEP, choose_tile, swaps_on
 from tvmgraph.schedules.reduction import CHANNELS_PER_THREAD, ROW_CHAINS
 
 TARGET = tvm.target.Target(
@@ -307,9 +307,8 @@ def test_few_rows_of_x_against_a_large_w_run_as_w_at_x_t(m: int, n: int, k: int,
     After, for 16 to 64 rows of x against a W of 1 MiB or more (8 MiB under 32 rows) with 16
     rows of W per row of x: the operands swap roles (C.T = W @ x.T), W is read in place, x is
     packed, and the store's vectors still run along the output's rows (along the tile's I, not
-    its J). Decided for
-    Sapphire Rapids (Intel, 32 vector registers; Zen 5 keeps packing W); the numbers are checked
-    on this machine's CPU, whose own decision is checked as well."""
+    its J). Decided for Sapphire Rapids (Intel, 32 vector registers; Zen 5 keeps packing W); the
+    numbers are checked on this machine's CPU, whose own decision is checked as well."""
     func = te_matmul(m, n, k, False, True)
     with Target({"kind": "llvm", "mcpu": "sapphirerapids"}):
         scheduled = ApplyCPUSchedules()(tvm.IRModule({"main": func}))["main"]
@@ -320,15 +319,10 @@ def test_few_rows_of_x_against_a_large_w_run_as_w_at_x_t(m: int, n: int, k: int,
     x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
     out, here = run_prim_func(func, x, w, bias, out_shape=(m, n))
     torch.testing.assert_close(out, torch.relu(x @ w.T + bias), **TOL)
-    assert ('T.sblock("A_' in here.script()) is (packed == "A" and _swaps_on(TARGET))
+    assert ('T.sblock("A_' in here.script()) is (packed == "A" and swaps_on(CPUTarget.from_target(TARGET)))
     with Target({"kind": "llvm", "mcpu": "znver5"}):  # measured slower on Zen 5: not swapped
         zen = ApplyCPUSchedules()(tvm.IRModule({"main": func}))["main"].script()
     assert 'T.sblock("A_global"' not in zen  # x's panels (a padded A is "A_reindex_pad")
-
-
-def _swaps_on(target: Target) -> bool:
-    cpu = CPUTarget.from_target(target)
-    return cpu.core == "intel" and cpu.num_vector_registers >= 32
 
 
 @pytest.mark.parametrize("lead", [(32,), (2, 16)], ids=["2-D", "3-D"])
@@ -350,7 +344,7 @@ def test_swapped_operands_keep_the_epilogue_on_the_output_indices(lead: tuple[in
     xs, ws, rs = torch.randn(*lead, k), torch.randn(n, k), torch.randn(*lead, n)
     out, scheduled = run_relax(bb.get(), xs, ws, rs, extra=(relax.transform.FuseTransposeMatmul(),))
     torch.testing.assert_close(out, torch.nn.functional.gelu(xs @ ws.T + rs) * 0.5, **TOL)
-    if _swaps_on(TARGET):  # swapped here: x is packed
+    if swaps_on(CPUTarget.from_target(TARGET)):  # swapped here: x is packed
         kernels = [f.script() for f in prim_funcs(scheduled).values()]
         assert any('T.sblock("x_' in text for text in kernels), kernels
 

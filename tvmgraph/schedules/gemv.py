@@ -92,7 +92,8 @@ class MatrixVector(ScheduleRule):
         if not all(contiguous_along_reduction(stmt, x) for x in (a, b)):
             return None
         cpu = CPUTarget.from_target(target)
-        if swap_pays(stmt, a, b, cpu, stmt.writes[0].source.dtype):
+        dtype = str(stmt.writes[0].source.dtype)
+        if swap_pays(stmt, a, b, cpu, dtype):
             return None  # the matmul rule's swapped tiles (Sapphire Rapids: 0.75-0.9x the time)
         extents = canonicalize(sch, main, a, b)
         if extents is None:
@@ -104,7 +105,7 @@ class MatrixVector(ScheduleRule):
         few_rows_of_w = j_ext is not None and j_ext <= MAX_ROWS_OF_W_REREADING_A
         if i_ext > 1 and i_ext * k_ext * a_bytes > MAX_A_BYTES and not few_rows_of_w:
             return None
-        width = cpu.lanes(str(sch.get(main).writes[0].source.dtype))
+        width = cpu.lanes(dtype)
         while width >= 4 and k_ext % width:
             width //= 2
         if width < 4:

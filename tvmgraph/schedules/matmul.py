@@ -294,12 +294,17 @@ SWAP_MIN_B_BYTES_UNDER_32_ROWS = 8 << 20
 SWAP_MIN_K = 256
 
 
+def swaps_on(cpu: CPUTarget) -> bool:
+    """Whether `swap_pays` may swap on this core: an Intel core with AVX-512, where measured."""
+    return cpu.core == "intel" and cpu.num_vector_registers >= 32
+
+
 def swap_pays(stmt: s_tir.SBlock, a: int, b: int, cpu: CPUTarget, dtype: str) -> bool:
     """Whether the product C[I, J] = A[I, K] B[J, K] runs faster as C.T = B @ A.T, its tiles
-    along B's rows (see SWAP_ROWS): float32 on an Intel core with AVX-512, static, unbatched,
-    both operands contiguous along K, few rows of A against a large B, and a tile for the
-    swapped product that pads neither axis."""
-    if dtype != "float32" or cpu.core != "intel" or cpu.num_vector_registers < 32:
+    along B's rows (see SWAP_ROWS): float32 on an Intel core with AVX-512 (`swaps_on`), static,
+    unbatched, both operands contiguous along K, few rows of A against a large B, and a tile for
+    the swapped product that pads neither axis."""
+    if dtype != "float32" or not swaps_on(cpu):
         return False
     if not (contiguous_along_reduction(stmt, a) and contiguous_along_reduction(stmt, b)):
         return False
