@@ -198,6 +198,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.recompute_shared_layouts import RecomputeSharedLayouts
     from relay_passes.recompute_upcasts import RecomputeUpcasts
     from relay_passes.separate_backward import SeparateBackward
+    from relay_passes.share_transposes import ShareTransposes
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
     from relay_passes.simplify_power import SimplifyPower
     from relay_passes.split_as_slices import SplitAsSlices
@@ -256,6 +257,10 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    An eval-mode batch norm is a per-channel multiply-add, which FuseEpilogue then
         #    takes into the convolution or matmul before it.
         InferenceBatchNormAsScale(report),
+        #    A transpose repeated (an RNN's `h @ W_hh.T` at every time step) is computed once,
+        #    so that FuseEpilogue leaves it out of the matmul kernels: one transpose, not one
+        #    transposing copy of the weight per step.
+        ShareTransposes(report),
         #    Each matmul/conv2d is grouped with its epilogue and operand transposes
         #    (allow_fuse_add_to_output); FuseOps (step 5) fuses the rest.
         FuseEpilogue(config.fuse_add_to_output, report),
