@@ -1,8 +1,9 @@
 """Models in the shapes users bring, after their well-known designs (random weights, no downloads).
 
 torchvision's ResNet BasicBlock, nanoGPT's block with tied embeddings, a GRU/LSTM classifier, a
-U-Net with skip concatenation, a ViT patch embedding, an M5-style raw-audio Conv1d net: not
-shapes tvmgraph was built around. The defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
+U-Net with skip concatenation, a ViT patch embedding, an M5-style raw-audio Conv1d net,
+MobileNetV3's squeeze-excite blocks with hardswish, ConvNeXt's blocks, nn.TransformerEncoder, a
+dilated temporal conv net: not shapes tvmgraph was built around. The defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
 at full size.
 """
 
@@ -184,3 +185,98 @@ class AudioConv(nn.Module):
 
     def forward(self, x):
         return self.net(x)
+
+
+class SqueezeExcite(nn.Module):
+    """MobileNetV3's channel attention: a mean over the image, two small linears, hardsigmoid."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.reduce, self.expand = nn.Linear(channels, channels // 4), nn.Linear(channels // 4, channels)
+
+    def forward(self, x):
+        scale = F.hardsigmoid(self.expand(F.relu(self.reduce(x.mean((2, 3))))))
+        return x * scale[:, :, None, None]
+
+
+class InvertedResidualSE(nn.Module):
+    """MobileNetV3's block: 1x1 expand, 5x5 depthwise, squeeze-excite, 1x1 project; hardswish."""
+
+    def __init__(self, channels: int, expanded: int) -> None:
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(channels, expanded, 1, bias=False), nn.BatchNorm2d(expanded))
+        self.depthwise = nn.Sequential(nn.Conv2d(expanded, expanded, 5, padding=2, groups=expanded, bias=False),
+                                       nn.BatchNorm2d(expanded))
+        self.se = SqueezeExcite(expanded)
+        self.project = nn.Sequential(nn.Conv2d(expanded, channels, 1, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x):
+        y = self.se(F.hardswish(self.depthwise(F.hardswish(self.expand(x)))))
+        return x + self.project(y)
+
+
+class MobileNetV3(nn.Module):
+    def __init__(self, width: int = 16, expanded: int = 48, blocks: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, stride=2, padding=1)
+        self.blocks = nn.Sequential(*[InvertedResidualSE(width, expanded) for _ in range(blocks)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.blocks(F.hardswish(self.stem(x))).mean((2, 3)))
+
+
+class ConvNeXtBlock(nn.Module):
+    """7x7 depthwise conv, then channels-last LayerNorm, a 4x MLP with GELU and a layer scale."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = nn.LayerNorm(channels)
+        self.up, self.down = nn.Linear(channels, 4 * channels), nn.Linear(4 * channels, channels)
+        self.scale = nn.Parameter(torch.full((channels,), 0.1))
+
+    def forward(self, x):
+        y = self.depthwise(x).permute(0, 2, 3, 1)
+        y = self.down(F.gelu(self.up(self.norm(y)))) * self.scale
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, width: int = 16, blocks: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 4, stride=4)
+        self.blocks = nn.Sequential(*[ConvNeXtBlock(width) for _ in range(blocks)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class Encoder(nn.Module):
+    """nn.TransformerEncoder as its docs use it (post-norm, ReLU, batch_first), mean-pooled."""
+
+    def __init__(self, vocab: int = 50, d: int = 16, heads: int = 2, layers: int = 2, classes: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.embed(ids)).mean(1))
+
+
+class TCN(nn.Module):
+    """A temporal convolutional net: dilated conv1d layers (dilation 1, 2, 4, ...) with residuals."""
+
+    def __init__(self, inputs: int = 4, width: int = 16, levels: int = 3, classes: int = 5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Conv1d(width if i else inputs, width, 3, padding=2 ** i, dilation=2 ** i)
+                                    for i in range(levels))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = F.relu(layer(x)) + (x if i else 0)
+        return self.head(x.mean(2))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from examples.zoo import GPT, AudioConv, ResNet18, RNNClassifier, UNet, ViT
+from examples.zoo import GPT, TCN, AudioConv, ConvNeXt, Encoder, MobileNetV3, ResNet18, RNNClassifier, UNet, ViT
 
 
 @dataclass
@@ -29,6 +29,10 @@ def _images(n: int, size: int, classes: int):
 
 def _waves(n: int, length: int, classes: int):
     return lambda g: (torch.randn(n, 1, length, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def _waves4(n: int, length: int, classes: int):
+    return lambda g: (torch.randn(n, 4, length, generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
 def _tokens(n: int, t: int, vocab: int, classes: int | None = None):
@@ -133,4 +137,12 @@ ZOO = {
     "llama": ZooEntry(Llama, _tokens(2, 8, 40), _lm_loss, _adamw),
     # 1-D rows no vector divides (481, 118, 27 samples): the conv1ds' gradients as im2col + matmul.
     "audio_m5": ZooEntry(AudioConv, _waves(4, 2000, 10), F.cross_entropy, _sgd),
+    # hardswish, hardsigmoid, a squeeze-excite scale, 5x5 depthwise convs, batch norms.
+    "mobilenetv3": ZooEntry(MobileNetV3, _images(2, 16, 10), F.cross_entropy, _adamw),
+    # 7x7 depthwise conv, channels-last LayerNorm through permutes, a layer-scale parameter.
+    "convnext": ZooEntry(ConvNeXt, _images(2, 16, 10), F.cross_entropy, _adamw),
+    # nn.TransformerEncoder (post-norm); SGD for its key bias, as the ViT's.
+    "encoder": ZooEntry(Encoder, _tokens(2, 8, 50, 2), F.cross_entropy, _sgd),
+    # dilated conv1ds (1, 2, 4) over 64 samples with residual adds.
+    "tcn": ZooEntry(TCN, _waves4(2, 64, 5), F.cross_entropy, _sgd),
 }
