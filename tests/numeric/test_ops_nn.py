@@ -10,6 +10,7 @@ are also checked in float64 against torch and central differences (tests/numeric
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -32,6 +33,14 @@ def _randn(*shape: int) -> Callable[[], torch.Tensor]:
     return lambda: torch.randn(*shape)
 
 
+def _quietly(fn: Callable, *args: object) -> torch.Tensor:
+    """fn(*args) without its UserWarning (torch warns of the copy 'same' padding makes when it
+    pads unevenly: an even kernel with an odd dilation)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return fn(*args)
+
+
 # (id, fn, input makers): fn(*inputs) -> tensor or tuple of tensors.
 Case = tuple[str, Callable, tuple[Callable[[], torch.Tensor], ...]]
 
@@ -48,6 +57,16 @@ CONV_CASES: list[Case] = [
      (_randn(1, 2, 4, 3), _randn(2, 3, 3, 2))),
     ("conv_transpose3d-groups2", lambda x, w: F.conv_transpose3d(x, w, None, (2, 1, 1), (1, 0, 0), (1, 0, 0), 2),
      (_randn(1, 4, 3, 2, 3), _randn(4, 1, 3, 2, 2))),
+    # Dilated, stride 1: dx is a conv of dy with the flipped kernel (tvmgraph/gradients/conv.py),
+    # in and out channels swapped per group; uneven padding ('same' with an even kernel), none,
+    # and padding past the dilated kernel (the transposed conv then).
+    ("conv1d-dilation4-same", lambda x, w, b: F.conv1d(x, w, b, 1, 4, 4), (_randn(2, 3, 20), _randn(5, 3, 3), _randn(5))),
+    ("conv1d-dilation3-groups2-even-kernel-same", lambda x, w: _quietly(F.conv1d, x, w, None, 1, "same", 3, 2),
+     (_randn(2, 4, 17), _randn(6, 2, 4))),
+    ("conv1d-dilation2-depthwise-unpadded", lambda x, w: F.conv1d(x, w, None, 1, 0, 2, 4), (_randn(2, 4, 19), _randn(4, 1, 3))),
+    ("conv1d-dilation2-padding-past-kernel", lambda x, w: F.conv1d(x, w, None, 1, 3, 2), (_randn(1, 2, 9), _randn(3, 2, 2))),
+    ("conv2d-dilation2x3-groups3", lambda x, w: F.conv2d(x, w, None, 1, (2, 1), (2, 3), 3),
+     (_randn(2, 6, 9, 11), _randn(6, 2, 3, 2))),
 ]
 
 # 1-D and 3-D convolutions in float64 were refused (the stock converter's result is float32).
@@ -251,3 +270,28 @@ def test_max_pool3d_gradient_picks_first_maximum() -> None:
     case = OpCase("max_pool3d-all-ties", lambda x: op.nn.max_pool3d(x, 2), lambda x: F.max_pool3d(x, 2),
                   lambda rng: [x], fd=False)
     check_op(case)
+
+
+@pytest.mark.parametrize("dilation, conv", [(4, "conv1d"), ((2, 3), "conv2d"), (1, "conv1d_transpose")])
+def test_a_dilated_conv_input_gradient_multiplies_the_taps_only(dilation, conv: str) -> None:
+    """A stride-1 dilated conv's dx is a conv of dy with the flipped kernel (a conv1d's a conv1d):
+    TOPI's transposed conv would multiply the zeros it inserts between the taps (k = 3, d = 4:
+    3x the work). Without dilation dx stays the transposed conv."""
+    from tests.numeric.grad_check import vjp_module
+
+    rng = np.random.default_rng(0)
+    if conv == "conv1d_transpose":  # dilation 1: the transposed conv, as before
+        conv, dilation = "conv1d", 1
+    one_d = conv == "conv1d"
+    x = rng.standard_normal((2, 4, 20) if one_d else (2, 4, 9, 11)).astype("float32")
+    w = rng.standard_normal((6, 2, 3) if one_d else (6, 2, 3, 2)).astype("float32")
+    fn = ((lambda a, b: op.nn.conv1d(a, b, 1, 4, dilation, 2)) if one_d
+          else (lambda a, b: op.nn.conv2d(a, b, 1, (2, 1), dilation, 2)))
+    out_shape = (F.conv1d(torch.from_numpy(x), torch.from_numpy(w), None, 1, 4, dilation, 2) if one_d
+                 else F.conv2d(torch.from_numpy(x), torch.from_numpy(w), None, 1, (2, 1), dilation, 2)).shape
+    text = vjp_module(fn, [x, w], [0, 1], out_shape)["main_adjoint"].script()
+    if dilation == 1:
+        assert "conv2d_transpose" in text
+    else:
+        assert "conv2d_transpose" not in text and "R.flip" in text
+        assert ("R.nn.conv1d(" if one_d else "R.nn.conv2d(") in text.split("R.flip", 1)[1]

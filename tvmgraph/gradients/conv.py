@@ -42,7 +42,11 @@ def conv_data_grad(
     out_dtype: str | None,
 ) -> relax.Expr:
     """dx of ``y = conv(x, w)`` (NC... / OI..., padding begins then ends): the transposed conv
-    of dy, its ``output_padding`` the rows of x past the last window."""
+    of dy, its ``output_padding`` the rows of x past the last window; for a dilated conv of
+    stride 1, a conv of dy with the flipped kernel (`flipped_kernel_data_grad`)."""
+    flipped = flipped_kernel_data_grad(output_grad, weight, strides, padding, dilation, groups, out_dtype)
+    if flipped is not None:
+        return flipped
     rank = len(strides)
     data_layout, _, transposed_kernel, _ = _LAYOUTS[rank]
     kernel = dims_of(weight)[2:]
@@ -56,6 +60,51 @@ def conv_data_grad(
         output_grad, weight, strides, padding, output_padding, dilation, groups,
         data_layout, transposed_kernel, data_layout, out_dtype,
     )
+
+
+def flipped_kernel_data_grad(
+    output_grad: relax.Expr,
+    weight: relax.Expr,
+    strides: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    out_dtype: str | None,
+) -> relax.Expr | None:
+    """dx of a dilated conv with stride 1 as a conv of dy, dilated the same, with the kernel
+    flipped and its in and out channels swapped per group, padded ``d (k - 1) - p`` at each
+    end (x's own size, as the transposed conv gives it). None for another conv (a stride, no
+    dilation, padding past the dilated kernel, a symbolic kernel or channel count).
+
+    TOPI's transposed conv dilates the kernel with zeros and multiplies them: the input gradient
+    of a dilated conv1d (k = 3, d = 8) did (d (k - 1) + 1) / k = 5.7 times the work; a temporal
+    conv net's training step spent 43% of its time in such gradients (2026-12-05). As a conv,
+    only the kernel's taps are multiplied. 2-D convs (a conv1d's at height 1) only."""
+    rank = len(strides)
+    kernel = dims_of(weight)
+    if any(s != 1 for s in strides) or all(d == 1 for d in dilation) or rank != 2:
+        return None
+    if not all(isinstance(k, int) for k in kernel):
+        return None
+    reach = [d * (k - 1) for d, k in zip(dilation, kernel[2:])]
+    new_padding = [r - p for r, p in zip(reach * 2, padding)]
+    if any(p < 0 for p in new_padding):
+        return None
+    out_channels, in_per_group, spatial = kernel[0], kernel[1], kernel[2:]
+    flipped = weight
+    for axis in range(2, 2 + len(spatial)):
+        flipped = op.flip(flipped, axis)
+    # [O, I/g, k...] -> [g, O/g, I/g, k...] -> [g, I/g, O/g, k...] -> [I, O/g, k...]
+    grouped = op.reshape(flipped, [groups, out_channels // groups, in_per_group, *spatial])
+    axes = [0, 2, 1, *range(3, 3 + len(spatial))]
+    swapped = op.reshape(op.permute_dims(grouped, axes), [groups * in_per_group, out_channels // groups, *spatial])
+    if spatial[0] == 1 and dilation[0] == 1 and new_padding[0] == new_padding[rank] == 0:
+        # A conv1d's (height 1): as a conv1d, which DirectConv1d computes (relay_passes/direct_conv1d.py).
+        dx = op.nn.conv1d(op.squeeze(output_grad, [2]), op.squeeze(swapped, [2]), 1,
+                          [new_padding[1], new_padding[3]], dilation[1], groups, "NCW", "OIW", "NCW", out_dtype)
+        return op.expand_dims(dx, 2)
+    return _CONV[rank](output_grad, swapped, [1] * rank, new_padding, dilation, groups,
+                       _LAYOUTS[rank][0], _LAYOUTS[rank][1], _LAYOUTS[rank][0], out_dtype)
 
 
 def conv_transpose_data_grad(
