@@ -1,7 +1,7 @@
 """Models outside the suite, in shapes no one tuned tvmgraph for: numbers and speed against eager.
 
     python -m benchmarks.outside [--cases vgg,unet,vit,gru,lstm,audio,dense,recsys,
-                                          mobilenetv3,convnext,encoder,tcn] [--modes infer,train]
+                                          mobilenetv3,convnext,encoder,tcn,atrous] [--modes infer,train]
                                  [--compile] [--rounds 7]
 
 A sweep for finding what the suite misses (a ViT's 65 tokens found rows that no vector divides;
@@ -29,7 +29,7 @@ from torch import nn
 from benchmarks.engines import LR, MOMENTUM, make_graph
 from benchmarks.kernels import timer
 from benchmarks.suite import Case
-from examples.zoo import TCN, AudioConv, ConvNeXt, Encoder, MobileNetV3, RNNClassifier, ViT
+from examples.zoo import TCN, AtrousCNN, AudioConv, ConvNeXt, Encoder, MobileNetV3, RNNClassifier, ViT
 
 
 class VGG(nn.Module):
@@ -126,6 +126,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Call
     "encoder": (lambda: Encoder(vocab=1000, d=128, heads=4, layers=2), lambda: torch.randint(0, 1000, (BATCH, 64)), lambda: torch.randint(0, 2, (BATCH,)),
                 nn.CrossEntropyLoss),
     "tcn": (lambda: TCN(inputs=16, width=64, levels=4), lambda: torch.randn(BATCH, 16, 256), lambda: torch.randint(0, 5, (BATCH,)), nn.CrossEntropyLoss),
+    "atrous": (lambda: AtrousCNN(width=32), lambda: torch.randn(8, 3, 32, 32), lambda: torch.randint(0, 10, (8,)),
+               nn.CrossEntropyLoss),
 }
 STEPS = 3  # training steps compared with eager before timing
 

@@ -3,7 +3,7 @@
 torchvision's ResNet BasicBlock, nanoGPT's block with tied embeddings, a GRU/LSTM classifier, a
 U-Net with skip concatenation, a ViT patch embedding, an M5-style raw-audio Conv1d net,
 MobileNetV3's squeeze-excite blocks with hardswish, ConvNeXt's blocks, nn.TransformerEncoder, a
-dilated temporal conv net: not shapes tvmgraph was built around. The defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
+dilated temporal conv net, a DeepLab-style atrous CNN: not shapes tvmgraph was built around. The defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
 at full size.
 """
 
@@ -280,3 +280,23 @@ class TCN(nn.Module):
         for i, layer in enumerate(self.layers):
             x = F.relu(layer(x)) + (x if i else 0)
         return self.head(x.mean(2))
+
+
+class AtrousCNN(nn.Module):
+    """DeepLab's atrous convolutions: 3x3 convs dilated 2, 4 and 6 at full resolution, with
+    residual adds, one of them depthwise (atrous separable), mean-pooled into a classifier."""
+
+    def __init__(self, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.atrous = nn.ModuleList(nn.Conv2d(width, width, 3, padding=d, dilation=d) for d in (2, 4))
+        self.separable = nn.Sequential(nn.Conv2d(width, width, 3, padding=6, dilation=6, groups=width),
+                                       nn.Conv2d(width, width, 1))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        for conv in self.atrous:
+            x = x + F.relu(conv(x))
+        x = x + F.relu(self.separable(x))
+        return self.head(x.mean((2, 3)))

@@ -154,7 +154,7 @@ def test_training_a_transformer_varying_batch_matches_eager(make) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_tied", "resnet18", "vit", "lstm", "gru", "seq2seq", "unet", "llama",
-                                  "mobilenetv3", "convnext", "encoder", "tcn"])
+                                  "mobilenetv3", "convnext", "encoder", "tcn", "atrous"])
 def test_training_models_no_one_here_wrote_varying_batch(name: str) -> None:
     """The model zoo's GPT with tied embeddings (the embedding's gradient takes n * seq token
     indices), ResNet-18, the ViT (its class token expanded over the batch, then concatenated:
@@ -166,7 +166,7 @@ def test_training_models_no_one_here_wrote_varying_batch(name: str) -> None:
     the LLaMA-style decoder (its attention projection, a Linear on a strided 3-D view, is a
     batched matmul with the weight broadcast over the batch: autodiff's copy of that broadcast
     had no dims, nor had the RMSNorm after it), a MobileNetV3 (squeeze-excite scales), a ConvNeXt,
-    nn.TransformerEncoder and a dilated conv1d net,
+    nn.TransformerEncoder, a dilated conv1d net and an atrous CNN (flipped-kernel input gradients),
     at batch sizes 3, 5 and 1 with one compile: every step as close to float64 eager as the zoo
     test asks of a static graph (ResNet-18's batch norms at 1x1 and 2x2 pixels make float32
     itself drift by 6e-5 there)."""

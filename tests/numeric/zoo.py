@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from examples.zoo import GPT, TCN, AudioConv, ConvNeXt, Encoder, MobileNetV3, ResNet18, RNNClassifier, UNet, ViT
+from examples.zoo import GPT, TCN, AtrousCNN, AudioConv, ConvNeXt, Encoder, MobileNetV3, ResNet18, RNNClassifier, UNet, ViT
 
 
 @dataclass
@@ -145,4 +145,6 @@ ZOO = {
     "encoder": ZooEntry(Encoder, _tokens(2, 8, 50, 2), F.cross_entropy, _sgd),
     # dilated conv1ds (1, 2, 4) over 64 samples with residual adds.
     "tcn": ZooEntry(TCN, _waves4(2, 64, 5), F.cross_entropy, _sgd),
+    # 3x3 convs dilated 2, 4, 6 (one depthwise): their input gradients as convs of flipped kernels.
+    "atrous": ZooEntry(AtrousCNN, _images(2, 12, 10), F.cross_entropy, _sgd),
 }
