@@ -2,7 +2,10 @@
 ViT, seq2seq, Llama, a 1-D audio CNN) trained on the GPU: every step's loss, parameters and
 buffers against eager float64 and float32 on the same GPU, as on the CPU
 (tests/numeric/test_model_zoo.py). Models no one here wrote run through dlight's rules and
-tvmgraph's GPU rules, where the CUDA tests' own models do not reach. Skipped without a GPU."""
+tvmgraph's GPU rules, where the CUDA tests' own models do not reach. Skipped without a GPU.
+
+The zoo's models added on 2026-12-05 (MobileNetV3, ConvNeXt, TransformerEncoder, TCN, atrous CNN)
+have not run on a GPU yet: a session with one adds them to GPU_CHECKED once they pass."""
 
 from __future__ import annotations
 
@@ -11,13 +14,15 @@ import torch
 
 from tests.numeric.test_dynamic_batch import assert_zoo_trains_with_varying_batch
 from tests.numeric.test_model_zoo import assert_zoo_trains_as_in_eager
-from tests.numeric.zoo import ZOO
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+GPU_CHECKED = ["audio_m5", "gpt_tied", "gru", "llama", "lstm", "resnet18", "seq2seq", "unet", "vit"]
+
+
+@pytest.mark.parametrize("name", GPU_CHECKED)
 def test_zoo_trains_on_the_gpu_as_in_eager(name: str) -> None:
     assert_zoo_trains_as_in_eager(name, torch.device("cuda"), steps=4)
 
