@@ -186,6 +186,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.fuse_cast_scale import FuseCastScale
     from relay_passes.fuse_epilogue import FuseEpilogue
     from relay_passes.fuse_model_update import FuseModelUpdate
+    from relay_passes.group_norm_by_parts import GroupNormByParts
     from relay_passes.pad_ragged_softmax import PadRaggedSoftmax
     from relay_passes.attention import AttentionAsOneKernel
     from relay_passes.safe_softmax import SafeSoftmaxAsOneKernel
@@ -242,6 +243,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    On the CPU, a conv1d is computed over rows padded to whole register tiles, then
         #    cropped (its stride-s input split into s contiguous phases).
         *([DirectConv1d(report)] if target.kind.name == "llvm" else []),
+        #    On the CPU, a group norm's forward pass is a mean, a variance (reductions along
+        #    the last axis, vectorized) and one element-wise kernel.
+        *([GroupNormByParts(report)] if target.kind.name == "llvm" else []),
         #    Training steps: the backward pass redoes the forward pass's float32 casts of 16-bit
         #    activations instead of keeping them (AMP), and forward and backward passes go in
         #    separate dataflow blocks, so that fusion keeps each pass's work in its pass.
