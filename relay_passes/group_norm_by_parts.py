@@ -22,15 +22,14 @@ Position: before LegalizeOps (after autodiff), on CPU targets.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from relay_passes import mutate_graph_functions, report_counts
-from relay_passes.rebind import rebind
+from relay_passes.rebind import BoundRewriter
 
 _GROUP_NORM = tvm.ir.Op.get("relax.nn.group_norm")
 
@@ -48,14 +47,7 @@ def _takes(call: relax.Call) -> bool:
 
 
 @mutator
-class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
-        super().__init__(mod)
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
-
+class _Rewriter(BoundRewriter):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if not (isinstance(call.op, tvm.ir.Op) and call.op.same_as(_GROUP_NORM) and _takes(call)):
