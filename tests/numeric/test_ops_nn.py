@@ -67,6 +67,9 @@ CONV_CASES: list[Case] = [
     ("conv1d-dilation2-padding-past-kernel", lambda x, w: F.conv1d(x, w, None, 1, 3, 2), (_randn(1, 2, 9), _randn(3, 2, 2))),
     ("conv2d-dilation2x3-groups3", lambda x, w: F.conv2d(x, w, None, 1, (2, 1), (2, 3), 3),
      (_randn(2, 6, 9, 11), _randn(6, 2, 3, 2))),
+    # a 1 x k kernel dilated along the width only, on images taller than 1: a conv2d, not a conv1d
+    ("conv2d-1x3-kernel-dilation1x2", lambda x, w: F.conv2d(x, w, None, 1, (0, 2), (1, 2)),
+     (_randn(2, 3, 5, 9), _randn(4, 3, 1, 3))),
 ]
 
 # 1-D and 3-D convolutions in float64 were refused (the stock converter's result is float32).

@@ -98,8 +98,9 @@ def flipped_kernel_data_grad(
     grouped = op.reshape(flipped, [groups, out_channels // groups, in_per_group, *spatial])
     axes = [0, 2, 1, *range(3, 3 + len(spatial))]
     swapped = op.reshape(op.permute_dims(grouped, axes), [groups * in_per_group, out_channels // groups, *spatial])
-    if spatial[0] == 1 and dilation[0] == 1 and new_padding[0] == new_padding[rank] == 0:
-        # A conv1d's (height 1): as a conv1d, which DirectConv1d computes (relay_passes/direct_conv1d.py).
+    if dims_of(output_grad)[2] == 1 and spatial[0] == 1:
+        # A conv1d's (dy and kernel of height 1, so no padding along it): as a conv1d, which
+        # DirectConv1d computes (relay_passes/direct_conv1d.py).
         dx = op.nn.conv1d(op.squeeze(output_grad, [2]), op.squeeze(swapped, [2]), 1,
                           [new_padding[1], new_padding[3]], dilation[1], groups, "NCW", "OIW", "NCW", out_dtype)
         return op.expand_dims(dx, 2)
