@@ -30,13 +30,15 @@ from tvm.relax.expr_functor import mutator
 
 from relay_passes import mutate_graph_functions, report_counts
 from relay_passes.rebind import BoundRewriter
+from tvmgraph.converters_nn import _mean_rstd
 
 _GROUP_NORM = tvm.ir.Op.get("relax.nn.group_norm")
 
 
 def _takes(call: relax.Call) -> bool:
     x = call.args[0].ty
-    if not isinstance(x, relax.TensorType) or x.dtype not in ("float32", "float64") or x.shape is None:
+    if (not isinstance(x, relax.TensorType) or x.dtype not in ("float32", "float64")
+            or not isinstance(x.shape, relax.ShapeExpr)):
         return False
     attrs = call.attrs
     ndim = len(x.shape.values)
@@ -59,12 +61,9 @@ class _Rewriter(BoundRewriter):
         bb = self.builder_
         x, gamma, beta = call.args
         shape = x.ty.shape.values
-        dtype = x.ty.dtype
-        groups = int(call.attrs.num_groups)
-        grouped = bb.emit(relax.op.reshape(x, [shape[0], groups, -1]))
-        mean = bb.emit(relax.op.mean(grouped, axis=[2], keepdims=True))
-        var = bb.emit(relax.op.variance(grouped, axis=[2], keepdims=True))
-        rstd = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(float(call.attrs.epsilon), dtype))))
+        grouped = bb.emit(relax.op.reshape(x, [shape[0], int(call.attrs.num_groups), -1]))
+        # The converter's statistics of a group norm, as it computes them for torch's mean/rstd.
+        mean, rstd = _mean_rstd(bb, grouped, [2], float(call.attrs.epsilon))
         normed = bb.emit(relax.op.reshape(relax.op.multiply(relax.op.subtract(grouped, mean), rstd), list(shape)))
         per_channel = [1, int(shape[1])] + [1] * (len(shape) - 2)
         scaled = relax.op.multiply(normed, relax.op.reshape(gamma, per_channel))

@@ -20,15 +20,14 @@ Position: before FuseEpilogue (which decides what goes into the matmul kernels).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from relay_passes import mutate_graph_functions, report_counts
-from relay_passes.rebind import rebind
+from relay_passes.rebind import BoundRewriter, rebind
 
 _PERMUTE_DIMS = tvm.ir.Op.get("relax.permute_dims")
 
@@ -43,10 +42,9 @@ def _transpose_key(value: relax.Expr) -> tuple[relax.Var, tuple[int, ...] | None
 
 
 @mutator
-class _Sharer(PyExprMutator):
+class _Sharer(BoundRewriter):
     def __init__(self, mod: tvm.IRModule) -> None:
         super().__init__(mod)
-        self.counts: Counter[str] = Counter()
         self._seen: dict[tuple[relax.Var, tuple[int, ...] | None], relax.Var] = {}
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:

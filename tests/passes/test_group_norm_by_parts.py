@@ -41,8 +41,7 @@ def test_a_group_norm_becomes_its_parts() -> None:
             with R.dataflow():
                 g = R.reshape(x, R.shape([2, 2, 18]))
                 m = R.mean(g, axis=[2], keepdims=True)
-                v = R.variance(g, axis=[2], keepdims=True)
-                r = R.rsqrt(R.add(v, R.const(1e-5, "float32")))
+                r = R.rsqrt(R.add(R.variance(g, axis=[2], keepdims=True), R.const(1e-5, "float32")))
                 n = R.reshape(R.multiply(R.subtract(g, m), r), R.shape([2, 4, 3, 3]))
                 gv = R.add(R.multiply(n, R.reshape(gamma, R.shape([1, 4, 1, 1]))),
                            R.reshape(beta, R.shape([1, 4, 1, 1])))
