@@ -64,6 +64,14 @@ def rewrite_on_cpu(mod: tvm.IRModule, pass_name: str, report: Callable[[str], No
     if cpu is None:
         return mod
     rewriter = make(cpu)
+    out = rewrite_graph_functions(mod, pass_name, report, rewriter, drop_unused=drop_unused)
+    return out if rewriter.counts else mod
+
+
+def rewrite_graph_functions(mod: tvm.IRModule, pass_name: str, report: Callable[[str], None],
+                            rewriter: CountingMutator, drop_unused: bool = False) -> tvm.IRModule:
+    """What a rewriting pass does with `mod`: `rewriter`'s (made over `mod`) rewrite of the graph
+    functions (the bindings left unread dropped with `drop_unused`), reported."""
     out = mutate_graph_functions(rewriter, mod, drop_unused=drop_unused)
     report_counts(report, pass_name, rewriter.counts)
-    return out if rewriter.counts else mod
+    return out

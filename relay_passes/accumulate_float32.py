@@ -29,15 +29,14 @@ Limits: other reductions (max/min are exact; cumsum) keep their dtype.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
-from relay_passes import mutate_graph_functions, report_counts
-from relay_passes.rebind import rebind
+from relay_passes import rewrite_graph_functions
+from relay_passes.rebind import BoundRewriter
 
 LOW_PRECISION = ("bfloat16", "float16")
 _CAST_INPUT = ("relax.sum", "relax.mean", "relax.variance", "relax.collapse_sum_to", "relax.collapse_sum_like",
@@ -56,14 +55,7 @@ def _dtype(expr: relax.Expr) -> str | None:
 
 
 @mutator
-class _Accumulator(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
-        super().__init__(mod)
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
-
+class _Accumulator(BoundRewriter):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if not isinstance(call.op, tvm.ir.Op) or _dtype(call) not in LOW_PRECISION:
@@ -98,7 +90,4 @@ class AccumulateFloat32:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        accumulator = _Accumulator(mod)
-        out = mutate_graph_functions(accumulator, mod)
-        report_counts(self.report, "AccumulateFloat32", accumulator.counts)
-        return out
+        return rewrite_graph_functions(mod, "AccumulateFloat32", self.report, _Accumulator(mod))

@@ -31,15 +31,14 @@ result in the input's type (16-bit convolutions keep TVM's).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import tvm
 from tvm import relax, te, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from relay_passes import rewrite_on_cpu
-from relay_passes.rebind import rebind
+from relay_passes.rebind import BoundRewriter
 from tvmgraph.schedules.conv1d import BLOCK, padded_row
 from tvmgraph.schedules.cpu_target import CPUTarget
 
@@ -97,14 +96,10 @@ def _supported(call: relax.Call) -> bool:
 
 
 @mutator
-class _Rewriter(PyExprMutator):
+class _Rewriter(BoundRewriter):
     def __init__(self, mod: tvm.IRModule, cpu: CPUTarget) -> None:
         super().__init__(mod)
         self.cpu = cpu
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)

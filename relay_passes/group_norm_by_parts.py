@@ -28,7 +28,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import mutator
 
-from relay_passes import mutate_graph_functions, report_counts
+from relay_passes import rewrite_graph_functions
 from relay_passes.rebind import BoundRewriter
 from tvmgraph.converters_nn import _mean_rstd
 
@@ -78,7 +78,4 @@ class GroupNormByParts:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
-        out = mutate_graph_functions(rewriter, mod)
-        report_counts(self.report, "GroupNormByParts", rewriter.counts)
-        return out
+        return rewrite_graph_functions(mod, "GroupNormByParts", self.report, _Rewriter(mod))

@@ -65,17 +65,16 @@ relay_passes/direct_conv1d.py computes it directly.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import tvm
 from tvm import relax, te, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from relay_passes import mutate_graph_functions, report_counts
-from relay_passes.rebind import rebind
+from relay_passes import rewrite_graph_functions
+from relay_passes.rebind import BoundRewriter
 
 # Output widths below this (one AVX-512 vector of float32) go through im2col.
 MAX_WIDTH = 16
@@ -112,14 +111,7 @@ def _im2col(x: te.Tensor, kernel: tuple[int, int], strides: list[int], padding: 
 
 
 @mutator
-class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
-        super().__init__(mod)
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
-
+class _Rewriter(BoundRewriter):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         name = call.op.name if isinstance(call.op, tvm.ir.Op) else None
@@ -391,7 +383,4 @@ class Im2colConv:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
-        out = mutate_graph_functions(rewriter, mod, drop_unused=True)
-        report_counts(self.report, "Im2colConv", rewriter.counts)
-        return out
+        return rewrite_graph_functions(mod, "Im2colConv", self.report, _Rewriter(mod), drop_unused=True)

@@ -22,15 +22,14 @@ nothing reads it). Position: before FuseEpilogue.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
-from relay_passes import mutate_graph_functions, report_counts
-from relay_passes.rebind import rebind
+from relay_passes import rewrite_graph_functions
+from relay_passes.rebind import BoundRewriter
 
 R = relax.op
 
@@ -47,14 +46,7 @@ def _inference_batch_norm(expr: relax.Expr) -> relax.Call | None:
 
 
 @mutator
-class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
-        super().__init__(mod)
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
-
+class _Rewriter(BoundRewriter):
     def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:
         op = super().visit_tuple_getitem_(op)
         if op.index != 0 or not isinstance(op.tuple_value, relax.Var):
@@ -95,7 +87,4 @@ class InferenceBatchNormAsScale:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
-        out = mutate_graph_functions(rewriter, mod, drop_unused=True)
-        report_counts(self.report, "InferenceBatchNormAsScale", rewriter.counts)
-        return out
+        return rewrite_graph_functions(mod, "InferenceBatchNormAsScale", self.report, _Rewriter(mod), drop_unused=True)

@@ -22,15 +22,14 @@ ragged rows.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import tvm
 from tvm import relax, te, topi
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from relay_passes import rewrite_on_cpu
-from relay_passes.rebind import rebind
+from relay_passes.rebind import BoundRewriter
 
 _SOFTMAX = frozenset({"relax.nn.softmax", "relax.nn.log_softmax"})
 
@@ -44,14 +43,10 @@ def padded_extent(extent: int, lanes: int) -> int | None:
 
 
 @mutator
-class _Padder(PyExprMutator):
+class _Padder(BoundRewriter):
     def __init__(self, mod: tvm.IRModule, lanes: int) -> None:
         super().__init__(mod)
         self.lanes = lanes
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)

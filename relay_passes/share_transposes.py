@@ -26,7 +26,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import mutator
 
-from relay_passes import mutate_graph_functions, report_counts
+from relay_passes import rewrite_graph_functions
 from relay_passes.rebind import BoundRewriter, rebind
 
 _PERMUTE_DIMS = tvm.ir.Op.get("relax.permute_dims")
@@ -72,7 +72,4 @@ class ShareTransposes:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        sharer = _Sharer(mod)
-        out = mutate_graph_functions(sharer, mod)
-        report_counts(self.report, "ShareTransposes", sharer.counts)
-        return out
+        return rewrite_graph_functions(mod, "ShareTransposes", self.report, _Sharer(mod))

@@ -21,16 +21,15 @@ Limits: only scalar constants of float dtype; other exponents keep the libm call
 from __future__ import annotations
 
 import operator
-from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
-from relay_passes import mutate_graph_functions, report_counts
-from relay_passes.rebind import rebind
+from relay_passes import rewrite_graph_functions
+from relay_passes.rebind import BoundRewriter
 
 _FOLD: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "relax.add": operator.add,
@@ -49,19 +48,12 @@ def _scalar(expr: relax.Expr) -> np.ndarray | None:
 
 
 @mutator
-class _Simplifier(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
-        super().__init__(mod)
-        self.counts: Counter[str] = Counter()
-
+class _Simplifier(BoundRewriter):
     def _constant(self, expr: relax.Expr) -> np.ndarray | None:
         if isinstance(expr, relax.Var):
             bound = self.lookup_binding(expr)
             expr = bound if bound is not None else expr
         return _scalar(expr)
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
@@ -94,7 +86,4 @@ class SimplifyPower:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        simplifier = _Simplifier(mod)
-        out = mutate_graph_functions(simplifier, mod, drop_unused=True)
-        report_counts(self.report, "SimplifyPower", simplifier.counts)
-        return out
+        return rewrite_graph_functions(mod, "SimplifyPower", self.report, _Simplifier(mod), drop_unused=True)

@@ -16,15 +16,14 @@ Position: before LegalizeOps (it rewrites Relax ops).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
-from relay_passes import mutate_graph_functions, report_counts
-from relay_passes.rebind import rebind
+from relay_passes import rewrite_graph_functions
+from relay_passes.rebind import BoundRewriter
 from tvmgraph.ragged_sums import collapsed_axes, reduced_axes
 
 
@@ -47,14 +46,7 @@ def summed_axes(call: relax.Call) -> list[int] | None:
 
 
 @mutator
-class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
-        super().__init__(mod)
-        self.counts: Counter[str] = Counter()
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        rebind(self, binding, self.visit_expr(binding.value))
-
+class _Rewriter(BoundRewriter):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         axes = summed_axes(call)
@@ -75,7 +67,4 @@ class UnitSumsAsReshapes:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
-        out = mutate_graph_functions(rewriter, mod)
-        report_counts(self.report, "UnitSumsAsReshapes", rewriter.counts)
-        return out
+        return rewrite_graph_functions(mod, "UnitSumsAsReshapes", self.report, _Rewriter(mod))
