@@ -194,6 +194,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.im2col_conv import Im2colConv
     from relay_passes.inference_batch_norm import InferenceBatchNormAsScale
     from relay_passes.legalize_once import LegalizeOnce
+    from relay_passes.lstm_cell import LSTMCellAsOneKernel
     from relay_passes.lower_call_tir_with_grad import LowerCallTIRWithGrad
     from relay_passes.recompute_late_reads import RecomputeLateReads
     from relay_passes.recompute_shared_layouts import RecomputeSharedLayouts
@@ -265,6 +266,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    so that FuseEpilogue leaves it out of the matmul kernels: one transpose, not one
         #    transposing copy of the weight per step.
         ShareTransposes(report),
+        #    On the CPU, an LSTM's time step (its product, gates and states) is one kernel where
+        #    nothing else reads the gates (inference).
+        *([LSTMCellAsOneKernel(report)] if target.kind.name == "llvm" else []),
         #    Each matmul/conv2d is grouped with its epilogue and operand transposes
         #    (allow_fuse_add_to_output); FuseOps (step 5) fuses the rest.
         FuseEpilogue(config.fuse_add_to_output, report),

@@ -12,12 +12,13 @@ from .elementwise import Elementwise
 from .fallback import Fallback
 from .gemv import MatrixVector
 from .im2col import Im2col
+from .lstm_cell import LSTMCell
 from .matmul import Matmul
 from .reduction import Reduction
 
 
 def default_rules() -> list[ScheduleRule]:
-    """Attention kernels, convolutions, matrix-vector, matmul, reductions, im2col copies,
+    """Attention and LSTM-step kernels, convolutions, matrix-vector, matmul, reductions, im2col copies,
     element-wise, then the catch-all `Fallback`."""
-    return [Attention(), ConvWeightGradient(), Conv2d(), Conv1d(), MatrixVector(), Matmul(), Reduction(),
+    return [Attention(), LSTMCell(), ConvWeightGradient(), Conv2d(), Conv1d(), MatrixVector(), Matmul(), Reduction(),
             Im2col(), Elementwise(), Fallback()]
