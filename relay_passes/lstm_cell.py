@@ -54,15 +54,15 @@ R = relax.op
 class Step:
     """One matched time step: the kernel's operands and the two states it binds."""
 
-    h: relax.Expr         # h2 [B, H], or the [1, B, H] tensor it reshapes
-    wt: relax.Expr        # [H, 4H]
+    h: relax.Expr            # h2 [B, H], or the [1, B, H] h' of the step before it reshapes
+    wt: relax.Expr           # [H, 4H]
     bias: relax.Expr | None  # [4H]
-    xw: relax.Expr        # [T, B, 4H]
-    t: int
-    c: relax.Expr         # [1, B, H]
+    xw: relax.Expr           # [T, B, 4H], or x itself
+    t: int                   # the step's row of xw (0 for x itself)
+    c: relax.Expr            # [1, B, H] (nn.LSTM) or [B, H] (nn.LSTMCell): the states' shape
     c_out: relax.Var
     h_out: relax.Var
-    x_view: relax.Expr | None  # x itself when it is no slice of a [T, B, 4H] tensor
+    x_view: relax.Expr | None  # x when it is no row of a [T, B, 4H] tensor (viewed as one)
 
 
 def _shape(expr: relax.Expr) -> tuple[int, ...] | None:
@@ -253,7 +253,7 @@ class _Fuser(BoundRewriter):
         for _, func in mod.functions_items():
             if isinstance(func, relax.Function) and "Primitive" not in (func.attrs or {}):
                 matcher = _Matcher(func, uses, lanes)
-                for var, _value in matcher.bound.items():
+                for var in matcher.bound:
                     step = matcher.step(var)
                     if step is not None:
                         self.steps[step.c_out] = step

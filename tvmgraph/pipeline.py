@@ -191,6 +191,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.attention import AttentionAsOneKernel
     from relay_passes.safe_softmax import SafeSoftmaxAsOneKernel
     from relay_passes.direct_conv1d import DirectConv1d
+    from relay_passes.drop_call_tuples import DropCallTuples
     from relay_passes.im2col_conv import Im2colConv
     from relay_passes.inference_batch_norm import InferenceBatchNormAsScale
     from relay_passes.legalize_once import LegalizeOnce
@@ -332,6 +333,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         T.StaticPlanBlockMemory(),
         *([T.RewriteCUDAGraph()] if is_gpu else []),
         T.LowerAllocTensor(),
+        #    On the CPU, a call's outputs are read as themselves, not through the tuple of them
+        #    that CallTIRRewrite binds (a VM instruction per call of a kernel with several).
+        *([DropCallTuples(report)] if target.kind.name == "llvm" else []),
         T.KillAfterLastUse(),
         T.LowerRuntimeBuiltin(),
         T.ComputePrimValue(),
