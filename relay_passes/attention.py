@@ -32,12 +32,13 @@ from collections import Counter
 from collections.abc import Callable
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax
 from tvm.relax.expr_functor import mutator
 
 from relay_passes import rewrite_on_cpu
 from relay_passes.bindings import read_counts
 from relay_passes.rebind import BoundRewriter
+from relay_passes.tensor_sizes import static_shape
 from relay_passes.safe_softmax_pattern import call_of, reduces_last_axis, safe_softmax_parts, scalar_value
 from tvmgraph.schedules.attention import attention_kernel, padded_queries
 
@@ -50,13 +51,8 @@ MAX_SCORES_BYTES = 256 * 1024
 
 def _static(expr: relax.Expr) -> tuple[int, ...] | None:
     """The static shape of a float32 tensor of 3 or more dimensions."""
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or str(ty.dtype) != "float32" or ty.shape is None:
-        return None
-    dims = ty.shape.values
-    if len(dims) < 3 or not all(isinstance(d, tirx.IntImm) for d in dims):
-        return None
-    return tuple(int(d) for d in dims)
+    shape = static_shape(expr, "float32")
+    return shape if shape is not None and len(shape) >= 3 else None
 
 
 @mutator

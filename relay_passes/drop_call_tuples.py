@@ -39,13 +39,13 @@ class DropCallTuples:
         updates = {}
         for gv, func in graph_functions(mod):
             reads = function_reads(func)
-            blocks = []
+            blocks, before = [], dropped
             for block in func.body.blocks:
                 kept = [b for b in block.bindings
                         if not (isinstance(b, relax.VarBinding) and isinstance(b.value, relax.Tuple) and reads[b.var] == 0)]
                 dropped += len(block.bindings) - len(kept)
                 blocks.append(type(block)(kept))
-            if any(len(new.bindings) != len(old.bindings) for new, old in zip(blocks, func.body.blocks)):
+            if dropped > before:
                 updates[gv] = relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty,
                                              func.is_pure, func.attrs)
         for gv, func in updates.items():

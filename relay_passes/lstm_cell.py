@@ -22,7 +22,8 @@ as [1, B, 4H] with t = 0 when x is no such slice), with the kernel of
 tvmgraph/schedules/lstm_cell.py: the product with the four gates of the same hidden units in
 registers, c' and h' computed in its epilogue, xw[t] read in place (t is a primitive argument,
 so the steps of a sequence share one kernel). An LSTM of 128 units over 32 steps, batch 16, on
-a 2-vCPU Xeon: 4 kernels and 25-28 us a step before, one of 12 us after.
+a 2-vCPU Xeon: 4 kernels and 25-28 us a step before, one of 12 us alone (about 17 in the
+graph) after.
 
 A training step's LSTM does not match: its backward pass reads the gates. Nor do hidden sizes
 that whole vectors do not divide (the kernel's epilogue is one vector of units per lane set),
@@ -41,10 +42,11 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import mutator
 
-from relay_passes import rewrite_on_cpu
+from relay_passes import graph_functions, rewrite_on_cpu
 from relay_passes.bindings import read_counts
 from relay_passes.rebind import BoundRewriter, rebind
 from relay_passes.safe_softmax_pattern import call_of
+from relay_passes.tensor_sizes import static_shape
 from tvmgraph.schedules.lstm_cell import GATES, lstm_cell_kernel
 
 R = relax.op
@@ -57,22 +59,16 @@ class Step:
     h: relax.Expr            # h2 [B, H], or the [1, B, H] h' of the step before it reshapes
     wt: relax.Expr           # [H, 4H]
     bias: relax.Expr | None  # [4H]
-    xw: relax.Expr           # [T, B, 4H], or x itself
+    xw: relax.Expr           # [T, B, 4H], or x itself ([1, B, 4H] or [B, 4H])
     t: int                   # the step's row of xw (0 for x itself)
     c: relax.Expr            # [1, B, H] (nn.LSTM) or [B, H] (nn.LSTMCell): the states' shape
     c_out: relax.Var
     h_out: relax.Var
-    x_view: relax.Expr | None  # x when it is no row of a [T, B, 4H] tensor (viewed as one)
 
 
 def _shape(expr: relax.Expr) -> tuple[int, ...] | None:
     """The static shape of a float32 tensor."""
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or str(ty.dtype) != "float32" or ty.shape is None:
-        return None
-    if not all(isinstance(d, tirx.IntImm) for d in ty.shape.values):
-        return None
-    return tuple(int(d) for d in ty.shape.values)
+    return static_shape(expr, "float32")
 
 
 def _ints(expr: relax.Expr) -> list[int] | None:
@@ -135,8 +131,8 @@ class _Matcher:
 
     def _unary_any(self, expr: relax.Expr, name: str) -> relax.Expr | None:
         """x of `expr` = name(x), x a variable (read anywhere)."""
-        call = call_of(self._value(expr), name)
-        return call.args[0] if call is not None and isinstance(call.args[0], relax.Var) else None
+        x = self._unary(expr, name)
+        return x if isinstance(x, relax.Var) else None
 
     def _cell(self, c_out: relax.Var, o: tuple[relax.Expr, int], h_out: relax.Var) -> Step | None:
         total = call_of(self.bound.get(c_out), "relax.add")
@@ -148,13 +144,15 @@ class _Matcher:
             if pair is None:
                 return None
             for a, b in (pair, pair[::-1]):
-                f = self._gate(a, "relax.sigmoid")
-                if f is not None and f[1] == 1 and forget is None:
-                    forget = (f, b)
+                gate = self._gate(a, "relax.sigmoid")
+                if gate is None:
+                    continue
+                if gate[1] == 1 and forget is None:  # sigmoid(f) * c
+                    forget = (gate, b)
                     break
-                i, g = self._gate(a, "relax.sigmoid"), self._gate(b, "relax.tanh")
-                if i is not None and g is not None and (i[1], g[1]) == (0, 2) and input_gate is None:
-                    input_gate = (i, g)
+                g = self._gate(b, "relax.tanh")
+                if g is not None and (gate[1], g[1]) == (0, 2) and input_gate is None:  # sigmoid(i) * tanh(g)
+                    input_gate = (gate, g)
                     break
         if forget is None or input_gate is None:
             return None
@@ -191,8 +189,8 @@ class _Matcher:
             source = self._input(x, batch, hidden)
             if source is None:
                 return None
-            (h, wt, bias), (xw, t, view) = found, source
-            return Step(h, wt, bias, xw, t, c, c_out, h_out, view)
+            (h, wt, bias), (xw, t) = found, source
+            return Step(h, wt, bias, xw, t, c, c_out, h_out)
         return None
 
     def _product(self, expr: relax.Expr, batch: int, hidden: int) -> tuple | None:
@@ -200,7 +198,7 @@ class _Matcher:
         value = self._value(expr)
         reshape = call_of(value, "relax.reshape")
         if reshape is not None:
-            expr, value = reshape.args[0], self._value(reshape.args[0])
+            value = self._value(reshape.args[0])
         bias = None
         add = call_of(value, "relax.add")
         if add is not None:
@@ -224,9 +222,9 @@ class _Matcher:
             return None
         return h, wt, bias
 
-    def _input(self, x: relax.Expr, batch: int, hidden: int) -> tuple[relax.Expr, int, relax.Expr | None] | None:
-        """(xw, t, None) of x = squeeze(strided_slice(xw, [0], [t], [t + 1], [1]), [0]), each read
-        only here; else (x, 0, x) for an x of [B, 4H] or [1, B, 4H] (passed as [1, B, 4H])."""
+    def _input(self, x: relax.Expr, batch: int, hidden: int) -> tuple[relax.Expr, int] | None:
+        """(xw, t) of x = squeeze(strided_slice(xw, [0], [t], [t + 1], [1]), [0]), each read only
+        here; else (x, 0) for an x of [B, 4H] or [1, B, 4H] (passed as [1, B, 4H])."""
         width = GATES * hidden
         squeeze = call_of(self._value(x), "relax.squeeze")
         sliced = call_of(self._value(squeeze.args[0]), "relax.strided_slice") if squeeze is not None else None
@@ -238,9 +236,9 @@ class _Matcher:
             if (axes == [0] and strides == [1] and begin is not None and end == [begin[0] + 1]
                     and xw_shape is not None and len(xw_shape) == 3 and xw_shape[1:] == (batch, width)
                     and 0 <= begin[0] < xw_shape[0]):
-                return xw, begin[0], None
+                return xw, begin[0]
         if _shape(x) in ((batch, width), (1, batch, width)):
-            return x, 0, x
+            return x, 0
         return None
 
 
@@ -250,13 +248,12 @@ class _Fuser(BoundRewriter):
         super().__init__(mod)
         uses = read_counts(mod)
         self.steps: dict[relax.Var, Step] = {}
-        for _, func in mod.functions_items():
-            if isinstance(func, relax.Function) and "Primitive" not in (func.attrs or {}):
-                matcher = _Matcher(func, uses, lanes)
-                for var in matcher.bound:
-                    step = matcher.step(var)
-                    if step is not None:
-                        self.steps[step.c_out] = step
+        for _, func in graph_functions(mod):
+            matcher = _Matcher(func, uses, lanes)
+            for var in matcher.bound:
+                step = matcher.step(var)
+                if step is not None:
+                    self.steps[step.c_out] = step
         self.h_of: dict[relax.Var, relax.Var] = {}  # h' -> the call's variable
         self.kernels: dict[tuple[int, int, int, bool, int], tvm.ir.GlobalVar] = {}
 
@@ -280,9 +277,9 @@ class _Fuser(BoundRewriter):
         if _shape(step.h) != state:
             h = self.builder_.emit(R.reshape(h, state))
         xw = self.visit_expr(step.xw)
-        if step.x_view is not None and len(_shape(step.x_view)) == 2:
+        if len(_shape(step.xw)) == 2:  # nn.LSTMCell's x, viewed as the one row of a projection
             xw = self.builder_.emit(R.reshape(xw, (1, batch, GATES * hidden)))
-        steps = _shape(step.xw)[0] if step.x_view is None else 1
+        steps = _shape(xw)[0]
         key = (batch, hidden, steps, step.bias is not None, len(state))
         if key not in self.kernels:
             self.kernels[key] = self.builder_.add_func(lstm_cell_kernel(*key), "lstm_cell")

@@ -22,6 +22,20 @@ def static_bytes(ty: object) -> int | None:
     return math.prod(int(d) for d in dims) * _element_bytes(ty)
 
 
+def static_shape(expr: relax.Expr, dtype: str | None = None) -> tuple[int, ...] | None:
+    """The shape of a tensor expression (of `dtype`, if given) when every dimension is a
+    constant; else None."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    if dtype is not None and str(ty.dtype) != dtype:
+        return None
+    dims = ty.shape.values
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
+        return None
+    return tuple(int(d) for d in dims)
+
+
 def bytes_per_unit(ty: object) -> tuple[int, tvm.tirx.Var | None] | None:
     """(bytes, None) for a tensor type of static shape; (bytes per unit of `var`, var) for one
     whose size is a constant times a single symbolic variable (a dynamic batch: (n, 3, 32, 32),
