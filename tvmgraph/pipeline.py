@@ -182,6 +182,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     # NOTE: relay_passes and autotune import tvmgraph, so they are imported here, not at module level.
     from autotune.apply import ApplyTuningLog
     from relay_passes.accumulate_float32 import AccumulateFloat32
+    from relay_passes.bilinear_upsample import BilinearUpsampleByTwo
     from relay_passes.compress_memory import CompressMemory
     from relay_passes.fuse_cast_scale import FuseCastScale
     from relay_passes.fuse_epilogue import FuseEpilogue
@@ -248,6 +249,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    On the CPU, a group norm's forward pass is a mean, a variance (reductions along
         #    the last axis, vectorized) and one element-wise kernel.
         *([GroupNormByParts(report)] if target.kind.name == "llvm" else []),
+        #    On the CPU, a bilinear upsampling by two (half-pixel centres) is one kernel whose
+        #    taps are plain loads: at that scale every output's weights are the same.
+        *([BilinearUpsampleByTwo(report)] if target.kind.name == "llvm" else []),
         #    Training steps: the backward pass redoes the forward pass's float32 casts of 16-bit
         #    activations instead of keeping them (AMP), and forward and backward passes go in
         #    separate dataflow blocks, so that fusion keeps each pass's work in its pass.
