@@ -65,7 +65,11 @@ UNARY = ("relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh")
 
 def _epilogue_op(x: DFPattern) -> DFPattern:
     """One epilogue step applied to `x`."""
-    step = is_op("relax.add")(x, wildcard()) | is_op("relax.add")(wildcard(), x)
+    # SiLU as torch.export writes it, `x * sigmoid(x)` (first: `x * anything` would match it
+    # with the sigmoid left outside, which the check then refuses).
+    sigmoid = is_op("relax.sigmoid")(x)
+    step = is_op("relax.multiply")(x, sigmoid) | is_op("relax.multiply")(sigmoid, x)
+    step = step | is_op("relax.add")(x, wildcard()) | is_op("relax.add")(wildcard(), x)
     for name in UNARY:
         step = step | is_op(name)(x)
     step = step | is_op("relax.clip")(x, wildcard(), wildcard())
@@ -126,7 +130,7 @@ def _check(context: PatternCheckContext) -> bool:
         if var in operand_side:
             if _used_outside(var, context, inside):
                 return False
-        elif not _same_size(_numel(value), size) or not _multiplies_per_axis(value, inside):
+        elif not _same_size(_numel(value), size) or not _multiplies_per_axis(value, inside, bindings):
             return False
         if _symbolic_reshape(value) or _splits_innermost_axis(value):
             return False
@@ -156,10 +160,13 @@ def _copies_an_output(var: relax.Var, value: relax.Call, context: PatternCheckCo
             and _used_outside(var, context, inside))
 
 
-def _multiplies_per_axis(value: relax.Call, inside: set[relax.Var]) -> bool:
-    """Not a multiply, or one by a factor that varies along one axis at most (a per-channel
-    scale); a product of two activations (a gate) stays out of the group."""
+def _multiplies_per_axis(value: relax.Call, inside: set[relax.Var], bindings: dict) -> bool:
+    """Not a multiply, a SiLU's `x * sigmoid(x)`, or a multiply by a factor that varies along
+    one axis at most (a per-channel scale); a product of two activations (a gate) stays out of
+    the group."""
     if not (isinstance(value.op, tvm.ir.Op) and value.op.name == "relax.multiply"):
+        return True
+    if _is_silu(value, bindings):
         return True
     factors = [a for a in value.args if not (isinstance(a, relax.Var) and a in inside)]
     if len(factors) != 1 or not isinstance(factors[0].ty, relax.TensorType):
@@ -169,6 +176,16 @@ def _multiplies_per_axis(value: relax.Call, inside: set[relax.Var]) -> bool:
         return False
     varying = [d for d in shape.values if not (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)]
     return len(varying) <= 1
+
+
+def _is_silu(value: relax.Call, bindings: dict) -> bool:
+    """`x * sigmoid(x)` (either order), the sigmoid bound in the match."""
+    for x, s in (value.args, value.args[::-1]):
+        sigmoid = bindings.get(s) if isinstance(s, relax.Var) else None
+        if (isinstance(sigmoid, relax.Call) and isinstance(sigmoid.op, tvm.ir.Op)
+                and sigmoid.op.name == "relax.sigmoid" and sigmoid.args[0].same_as(x)):
+            return True
+    return False
 
 
 def _splits_innermost_axis(value: relax.Call) -> bool:

@@ -380,3 +380,49 @@ def test_a_reshape_of_a_value_read_elsewhere_stays_out() -> None:
     main_ops = [b.value.op.name for blk in after["main"].body.blocks for b in blk.bindings
                 if isinstance(b.value, tvm.relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
     assert main_ops.count("relax.reshape") == 1  # a2, outside the group
+
+
+def _group_ops(after: tvm.IRModule) -> list[str]:
+    (fused,) = [f for gv, f in after.functions_items() if gv.name_hint != "main"]
+    return [b.value.op.name for blk in fused.body.blocks for b in blk.bindings if isinstance(b.value.op, tvm.ir.Op)]
+
+
+def test_a_silu_joins_the_conv() -> None:
+    """nn.SiLU as torch.export writes it, `h * sigmoid(h)`: the sigmoid and the product join the
+    group (a U-Net's convolutions; left out, a kernel of its own read the conv's output again)."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 3, 8, 8), "float32"), w: R.Tensor((4, 3, 3, 3), "float32"),
+                 b: R.Tensor((1, 4, 1, 1), "float32")):
+            with R.dataflow():
+                y = R.nn.conv2d(x, w, padding=[1, 1, 1, 1])
+                h = R.add(y, b)
+                s = R.sigmoid(h)
+                o = R.multiply(h, s)
+                R.output(o)
+            return o
+
+    after = FuseEpilogue()(Before)
+    assert _group_ops(after) == ["relax.nn.conv2d", "relax.add", "relax.sigmoid", "relax.multiply"]
+    (call,) = [b.value for blk in after["main"].body.blocks for b in blk.bindings]
+    assert isinstance(call.op, tvm.ir.GlobalVar)  # main calls the group alone
+
+
+def test_a_gate_by_another_tensors_sigmoid_stays_out() -> None:
+    """`h * sigmoid(g)`, g another tensor (a GLU's gate): no SiLU, and a product of two
+    activations, which the schedules do not compute in the epilogue."""
+
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 6), "float32"), g: R.Tensor((4, 6), "float32")):
+            with R.dataflow():
+                h = R.matmul(x, w)
+                s = R.sigmoid(g)
+                o = R.multiply(h, s)
+                R.output(o)
+            return o
+
+    tvm.ir.assert_structural_equal(FuseEpilogue()(Before), Before)

@@ -1,6 +1,6 @@
 """Graphs whose matmul chains FuseEpilogue once grouped into a function that read its own
 output (`Var lv36 is not defined` at VM codegen): residual layers in a row, a pre-norm encoder
-with a fused qkv projection, a small GPT block, a GRU. Each runs with the pass on (the default)
+with a fused qkv projection, a small GPT block, a GRU; and SiLU epilogues. Each runs with the pass on (the default)
 and equals eager torch, for inference and for a few SGD steps.
 """
 
@@ -104,6 +104,24 @@ class GRUClassifier(nn.Module):
         return self.head(self.gru(x)[0][:, -1])
 
 
+class SiLUNet(nn.Module):
+    """SiLU after a convolution, after a group norm and after a linear layer (the epilogue takes
+    `h * sigmoid(h)`; a training step's backward pass reads h and the sigmoid)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.silu(self.norm(self.conv(x)))
+        h = nn.functional.silu(self.conv2(h)).mean((2, 3))
+        return self.head(nn.functional.silu(self.fc(h)))
+
+
 class SeqLoss(nn.Module):
     """Cross-entropy over every position of a (batch, seq, vocab) output."""
 
@@ -121,6 +139,7 @@ CASES = {
                  lambda: (torch.randint(0, 11, (2, 6)), torch.randint(0, 11, (2, 6)))),
     "gru_classifier": (GRUClassifier, nn.CrossEntropyLoss(),
                        lambda: (torch.randn(3, 5, 6), torch.randint(0, 3, (3,)))),
+    "silu": (SiLUNet, nn.CrossEntropyLoss(), lambda: (torch.randn(2, 3, 8, 8), torch.randint(0, 3, (2,)))),
 }
 # torch.export warns that nn.GRU assigns its `_flat_weights` list while tracing (a warning of
 # the tracer, not of this pass; the graph still reads the registered parameters).
