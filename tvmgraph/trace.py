@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import threading
 import warnings
@@ -25,6 +26,7 @@ from .attribute_guard import AttributeGuard, recording
 from .dynamic_batch import HINT as DYNAMIC_BATCH_HINT
 from .dynamic_batch import export_arguments
 from .errors import BackwardError, GraphOutputError, TraceError, TvmGraphError
+from .module_stack import ModuleStack
 from .spec import NotATreeError, TensorSpec, TreeDef, flatten
 
 _state = threading.local()
@@ -279,6 +281,7 @@ def trace_build(
     for path, module in root.named_modules():
         if path:
             handles.append(module.register_forward_hook(_io_recorder(module_io, path), with_kwargs=True))
+    running = ModuleStack(root)
     _state.graph_name = graph_name
     _record_frames_of(build)
     try:
@@ -292,19 +295,39 @@ def trace_build(
                     math_attention(t.device for t in flat_inputs if isinstance(t, torch.Tensor)):
                 examples, dynamic_shapes = export_arguments(flat_inputs) if dynamic_batch \
                     else (tuple(flat_inputs), None)
-                exported = _export(root, examples, dynamic_shapes, below_autocast=autocast is not None)
+                with _quiet_meta_failures():
+                    exported = _export(root, examples, dynamic_shapes, below_autocast=autocast is not None)
     except TvmGraphError:
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
         raise TraceError(f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}"
-                         f"{_trace_hint(str(e), root, dynamic_batch)}") from e
+                         f"{running.hint()}{_trace_hint(str(e), root, dynamic_batch)}") from e
     finally:
         _state.graph_name = None
+        running.remove()
         for h in handles:
             h.remove()
     assert record.out_tree is not None
     stop_gradient.mark(exported)
     return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0])
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures() -> Iterator[None]:
+    """Keep torch's fake-tensor logger from printing the traceback of an op that fails while
+    tracing ("failed while attempting to run meta for aten.mm.default", 20 lines on stderr
+    before the TraceError that carries the same message). Left alone when the user asked
+    torch for more than warnings (TORCH_LOGS)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    if logger.getEffectiveLevel() < logging.WARNING:
+        yield
+        return
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _export(root: torch.nn.Module, examples: tuple, dynamic_shapes: object,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -118,6 +120,35 @@ def test_data_dependent_control_flow_is_a_trace_error() -> None:
     graph = Branchy()
     with pytest.raises(errors.TraceError, match=rf"{graph.name}: torch.export could not trace build\(\)"):
         graph(torch.ones(3))
+
+
+def test_an_input_that_does_not_fit_a_module_names_the_module_and_the_input(caplog: pytest.LogCaptureFixture) -> None:
+    """torch's message ("a and b must have same reduction dim, but got [6, 5] X [4, 8]") names
+    neither; the TraceError adds the module that raised, its sizes and what it was given, and
+    torch's 20-line fake-tensor traceback no longer precedes it on stderr."""
+    graph = ModuleGraph(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    graph(torch.randn(6, 4))
+    with pytest.raises(errors.TraceError) as info, caplog.at_level(logging.WARNING):
+        graph(torch.randn(6, 5))
+    message = str(info.value)
+    assert f"{graph.name}: torch.export could not trace build(): RuntimeError: a and b must have same" in message
+    assert ("Raised inside 'model.0', Linear(in_features=4, out_features=8, bias=True), called with "
+            "float32[6, 5]. If eager torch raises the same, these inputs do not fit that module") in message
+    assert "failed while attempting to run meta" not in caplog.text
+
+
+def test_an_error_in_build_outside_any_module_names_no_module() -> None:
+    class Reshaping(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def build(self, x):
+            return self.fc(x).view(5, -1)
+
+    with pytest.raises(errors.TraceError) as info:
+        Reshaping()(torch.randn(2, 4))
+    assert "Raised inside" not in str(info.value)
 
 
 def test_a_module_torch_cannot_decompose_is_a_trace_error_not_a_tvm_bug() -> None:
