@@ -1,7 +1,7 @@
 """Models outside the suite, in shapes no one tuned tvmgraph for: numbers and speed against eager.
 
     python -m benchmarks.outside [--cases vgg,unet,vit,gru,lstm,audio,dense,recsys,
-                                          mobilenetv3,convnext,encoder,tcn,atrous] [--modes infer,train]
+                                          mobilenetv3,convnext,encoder,tcn,atrous,llama] [--modes infer,train]
                                  [--compile] [--rounds 7]
 
 A sweep for finding what the suite misses (a ViT's 65 tokens found rows that no vector divides;
@@ -29,7 +29,7 @@ from torch import nn
 from benchmarks.engines import LR, MOMENTUM, make_graph
 from benchmarks.kernels import timer
 from benchmarks.suite import Case
-from examples.zoo import TCN, AtrousCNN, AudioConv, ConvNeXt, Encoder, MobileNetV3, RNNClassifier, ViT
+from examples.zoo import TCN, AtrousCNN, AudioConv, ConvNeXt, Encoder, Llama, MobileNetV3, RNNClassifier, ViT
 
 
 class VGG(nn.Module):
@@ -105,6 +105,13 @@ class RecSys(nn.Module):
         return self.mlp(torch.cat([table(ids[:, i]) for i, table in enumerate(self.tables)], 1)).squeeze(1)
 
 
+class _TokenLoss(nn.Module):
+    """Cross-entropy over every position of (batch, seq, vocab) logits."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
 BATCH = 16
 # name: (model, inputs, targets, loss)
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Callable[[], torch.Tensor], Callable[[], nn.Module]]] = {
@@ -128,6 +135,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], Call
     "tcn": (lambda: TCN(inputs=16, width=64, levels=4), lambda: torch.randn(BATCH, 16, 256), lambda: torch.randint(0, 5, (BATCH,)), nn.CrossEntropyLoss),
     "atrous": (lambda: AtrousCNN(width=32), lambda: torch.randn(8, 3, 32, 32), lambda: torch.randint(0, 10, (8,)),
                nn.CrossEntropyLoss),
+    "llama": (lambda: Llama(vocab=2000, width=256, heads=4, hidden=688, layers=2), lambda: torch.randint(0, 2000, (8, 128)),
+              lambda: torch.randint(0, 2000, (8, 128)), _TokenLoss),
 }
 STEPS = 3  # training steps compared with eager before timing
 

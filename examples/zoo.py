@@ -3,7 +3,8 @@
 torchvision's ResNet BasicBlock, nanoGPT's block with tied embeddings, a GRU/LSTM classifier, a
 U-Net with skip concatenation, a ViT patch embedding, an M5-style raw-audio Conv1d net,
 MobileNetV3's squeeze-excite blocks with hardswish, ConvNeXt's blocks, nn.TransformerEncoder, a
-dilated temporal conv net, a DeepLab-style atrous CNN: not shapes tvmgraph was built around. The defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
+dilated temporal conv net, a DeepLab-style atrous CNN, a LLaMA-style decoder (RMSNorm, rotary
+embeddings, SwiGLU): not shapes tvmgraph was built around. The defaults are small (tests/numeric/zoo.py runs them on 2 cores); benchmarks/suite.py builds them
 at full size.
 """
 
@@ -265,6 +266,66 @@ class Encoder(nn.Module):
 
     def forward(self, ids):
         return self.head(self.encoder(self.embed(ids)).mean(1))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def _rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on interleaved pairs (x[..., ::2], x[..., 1::2])."""
+    t, d = x.shape[-2], x.shape[-1]
+    angle = (torch.arange(t, device=x.device).float()[:, None]
+             / (10000 ** (torch.arange(0, d, 2, device=x.device).float() / d))[None])
+    cos, sin = angle.cos(), angle.sin()
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, rotary embeddings, causal scaled-dot-product attention, a SwiGLU MLP, no biases."""
+
+    def __init__(self, width: int, heads: int, hidden: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(width), RMSNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width, bias=False)
+        self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, _ = h.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
+                   for z in self.qkv(self.norm1(h)).split(h.shape[-1], -1))
+        a = F.scaled_dot_product_attention(_rotary(q), _rotary(k), v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+        x = self.norm2(h)
+        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Llama(nn.Module):
+    """A LLaMA-style decoder: token embedding, `layers` blocks, a final RMSNorm and an untied
+    head. Its strided slices' gradient once read a row early
+    (tvmgraph/schedules/offset_floordiv.py)."""
+
+    def __init__(self, vocab: int = 40, width: int = 32, heads: int = 4, hidden: int = 64, layers: int = 1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(LlamaBlock(width, heads, hidden) for _ in range(layers))
+        self.norm_out = RMSNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm_out(h))
 
 
 class TCN(nn.Module):

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from examples.zoo import GPT, TCN, AtrousCNN, AudioConv, ConvNeXt, Encoder, MobileNetV3, ResNet18, RNNClassifier, UNet, ViT
+from examples.zoo import (GPT, TCN, AtrousCNN, AudioConv, ConvNeXt, Encoder, Llama, MobileNetV3, ResNet18, RNNClassifier,
+                          UNet, ViT)
 
 
 @dataclass
@@ -68,53 +69,6 @@ class Seq2Seq(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
         src, tgt = self.embed(tokens), self.embed(tokens.roll(1, 1))
         return self.head(self.transformer(src, tgt, tgt_mask=mask, src_key_padding_mask=tokens == 0))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-def _rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding on interleaved pairs (x[..., ::2], x[..., 1::2])."""
-    t, d = x.shape[-2], x.shape[-1]
-    angle = (torch.arange(t, device=x.device).float()[:, None]
-             / (10000 ** (torch.arange(0, d, 2, device=x.device).float() / d))[None])
-    cos, sin = angle.cos(), angle.sin()
-    even, odd = x[..., ::2], x[..., 1::2]
-    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
-
-
-class Llama(nn.Module):
-    """A LLaMA-style decoder block: RMSNorm, rotary embeddings, causal scaled-dot-product
-    attention, a SwiGLU MLP, no biases. Its strided slices' gradient once read a row early
-    (tvmgraph/schedules/offset_floordiv.py)."""
-
-    def __init__(self, vocab: int = 40, width: int = 32, heads: int = 4):
-        super().__init__()
-        self.heads = heads
-        self.embed = nn.Embedding(vocab, width)
-        self.norm1, self.norm2, self.norm_out = RMSNorm(width), RMSNorm(width), RMSNorm(width)
-        self.qkv = nn.Linear(width, 3 * width, bias=False)
-        self.proj = nn.Linear(width, width, bias=False)
-        self.gate, self.up = nn.Linear(width, 64, bias=False), nn.Linear(width, 64, bias=False)
-        self.down = nn.Linear(64, width, bias=False)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        b, t = tokens.shape
-        h = self.embed(tokens)
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
-                   for z in self.qkv(self.norm1(h)).split(h.shape[-1], -1))
-        a = F.scaled_dot_product_attention(_rotary(q), _rotary(k), v, is_causal=True)
-        h = h + self.proj(a.transpose(1, 2).reshape(b, t, -1))
-        x = self.norm2(h)
-        h = h + self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.head(self.norm_out(h))
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
