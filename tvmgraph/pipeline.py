@@ -40,6 +40,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "CheckpointModules": "graph.<module>.to(tvmgraph.nn.GraphModule).activation_checkpointing = False",
     "RecomputeAttention": "graph.config.enable_recompute_attention(False)",
     "FuseModelUpdate": "graph.config.allow_fuse_model_update_ops(False)",
+    "FoldConstantTables": None,
     "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
@@ -186,6 +187,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.compress_memory import CompressMemory
     from relay_passes.fuse_cast_scale import FuseCastScale
     from relay_passes.fuse_epilogue import FuseEpilogue
+    from relay_passes.fold_constant_tables import FoldConstantTables
     from relay_passes.fuse_model_update import FuseModelUpdate
     from relay_passes.group_norm_by_parts import GroupNormByParts
     from relay_passes.pad_ragged_softmax import PadRaggedSoftmax
@@ -228,6 +230,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    kernel (allow_fuse_model_update_ops), or its Relax function is inlined.
         FuseModelUpdate(config.fuse_model_update_ops, report),
         T.InlinePrivateFunctions(),
+        #    Tables that transcendental ops compute from constants alone (a rotary embedding's
+        #    cos/sin of `torch.arange`) are computed once, at compile time.
+        FoldConstantTables(report),
         # 3. Matmuls read broadcast operands in place (MHA's expand + bmm and its gradient);
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),
