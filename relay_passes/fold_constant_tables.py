@@ -21,8 +21,9 @@ such values; no input, parameter or symbolic shape) that something else reads, o
 `MAX_ELEMENTS` elements, with a transcendental op (`TRANSCENDENTAL`) among the ops it comes
 from. The values of a function are computed together, by one Relax function compiled for the
 host and run once; each is then a constant of the program. The tables are TVM's own
-legalization of the same ops (libm's cos and sin), so the numbers are those the kernels
-computed before, to the last bit.
+legalization of the same ops, so the numbers are those the kernels computed before (libm's cos,
+sin and pow, bit for bit), except that an exp, tanh, erf or sigmoid is libm's where tvmgraph's
+CPU kernels use a polynomial (schedules/fast_math.py, within 3e-7 relative of it).
 
 Position: before LegalizeOps (after autodiff, so a training step's backward pass reads the same
 constants), on every target: the values are computed on the host.

@@ -87,3 +87,20 @@ def test_a_max_pool_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
     lowered, options = lower_train_step(graph, torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,)))
     _, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
     assert "cuda" in [m.kind for m in executable.mod.imports[0].imports]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
+def test_a_llama_training_step_builds_for_cuda_with_its_rotary_tables_folded() -> None:
+    """FoldConstantTables computes the rotary cos/sin tables on the host while the graph is
+    built for CUDA: no kernel computes a cos or a sin, and every kernel runs on the GPU."""
+    from tests.numeric.zoo import ZOO
+    from tvmgraph.schedules.apply_gpu import runs_on_host
+
+    llama = ZOO["llama"]
+    model = llama.make().train()
+    graph = TrainGraph(model, llama.loss, llama.optimizer(model))
+    lowered, options = lower_train_step(graph, *llama.batch(torch.Generator().manual_seed(0)))
+    optimized, _ = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    kernels = {gv.name_hint: f for gv, f in optimized.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert not [name for name in kernels if "_cos" in name or "_sin" in name or name.startswith(("cos", "sin"))]
+    assert [name for name, f in kernels.items() if runs_on_host(f)] == []

@@ -21,7 +21,9 @@ Block by block (everything else, e.g. a channel mean applied to another tensor, 
 gradients summed over the batch axis): each loop nest is scheduled on its own. A
 reduction whose input is contiguous along a reduced axis gets the rfactor vectorization; one
 whose input is contiguous along a kept axis ("column" reduction, `dy.sum(0)`) loops over the
-reduced axes outside and vectorizes the kept axis inside, parallel over chunks of it.
+reduced axes outside and vectorizes the kept axis inside, parallel over chunks of it (a kept
+extent that no vector divides, a 1-D max pooling's 495 windows: whole vectors, then a serial
+tail).
 
 A reduction of a whole tensor to one value (a loss) is first cut into chunks of about
 sqrt(lanes * n) elements (`_chunk_partials`): each chunk is then a row, summed as above, in
