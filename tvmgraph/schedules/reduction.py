@@ -47,7 +47,7 @@ import math
 from tvm import s_tir, tirx
 from tvm.sym import Analyzer
 from tvm.s_tir.dlight.base import ScheduleRule
-from tvm.s_tir.schedule import SBlockRV
+from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.target import Target
 
 from .unchecked import Schedule
