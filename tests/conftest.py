@@ -81,6 +81,22 @@ def lower_train_step(graph: tvmgraph.nn.Graph, *args):
     return traced.lower(plan), options
 
 
+def assert_steps_match_eager(graph: tvmgraph.nn.Graph, model: torch.nn.Module, reference: torch.nn.Module,
+                             loss_fn, x: torch.Tensor, y: torch.Tensor, lr: float = 0.1, steps: int = 2) -> None:
+    """`graph` (a TrainGraph of `model` with SGD, momentum 0.9, learning rate `lr`) against
+    `reference` stepped the same way in eager: each step's loss, then every parameter."""
+    opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
+    for _ in range(steps):
+        loss = graph(x, y)
+        opt.zero_grad()
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        opt.step()
+        torch.testing.assert_close(loss, expected.detach(), atol=1e-6, rtol=1e-5)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), atol=1e-6, rtol=1e-5)
+
+
 class SGDStep(tvmgraph.nn.Graph):
     """One SGD step with lr=1 on `model(*inputs)` (a scalar loss): a parameter moves by minus its
     gradient. Momentum changes nothing on the first step (the buffer starts as the gradient)."""

@@ -15,7 +15,7 @@ from torch import nn
 from tvm import relax
 
 from relay_passes.bilinear_upsample import BilinearUpsampleByTwo
-from tests.conftest import ModuleGraph, TrainGraph
+from tests.conftest import ModuleGraph, TrainGraph, assert_steps_match_eager
 from tvmgraph.schedules.apply import OPT_LEVEL_ATTR, ApplyCPUSchedules
 from tvmgraph.schedules.bilinear_upsample import ATTRIBUTE, BilinearUpsample, bilinear_upsample_kernel
 
@@ -180,18 +180,9 @@ def test_a_training_step_equals_eager(caplog: pytest.LogCaptureFixture) -> None:
     x, y = torch.randn(2, 3, 12, 16), torch.randn(2, 4, 12, 16)
     graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     graph.debug(1)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     with caplog.at_level(logging.INFO, logger="tvmgraph"):
-        for _ in range(2):
-            loss = graph(x, y)
-            opt.zero_grad()
-            expected = nn.functional.mse_loss(reference(x), y)
-            expected.backward()
-            opt.step()
-            torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+        assert_steps_match_eager(graph, model, reference, nn.functional.mse_loss, x, y)
     assert "BilinearUpsampleByTwo" in caplog.text
-    for p, r in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach(), r.detach(), atol=1e-6, rtol=1e-5)
 
 
 def test_a_dynamic_batch_equals_eager(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,7 +18,7 @@ from tvm.script import relax as R
 
 from relay_passes import fold_constant_tables
 from relay_passes.fold_constant_tables import FoldConstantTables
-from tests.conftest import ModuleGraph, TrainGraph
+from tests.conftest import ModuleGraph, TrainGraph, assert_steps_match_eager
 
 POSITIONS = np.arange(6, dtype="int64")
 PAIRS = np.arange(0, 8, 2, dtype="int64")
@@ -167,13 +167,4 @@ def test_models_equal_eager(model_class: type, caplog: pytest.LogCaptureFixture)
 
     model.train(), reference.train()
     train = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for _ in range(2):
-        loss = train(x, y)
-        opt.zero_grad()
-        expected = nn.functional.mse_loss(reference(x), y)
-        expected.backward()
-        opt.step()
-        torch.testing.assert_close(loss, expected.detach(), atol=1e-6, rtol=1e-5)
-    for p, r in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach(), r.detach(), atol=1e-6, rtol=1e-5)
+    assert_steps_match_eager(train, model, reference, nn.functional.mse_loss, x, y)
