@@ -72,9 +72,10 @@ def backward_start(bindings: list[relax.Binding]) -> int | None:
 
 @mutator
 class Substitute(PyExprMutator):
-    """Replace variables by others in an expression: `Substitute({old: new}).visit_expr(e)`."""
+    """Replace variables by other expressions (variables, constants) in an expression:
+    `Substitute({old: new}).visit_expr(e)`."""
 
-    def __init__(self, mapping: dict[relax.Var, relax.Var]) -> None:
+    def __init__(self, mapping: dict[relax.Var, relax.Expr]) -> None:
         super().__init__()
         self.mapping = mapping
 

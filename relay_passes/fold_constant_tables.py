@@ -33,14 +33,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import math
+
 import numpy as np
 import tvm
 from tvm import relax
 
-from tvm.relax.expr_functor import PyExprMutator, mutator
-
 from relay_passes import graph_functions
-from relay_passes.bindings import drop_unread, vars_in
+from relay_passes.bindings import Substitute, drop_unread, vars_in
+from relay_passes.tensor_sizes import static_shape
+from tvmgraph.schedules.loops import with_functions
 
 MAX_ELEMENTS = 1 << 20  # 4 MiB of float32: a table, not an activation made of constants
 
@@ -56,13 +58,9 @@ def _is_constant_leaf(expr: relax.Expr) -> bool:
         isinstance(expr, relax.ShapeExpr) and all(isinstance(v, tvm.tirx.IntImm) for v in expr.values))
 
 
-def _static_numel(ty: relax.Type) -> int | None:
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    dims = ty.shape.values
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
-        return None
-    return int(np.prod([int(d) for d in dims], dtype=np.int64))
+def _static_numel(expr: relax.Expr) -> int | None:
+    shape = static_shape(expr)
+    return None if shape is None else math.prod(shape)
 
 
 class _Tables:
@@ -82,13 +80,14 @@ class _Tables:
                 else:
                     readers_outside.update(vars_in(value) if isinstance(binding, relax.VarBinding) else [])
         readers_outside.update(vars_in(func.body.body))
+        # (every value in `bindings` has a static shape: `_constant_call` requires it)
         self.folded = [v for v in self.bindings if v in readers_outside and self.expensive[v]
-                       and (_static_numel(v.ty) or MAX_ELEMENTS + 1) <= MAX_ELEMENTS]
+                       and _static_numel(v) <= MAX_ELEMENTS]
 
     def _constant_call(self, value: relax.Expr) -> bool:
         if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)):
             return False
-        if _static_numel(value.ty) is None or value.op.name.startswith(("relax.call_", "relax.vm.", "relax.builtin")):
+        if _static_numel(value) is None or value.op.name.startswith(("relax.call_", "relax.vm.", "relax.builtin")):
             return False
         args = list(value.args)
         for arg in args:
@@ -144,33 +143,16 @@ class FoldConstantTables:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         folded = 0
-        out = mod
+        updates = {}
         for gv, func in graph_functions(mod):
             tables = _Tables(func)
             if not tables.folded:
                 continue
+            # Each read of a folded variable reads its constant; its binding, left unread, goes.
             constants = {var: relax.const(value, var.ty.dtype)
                          for var, value in zip(tables.folded, _values(tables.function()))}
-            func = _Substitute(constants).visit_expr(func)
-            out = out if out is not mod else tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs,
-                                                          global_infos=mod.global_infos)
-            out[gv] = drop_unread(func)
+            updates[gv] = drop_unread(Substitute(constants).visit_expr(func))
             folded += len(constants)
         if folded:
             self.report(f"FoldConstantTables: {folded} table(s) computed at compile time")
-        return out
-
-
-@mutator
-class _Substitute(PyExprMutator):
-    """Each read of a folded variable reads its constant (its binding, left unread, is dropped)."""
-
-    def __init__(self, constants: dict[relax.Var, tvm.ir.expr.GenericConst]) -> None:
-        super().__init__()
-        self.constants = constants
-
-    def visit_var_(self, var: relax.Var) -> relax.Expr:
-        return self.constants[var] if var in self.constants else super().visit_var_(var)
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
-        return self.constants[var] if var in self.constants else super().visit_dataflow_var_(var)
+        return with_functions(mod, updates)

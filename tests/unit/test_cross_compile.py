@@ -25,20 +25,27 @@ def test_cnn_compiles_for_cuda_without_a_gpu() -> None:
     assert "__global__" in source and "threadIdx.x" in source
 
 
+def _zoo_training_step_for_cuda(name: str) -> tuple[dict[str, tvm.tirx.PrimFunc], tvm.runtime.Executable]:
+    """The zoo model `name`'s training step built for sm_90: ({kernel name: PrimFunc}, executable)."""
+    from tests.numeric.zoo import ZOO
+
+    entry = ZOO[name]
+    model = entry.make().train()
+    graph = TrainGraph(model, entry.loss, entry.optimizer(model))
+    lowered, options = lower_train_step(graph, *entry.batch(torch.Generator().manual_seed(0)))
+    optimized, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
+    kernels = {gv.name_hint: f for gv, f in optimized.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    return kernels, executable
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
 def test_a_tied_embedding_gpt_training_step_builds_for_cuda_with_every_kernel_on_the_gpu() -> None:
     """The embedding's gradient (take_backward) was host code in a CUDA build: the zoo's GPT
     segfaulted in its first step on an H200. Now every kernel that writes memory is bound to
     GPU threads (numbers against eager on a GPU: tests/gpu/test_cuda_zoo.py)."""
-    from tests.numeric.zoo import ZOO
     from tvmgraph.schedules.apply_gpu import runs_on_host
 
-    gpt = ZOO["gpt_tied"]
-    model = gpt.make().train()
-    graph = TrainGraph(model, gpt.loss, gpt.optimizer(model))
-    lowered, options = lower_train_step(graph, *gpt.batch(torch.Generator().manual_seed(0)))
-    optimized, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
-    kernels = {gv.name_hint: f for gv, f in optimized.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    kernels, executable = _zoo_training_step_for_cuda("gpt_tied")
     assert any(name.startswith("take_backward") for name in kernels)
     assert [name for name, f in kernels.items() if runs_on_host(f)] == []
     host = executable.mod.imports[0]
@@ -93,14 +100,8 @@ def test_a_max_pool_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
 def test_a_llama_training_step_builds_for_cuda_with_its_rotary_tables_folded() -> None:
     """FoldConstantTables computes the rotary cos/sin tables on the host while the graph is
     built for CUDA: no kernel computes a cos or a sin, and every kernel runs on the GPU."""
-    from tests.numeric.zoo import ZOO
     from tvmgraph.schedules.apply_gpu import runs_on_host
 
-    llama = ZOO["llama"]
-    model = llama.make().train()
-    graph = TrainGraph(model, llama.loss, llama.optimizer(model))
-    lowered, options = lower_train_step(graph, *llama.batch(torch.Generator().manual_seed(0)))
-    optimized, _ = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
-    kernels = {gv.name_hint: f for gv, f in optimized.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    kernels, _ = _zoo_training_step_for_cuda("llama")
     assert not [name for name in kernels if "_cos" in name or "_sin" in name or name.startswith(("cos", "sin"))]
     assert [name for name, f in kernels.items() if runs_on_host(f)] == []

@@ -569,7 +569,7 @@ def _schedule_column(sch: s_tir.Schedule, block: SBlockRV, column: int, lanes: i
     reduce_ = [l for l, k in zip(loops, kinds) if k == "R"]
     work = math.prod(work_extent(sch, l) for l in reduce_)
     if width < 4:
-        if extent > 2 * lanes and _schedule_column_in_vectors(sch, block, others, col, reduce_, lanes, work):
+        if extent > 2 * lanes and _schedule_column_in_vectors(sch, others, col, reduce_, extent, lanes, work):
             return
         sch.reorder(*others, col, *reduce_)
         # NOTE: the work of an output is its reduction's: counted as 1, a raw-audio net's
@@ -588,8 +588,8 @@ def _schedule_column(sch: s_tir.Schedule, block: SBlockRV, column: int, lanes: i
     sch.decompose_reduction(block, reduce_[0])
 
 
-def _schedule_column_in_vectors(sch: s_tir.Schedule, block: SBlockRV, others: list[LoopRV], col: LoopRV,
-                                reduce_: list[LoopRV], lanes: int, work: int) -> bool:
+def _schedule_column_in_vectors(sch: s_tir.Schedule, others: list[LoopRV], col: LoopRV, reduce_: list[LoopRV],
+                                extent: int, lanes: int, work: int) -> bool:
     """A column reduction along `col`, whose extent no vector divides: parallel over the other
     kept loops, `col` cut (`loop_partition`) into whole vectors, which run as `_schedule_column`
     runs a column (reduced loops outside, the vector inside), and a serial tail. False, with
@@ -598,8 +598,7 @@ def _schedule_column_in_vectors(sch: s_tir.Schedule, block: SBlockRV, others: li
     Why: the max pooling of a raw-audio net (MaxPool1d(4) over (16, 32, 1981): windows along
     495 columns) ran one output at a time, its NaN-propagating max a chain of scalar selects:
     0.76 ms of a 3.1 ms inference call on a 2-vCPU Xeon; in vectors, 0.17 ms alone."""
-    extent = static_extent(sch, col)
-    if extent is None or not others:
+    if not others:
         return False
     trial = sch.copy()  # a primitive that fails halfway must not leave the nest half cut
     try:
