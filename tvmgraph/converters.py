@@ -22,7 +22,8 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   refuses negative indices and wraps (`wrap`) where torch counts them from the end, and
   gather/scatter indices are clamped before the kernel. Index *inputs* out of range never get
   this far (index_guard.py raises first); this keeps indices computed in the graph inside the
-  tensor. The stock `embedding` also ignored `padding_idx` and `scale_grad_by_freq`.
+  tensor. The stock `embedding` also ignored `padding_idx` and `scale_grad_by_freq`. Several
+  index tensors and boolean masks (`x[:, i, j]`, `x[mask]`, `x[mask] = v`): advanced_indexing.py.
 - `mm`, `bmm`, `matmul`, `addmm`, `convolution`: the stock converters hard-code a float32
   result, which breaks float64 (and half-precision) programs. Here the result has the dtype of
   the inputs, as in torch; `convolution` covers every rank (the stock one had no 3-D transposed
@@ -62,7 +63,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters_nn, converters_reduce, converters_sort, converters_special, stop_gradient
+from . import advanced_indexing, converters_nn, converters_reduce, converters_sort, converters_special, stop_gradient
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, operand, result_dtype,
                             stock_converter)
 
@@ -386,24 +387,15 @@ def take(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     return bb.emit(relax.op.take(flat, index, axis=0, mode="wrap"))
 
 
-def index_tensor(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """x[..., index, ...] with one index tensor; negative indices count from the end, as in
-    torch (the stock `fast` take reads before the tensor's start). Several index tensors go to
-    the stock converter."""
-    indexed = [(axis, index) for axis, index in enumerate(node.args[1]) if index is not None]
-    if len(indexed) != 1:
-        return importer._index_tensor(node)
-    axis, index = indexed[0]
-    x = importer.env[node.args[0]]
-    return importer.block_builder.emit(relax.op.take(x, importer.env[index], axis=axis, mode="wrap"))
-
-
 def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """x.index_put(indices, values, accumulate) where `indices` (adjacent tensors, None for
     a whole dim) name fewer dims than x has, as `x[idx] += v` on a matrix: every dim gets an
     index, the whole ones an `arange`, all broadcast to the indexing result's shape. TVM's
     index_put needs one index a dim; the stock converter padded only leading dims and failed on
-    the others. Negative indices count from the end and all are clamped into x, as `take`'s."""
+    the others. Negative indices count from the end and all are clamped into x, as `take`'s.
+    A boolean mask goes to `advanced_indexing.masked_put`."""
+    if advanced_indexing.uses_mask(node):
+        return advanced_indexing.masked_put(node, importer)
     bb = importer.block_builder
     x = importer.env[node.args[0]]
     indices = list(node.args[1])
@@ -624,7 +616,8 @@ CONVERTERS: dict[str, Converter] = {
     "logspace.default": constant_factory(torch.logspace),
     "_adaptive_avg_pool2d.default": bound("_adaptive_avg_pool2d.default"),
     "_adaptive_avg_pool3d.default": bound("_adaptive_avg_pool3d.default"),
-    "index.Tensor": index_tensor,
+    "index.Tensor": advanced_indexing.index_tensor,
+    "nonzero.default": advanced_indexing.nonzero,
     "gather.default": clamped_index("_gather"),
     "scatter.src": clamped_index("_scatter"),
     "scatter.value": clamped_index("_scatter_value"),

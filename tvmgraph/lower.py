@@ -41,7 +41,7 @@ from torch.export.graph_signature import (
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters, decompositions, empty_results, half_in_float32, random_ops, type_promotion, zero_dim
+from . import converters, decompositions, empty_results, half_in_float32, random_ops, result_shapes, type_promotion, zero_dim
 from .errors import TraceError, UnsupportedOpError
 from .trace import math_attention
 
@@ -226,6 +226,14 @@ def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> 
     and source line."""
     known = set(ExportedProgramImporter().convert_map) | set(converters.CONVERTERS) | random_ops.OPS
     missing = [node for node in exported.graph.nodes if node.op == "call_function" and op_key(node) not in known]
+    complex_values = [node for node in exported.graph.nodes if _is_complex(node)]
+    if complex_values:
+        node = complex_values[0]
+        what = (f"input '{node.name}'" if node.op == "placeholder" else describe(node))
+        raise UnsupportedOpError(
+            f"{graph_name}: {what} is a {str(node.meta['val'].dtype).removeprefix('torch.')} tensor; TVM has "
+            f"no complex dtypes. Keep complex values outside the graph: pass torch.view_as_real(z) (real and "
+            f"imaginary parts as a last dim of 2) and compute with the parts.")
     if missing:
         lines = dict.fromkeys(f"  * {describe(node)}" for node in missing)  # one per op and place
         raise UnsupportedOpError(
@@ -235,6 +243,12 @@ def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> 
             + "\nRewrite that code with supported torch ops, or run the module eagerly outside "
             "the graph. Supported ops are listed by `tvmgraph.lower.supported_ops()`."
         )
+
+
+def _is_complex(node: torch.fx.Node) -> bool:
+    values = node.meta.get("val")
+    return any(isinstance(v, torch.Tensor) and v.is_complex()
+               for v in (values if isinstance(values, (list, tuple)) else [values]))
 
 
 # Ops whose float operands eager torch requires to share one dtype (its kernels raise "mat1 and
@@ -362,6 +376,7 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     convert_map = zero_dim.with_zero_dim(type_promotion.with_promotion(half_in_float32.with_float32(convert_map)))
     convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
     convert_map = empty_results.with_empty_results(convert_map)
+    convert_map = result_shapes.with_checked_results(convert_map, graph_name, describe)
     importer = ExportedProgramImporter()
     mod = importer.from_exported_program(exported, keep_params_as_input=False, unwrap_unit_return_tuple=False,
                                          no_bind_return_tuple=True, custom_convert_map=convert_map)

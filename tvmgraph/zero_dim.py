@@ -30,9 +30,9 @@ def _is_0d(expr: object) -> bool:
 
 def _torch_shapes(node: torch.fx.Node) -> list[tuple[int, ...]] | None:
     vals = traced_results(node)
-    if not all(isinstance(v, torch.Tensor) for v in vals):
-        return None
-    return [tuple(int(d) for d in v.shape) for v in vals]
+    if not all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape) for v in vals):
+        return None  # a symbolic size (a count from a boolean mask): not a 0-d case
+    return [tuple(v.shape) for v in vals]
 
 
 def zero_dim_safe(key: str, inner: Converter | None) -> Converter:

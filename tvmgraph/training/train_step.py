@@ -372,6 +372,9 @@ def _differentiate(mod: tvm.IRModule, grad_indices: list[int], loss_index: int, 
             raise
         raise UnsupportedOpError(f"{graph}: build() computes a shape from tensor values (nonzero, boolean masks, "
                                  f"torch.combinations) on the way to the loss; tvmgraph cannot differentiate "
-                                 f"through it. Run that part outside the graph (compute it before calling the "
-                                 f"graph).") from None
+                                 f"through it. Keep the shapes fixed and mask the values instead: "
+                                 f"`F.cross_entropy(out[m], y[m])` -> `F.cross_entropy(out, y.masked_fill(~m, "
+                                 f"-100))` (its ignore_index), `(loss * m).sum() / m.sum()` for a masked mean, "
+                                 f"`h[m] = f(h[m])` -> `h = torch.where(m, f(h), h)`; or compute that part "
+                                 f"outside the graph.") from None
 

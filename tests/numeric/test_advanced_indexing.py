@@ -1,0 +1,165 @@
+"""Advanced indexing against torch eager (tvmgraph/advanced_indexing.py).
+
+Before it, `x[:, i, j]` returned a tensor of another shape, `x[:, k, i]` one of the right shape
+with other values, and `y[y < 0] = 0` zeroed y's first two rows: silently wrong numbers.
+Indexing results are exact (int64 compared with equal); training steps within 1e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tvmgraph
+from tests.conftest import Fn, ModuleGraph, TrainGraph, assert_steps_match_eager
+from tvmgraph.errors import CompileError, UnsupportedOpError
+
+_I = torch.tensor([0, 2, -1])
+_J = torch.tensor([1, 3, 0])
+_K = torch.tensor([[0], [1]])
+
+
+def _masked_assignment(y: torch.Tensor) -> torch.Tensor:
+    y = y.clone()
+    y[y < 0] = 0
+    return y
+
+
+def _row_mask_assignment(y: torch.Tensor) -> torch.Tensor:
+    y = y.clone()
+    y[y[:, 0, 0, 0] > 0] = 7.0
+    return y
+
+
+def _masked_values(y: torch.Tensor) -> torch.Tensor:
+    y = y.clone()
+    y[y < 0] = y[y < 0] * 2 - 1  # one value per true element, in order
+    return y
+
+
+def _row_mask_vector(y: torch.Tensor) -> torch.Tensor:
+    y = y.clone()
+    y[y[:, 0, 0, 0] > 0] += torch.arange(20.0).view(4, 5)  # broadcast over the selected rows
+    return y
+
+
+def _inner_mask_assignment(y: torch.Tensor) -> torch.Tensor:
+    y = y.clone()
+    y[:, y[0, :, :, 0] > 0] = -3.0  # a mask on a dim after a whole one
+    return y
+
+
+def _never_true(y: torch.Tensor) -> torch.Tensor:
+    y = y.clone()
+    y[y > 100] = y[y > 100] + 1  # no true element, no values: nothing read outside them
+    return y
+
+
+CASES = {
+    "pairs_after_a_whole_dim": lambda x: x[:, _I, _J],
+    "pairs_on_dims_apart": lambda x: x[:, _I, :, _J],
+    "broadcast_indices": lambda x: x[:, _K, _I],
+    "last_two_dims": lambda x: x[:, :, _I, _J],
+    "first_two_dims": lambda x: x[_K, _I],
+    "ellipsis": lambda x: x[..., _I],
+    "boolean_mask": lambda x: x[x > 0],
+    "row_mask": lambda x: x[x[:, 0, 0, 0] > 0],
+    "mask_after_a_whole_dim": lambda x: x[:, x[0, :, 0, 0] > 0],
+    "nonzero": lambda x: torch.nonzero(x > 0.5),
+    "masked_assignment": _masked_assignment,
+    "row_mask_assignment": _row_mask_assignment,
+    "masked_values": _masked_values,
+    "row_mask_vector": _row_mask_vector,
+    "inner_mask_assignment": _inner_mask_assignment,
+    "never_true": _never_true,
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_indexing_matches_eager(name: str) -> None:
+    fn = CASES[name]
+    graph = ModuleGraph(Fn(fn))
+    for _ in range(2):  # a second input: masks select other elements, counts change
+        x = torch.randn(2, 3, 4, 5)
+        expected = fn(x)
+        out = graph(x)
+        assert out.shape == expected.shape and out.dtype == expected.dtype
+        assert torch.equal(out, expected)
+
+
+class MaskedActivations(nn.Module):
+    """A leaky ReLU written as masked assignments, then indexing by pairs of index tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 24)
+
+    def forward(self, x):
+        h = self.fc(x).view(-1, 2, 3, 4).clone()
+        h[h < 0] = 0.5
+        h[:, 1][h[:, 0] > 0.3] = 2.0
+        return h[:, :, _I, _J]
+
+
+class PickedParameters(nn.Module):
+    """Rows of a parameter picked by pairs of indices computed in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 5, 6))
+
+    def forward(self, x):
+        i, j = x.argmax(-1) % 4, x.argmin(-1) % 5
+        return self.w[i, j] + self.w[i[:, None], :, j[:, None]].sum(-1)
+
+
+@pytest.mark.parametrize("make, x, y", [
+    (MaskedActivations, torch.randn(5, 6), torch.randn(5, 2, 3)),
+    (PickedParameters, torch.randn(7, 9), torch.randn(7, 6)),
+], ids=["masked_assignments", "picked_parameters"])
+def test_training_through_indexing_matches_eager(make, x: torch.Tensor, y: torch.Tensor) -> None:
+    model = make()
+    reference = copy.deepcopy(model)
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert_steps_match_eager(graph, model, reference, nn.MSELoss(), x, y, steps=3)
+
+
+def test_a_loss_over_masked_elements_is_refused_with_the_rewrite() -> None:
+    class MaskedLoss(nn.Module):
+        def forward(self, out, y):
+            keep = y >= 0
+            return F.cross_entropy(out[keep], y[keep])
+
+    model = nn.Linear(8, 5)
+    graph = TrainGraph(model, MaskedLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(UnsupportedOpError, match=r"computes a shape from tensor values.*masked_fill\(~m, -100\)"):
+        graph(torch.randn(4, 8), torch.tensor([1, -1, 3, 4]))
+
+
+def test_a_converter_result_unlike_the_traced_one_stops_the_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The importer's own `index.Tensor` (an outer product of `i` and `j`) is caught by its shape."""
+    from tvmgraph import converters
+
+    monkeypatch.setitem(converters.CONVERTERS, "index.Tensor",
+                        lambda node, importer: importer._index_tensor(node))
+    graph = ModuleGraph(Fn(lambda x: x[:, _I, _J] * 2))  # not the program of a test above (compiled cache)
+    with pytest.raises(CompileError, match=r"aten\.index\.Tensor .* unlike the one torch traced "
+                                           r"\(4 dimensions, torch gives 3 \(\[2, 3, 6\]\)\)"):
+        graph(torch.randn(2, 3, 4, 6))
+
+
+def test_complex_tensors_are_refused_with_the_fix() -> None:
+    graph = ModuleGraph(Fn(lambda z: z * 2))
+    with pytest.raises(UnsupportedOpError, match=r"complex64 tensor; TVM has no complex dtypes.*view_as_real"):
+        graph(torch.ones(2, dtype=torch.complex64))
+
+
+def test_graph_name_is_in_the_refusal() -> None:
+    graph = ModuleGraph(Fn(lambda z: torch.fft.rfft(z).abs()))
+    with pytest.raises(UnsupportedOpError, match=rf"^{graph.name}: aten\._fft_r2c"):
+        graph(torch.ones(8))
+    assert isinstance(tvmgraph.errors.UnsupportedOpError("x"), NotImplementedError)
