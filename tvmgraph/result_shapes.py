@@ -12,6 +12,8 @@ are not compared.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import tvm
 from tvm import relax
@@ -34,14 +36,33 @@ def _dtype(value: torch.Tensor) -> str:
     return str(value.dtype).removeprefix("torch.")
 
 
+def _read_results(node: torch.fx.Node, count: int) -> set[int]:
+    """Which of a node's `count` results the program reads: every one of a single result; of a
+    tuple, those a `getitem` with users takes (converters leave the others as placeholders: the
+    `(y, y, y)` of a layer norm whose mean and rstd nothing reads)."""
+    if not isinstance(node.meta.get("val"), (list, tuple)):
+        return set(range(count))
+    read = set()
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+            if user.users:
+                read.add(user.args[1])
+        else:
+            return set(range(count))  # the tuple itself is used (returned): all of it
+    return read
+
+
 def mismatch(node: torch.fx.Node, out: relax.Expr) -> str | None:
     """How `out` differs from what tracing recorded for `node`, or None."""
     traced = traced_results(node)
     built = _relax_results(out)
     if built is None or len(built) != len(traced):
         return None  # not a tensor-for-tensor result (lists of ints, None fields): nothing to compare
+    read = _read_results(node, len(traced))
     for i, (value, ty) in enumerate(zip(traced, built)):
-        if not isinstance(value, torch.Tensor) or not isinstance(ty, relax.TensorType) or value.is_complex():
+        if i not in read or not isinstance(value, torch.Tensor) or not isinstance(ty, relax.TensorType):
+            continue
+        if value.is_complex():
             continue
         where = f"result {i}: " if len(traced) > 1 else ""
         if ty.ndim >= 0 and ty.ndim != value.dim():
