@@ -205,7 +205,10 @@ def _manifest(graph: Graph, traced: TracedGraph, lowered: LoweredGraph, target: 
     ret = lowered.mod[lowered.entry].ret_ty
     fields = ret.fields if hasattr(ret, "fields") else [ret]
     n_mut = len(sig.mutations)
-    outputs = [{"name": f"output_{i}", "dtype": str(f.dtype), "shape": [int(d) for d in f.shape.values]}
+    # A size known only when the program runs (the count of a boolean mask's true elements) is -1.
+    outputs = [{"name": f"output_{i}", "dtype": str(f.dtype),
+                "shape": [int(d) if isinstance(d, tvm.tirx.IntImm) else -1 for d in f.shape.values]
+                if isinstance(f.shape, tvm.relax.ShapeExpr) else [-1] * f.ndim}
                for i, f in enumerate(fields[n_mut:n_mut + sig.num_user_outputs])]
     kind = "cuda" if target.kind.name == "cuda" else "llvm"
     machine = host_machine() if kind == "cuda" else machine_of(target)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tvmgraph
-from tests.conftest import ModuleGraph, TrainGraph, assert_close
+from tests.conftest import Fn, ModuleGraph, TrainGraph, assert_close
 from tests.models import EncoderBlock, SmallCNN, mlp
 from tvmgraph import deploy
 from tvmgraph.artifact_format import document_digest, sha256_file
@@ -427,6 +427,21 @@ def test_buffers_constants_and_nested_outputs_survive_a_save(tmp_path: Path) -> 
     assert_close(out, expected.detach())
     assert_close(total, expected_total)
     assert none is None
+
+
+def test_an_output_whose_size_depends_on_the_values_survives_a_save(tmp_path: Path) -> None:
+    """x[mask]'s length is known only when the program runs: the manifest says -1 (saving
+    failed on it), and each call returns as many elements as eager selects."""
+    model = torch.nn.Linear(4, 6).eval()
+    graph = ModuleGraph(Fn(lambda x: model(x)[model(x) > 0]))
+    x = torch.randn(3, 4)
+    tvmgraph.save(graph, tmp_path / "g", example_args=(x,))
+    assert json.loads((tmp_path / "g" / "manifest.json").read_text())["outputs"][0]["shape"] == [-1]
+    loaded = tvmgraph.load(tmp_path / "g")
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            assert_close(loaded(x), model(x)[model(x) > 0])
 
 
 def _batches(n: int, x_shape: tuple, y_shape: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
