@@ -136,6 +136,8 @@ NEW_GRADIENTS = [
            normal((2, 3))),
     OpCase("pad-constant", lambda x: op.nn.pad(x, [0, 0, 1, 2, 2, 0]),
            lambda x: F.pad(x, (2, 0, 1, 2)), normal((2, 3, 4))),
+    OpCase("pad-negative-widths-crop", lambda x: op.nn.pad(x, [0, 0, 1, -1, -2, 3]),
+           lambda x: F.pad(x, (-2, 3, 1, -1)), normal((2, 3, 4))),
     # elementwise.py
     OpCase("erf", lambda x: op.erf(x), torch.erf, normal((3, 4))),
     OpCase("rsqrt", lambda x: op.rsqrt(x), torch.rsqrt, positive((3, 4))),

@@ -140,25 +140,30 @@ def repeat_grad(
 def pad_grad(
     orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
 ) -> list[relax.Expr]:
-    """``y = pad(x, [before_0, after_0, ...], "constant")``, widths >= 0.
+    """``y = pad(x, [before_0, after_0, ...], "constant")``.
 
     ``dx = dy[before_0 : before_0 + d_0, ...]``: the border holds the constant, which does not
-    depend on x.
+    depend on x. A negative width crops x (`F.pad(x, (2, -1))`): those elements of x reach no
+    output, so their gradient is zero, padded back on after the slice.
     """
     attrs = orig_call.attrs
     widths = [int(w) for w in attrs.pad_width]
-    if attrs.pad_mode != "constant" or min(widths) < 0:
+    if attrs.pad_mode != "constant":
         raise NotImplementedError(
             f"gradient of relax.nn.pad with pad_mode={attrs.pad_mode!r} and pad_width={widths}: "
-            "only constant padding with non-negative widths is supported"
+            "only constant padding is supported"
         )
     x = orig_call.args[0]
     dims = dims_of(x)
+    added = [max(w, 0) for w in widths]
+    cropped = [max(-w, 0) for w in widths]
     # Only the padded axes are sliced: an unpadded one may be symbolic (a dynamic batch).
     axes = [a for a in range(len(dims)) if widths[2 * a] or widths[2 * a + 1]]
     if any(not isinstance(dims[a], int) for a in axes):
         shape_of(x)  # raises: a padded symbolic axis
-    begin = [widths[2 * a] for a in axes]
-    end = [widths[2 * a] + dims[a] for a in axes]
+    begin = [added[2 * a] for a in axes]
+    end = [added[2 * a] + dims[a] - cropped[2 * a] - cropped[2 * a + 1] for a in axes]
     grad = op.strided_slice(output_grad, axes, begin, end) if axes else output_grad
+    if any(cropped):
+        grad = op.nn.pad(grad, cropped, "constant", 0.0)
     return [grad, *(grad_op.no_grad(arg) for arg in orig_call.args[1:])]
