@@ -73,12 +73,26 @@ def _expanded_indices(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     return out
 
 
-def _in_range(bb: relax.BlockBuilder, index: relax.Expr, size: int) -> relax.Expr:
-    """`index` as int64 in [0, size): negative counts from the end, the rest clamped."""
+def _in_range(bb: relax.BlockBuilder, index: relax.Expr, size: int | relax.Expr) -> relax.Expr:
+    """`index` as int64 in [0, size): negative counts from the end, the rest clamped. `size` is
+    a number, or a 0-d int64 tensor for a symbolic dim."""
     index = bb.emit(relax.op.astype(index, "int64"))
-    wrapped = relax.op.where(relax.op.less(index, relax.const(0, "int64")),
-                             relax.op.add(index, relax.const(size, "int64")), index)
-    return bb.emit(relax.op.clip(wrapped, 0, max(size - 1, 0)))
+    zero = relax.const(0, "int64")
+    if isinstance(size, int):
+        wrapped = relax.op.where(relax.op.less(index, zero), relax.op.add(index, relax.const(size, "int64")), index)
+        return bb.emit(relax.op.clip(wrapped, 0, max(size - 1, 0)))
+    wrapped = bb.emit(relax.op.where(relax.op.less(index, zero), relax.op.add(index, size), index))
+    last = relax.op.maximum(relax.op.subtract(size, relax.const(1, "int64")), zero)
+    return bb.emit(relax.op.maximum(relax.op.minimum(wrapped, last), zero))
+
+
+def _dim_size(bb: relax.BlockBuilder, x: relax.Expr, dim: int) -> int | relax.Expr:
+    """x's size along `dim`: a number, or a 0-d int64 tensor when it is symbolic."""
+    size = x.ty.shape.values[dim]
+    if isinstance(size, tvm.tirx.IntImm):
+        return int(size)
+    sizes = bb.emit(relax.op.shape_to_tensor(relax.op.shape_of(x)))
+    return bb.emit(relax.op.take(sizes, relax.const(dim, "int64"), axis=0))
 
 
 def index_tensor(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -90,10 +104,12 @@ def index_tensor(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     if len(given) == 1:  # one index tensor: a take along its dim (wrap: negatives count from the end)
         return bb.emit(relax.op.take(x, indices[given[0]], axis=given[0], mode="wrap"))
     shape = _static_dims(x)
-    if shape is None:
-        if len(given) == len(indices) == x.ty.ndim:
-            return importer._index_tensor(node)  # every dim indexed: the stock converter pairs them
-        raise NotImplementedError("several index tensors on a tensor of symbolic size: index one dim at a time")
+    if shape is None:  # a symbolic size (a dynamic batch): leading dims indexed, paired by index_tensor
+        if given != list(range(len(given))):
+            raise NotImplementedError("index tensors after a whole dim of a tensor of symbolic size: "
+                                      "index one dim at a time")
+        pairs = [_in_range(bb, indices[d], _dim_size(bb, x, d)) for d in given]
+        return bb.emit(relax.op.index_tensor(x, pairs))
     sizes = [shape[d] for d in given]
     rest = [d for d in range(len(shape)) if d not in given]
     linear = None

@@ -163,3 +163,28 @@ def test_graph_name_is_in_the_refusal() -> None:
     with pytest.raises(UnsupportedOpError, match=rf"^{graph.name}: aten\._fft_r2c"):
         graph(torch.ones(8))
     assert isinstance(tvmgraph.errors.UnsupportedOpError("x"), NotImplementedError)
+
+
+def test_indexing_under_a_dynamic_batch_matches_eager_with_one_program() -> None:
+    """Masks and pairs of indices on a tensor whose batch is symbolic; a negative index into the
+    batch counts from its end at every batch size."""
+
+    def pick(x):
+        h = x.clone()
+        h[h < 0] = 0
+        return h[h > 0.1], h[:, [0, 2]][:, [1, 0]], h[torch.tensor([-1, 0]), torch.tensor([1, 3])]
+
+    class Dynamic(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.config.enable_dynamic_batch(True)
+
+        def build(self, x):
+            return pick(x)
+
+    graph = Dynamic()
+    for batch in (5, 9, 2):
+        x = torch.randn(batch, 4)
+        for got, expected in zip(graph(x), pick(x)):
+            assert got.shape == expected.shape and torch.equal(got, expected)
+    assert len(graph._state().entries) == 1
