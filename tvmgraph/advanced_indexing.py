@@ -14,7 +14,8 @@ as the indices 0 and 1 (`y[y < 0] = 0` zeroed the first two rows). Here, as torc
 - `index_put` with one boolean mask (`x[mask] = v`, `x[:, mask] += v`): a `where` over x, the
   value of each true element read by its rank among the true ones (a cumulative sum of the
   mask), so the result keeps x's shape and the gradient flows to x and v.
-- `nonzero`: the coordinates of the nonzero elements, one row each.
+- `nonzero`: the coordinates of the nonzero elements, one row each; `masked_select` the true
+  elements of x and the mask broadcast together, in order.
 
 Integer index tensors from the graph's inputs are range-checked before the call
 (index_guard.py); indices computed inside the graph are wrapped and clamped here so that no
@@ -176,6 +177,25 @@ def masked_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.
 def uses_mask(node: torch.fx.Node) -> bool:
     """Whether `node` (an index or index_put) indexes with a boolean mask."""
     return any(index is not None and _is_mask(index) for index in node.args[1])
+
+
+def masked_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """torch.masked_select(x, mask): x and mask broadcast together (the stock converter broadcast
+    only the mask to x, and failed on a mask of more dims), flattened, the true elements in order."""
+    bb = importer.block_builder
+    x, mask = importer.env[node.args[0]], importer.env[node.args[1]]
+    shape = list(torch.broadcast_shapes(node.args[0].meta["val"].shape, node.args[1].meta["val"].shape))
+    if not all(isinstance(d, int) for d in shape):
+        shape = None
+    flat = []
+    for value in (x, mask):
+        if shape is not None and _static_dims(value) != shape:
+            value = bb.emit(relax.op.broadcast_to(value, shape))
+        elif shape is None and value is mask and not tvm.ir.structural_equal(mask.ty.shape, x.ty.shape):
+            raise NotImplementedError("masked_select broadcasting a tensor of symbolic size: expand it first")
+        flat.append(bb.emit(relax.op.reshape(value, [-1])))
+    coords = coordinates(bb, flat[1], f"{node.name}_count")
+    return bb.emit(relax.op.take(flat[0], relax.op.reshape(coords, [-1]), axis=0))
 
 
 def nonzero(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:

@@ -619,6 +619,7 @@ CONVERTERS: dict[str, Converter] = {
     "_adaptive_avg_pool3d.default": bound("_adaptive_avg_pool3d.default"),
     "index.Tensor": advanced_indexing.index_tensor,
     "nonzero.default": advanced_indexing.nonzero,
+    "masked_select.default": advanced_indexing.masked_select,
     "gather.default": clamped_index("_gather"),
     "scatter.src": clamped_index("_scatter"),
     "scatter.value": clamped_index("_scatter_value"),

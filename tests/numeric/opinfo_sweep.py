@@ -92,13 +92,13 @@ RANDOM = {
     "nn.functional.multi_head_attention_forward",
 }
 DATA_DEPENDENT_SHAPE = {
-    "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount", "repeat_interleave",
+    "unique", "unique_consecutive", "bincount", "repeat_interleave",
     "histc", "histogram", "histogramdd", "nn.functional.ctc_loss", "_segment_reduce",
 }
 UNINITIALIZED = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
 COMPLEX = {"complex", "polar", "view_as_complex", "cfloat", "cdouble", "chalf", "stft", "istft"}
 NO_TENSOR_RESULT = {"item", "equal", "allclose", "broadcast_shapes", "tolist"}
-MUTATING = {"resize_", "resize_as_", "zero_", "fill", "put", "index_put",
+MUTATING = {"resize_", "resize_as_", "zero_", "fill", "put",
             "_unsafe_masked_index_put_accumulate"}
 
 
@@ -107,7 +107,8 @@ def out_of_scope(op: Any) -> str | None:
     name = op.name
     if torch.float32 not in op.supported_dtypes("cpu"):
         return "no float32 CPU kernel"
-    if name.endswith("_") or op.variant_test_name == "in_place" or name in MUTATING:
+    in_place = name.endswith("_") and not name.startswith("__")  # `__getitem__`, `__radd__` are not
+    if in_place or op.variant_test_name == "in_place" or name in MUTATING:
         return "in-place: mutates its input (graphs are functional)"
     if name.startswith("jiterator_"):
         return "CUDA-only (jiterator)"

@@ -70,6 +70,7 @@ CASES = {
     "row_mask": lambda x: x[x[:, 0, 0, 0] > 0],
     "mask_after_a_whole_dim": lambda x: x[:, x[0, :, 0, 0] > 0],
     "nonzero": lambda x: torch.nonzero(x > 0.5),
+    "masked_select_broadcasting_both": lambda x: torch.masked_select(x[0, 0, :1], x[:, :, 0, :] > 0),
     "masked_assignment": _masked_assignment,
     "row_mask_assignment": _row_mask_assignment,
     "masked_values": _masked_values,
