@@ -18,6 +18,8 @@ from tvmgraph.errors import OptimizerError
 OPTIMIZERS = {
     "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.1),
     "adam": lambda params: torch.optim.Adam(params, lr=0.01, amsgrad=True, weight_decay=1e-2),
+    # Per-parameter state of different keys and shapes (factored for weights, whole for biases).
+    "adafactor": lambda params: torch.optim.Adafactor(params, lr=0.02, weight_decay=1e-2),
 }
 
 

@@ -20,7 +20,7 @@ from relay_passes.fuse_model_update import build_update_kernel
 from tests.conftest import TrainGraph
 from tests.numeric.test_training import eager_step
 from tvmgraph.errors import OptimizerError
-from tvmgraph.training.optimizers import RULES
+from tvmgraph.training.optimizers import RULES, rule_for
 
 # Relative to each tensor's largest element: far below any real training difference, above the
 # float32 rounding of TVM's matmuls (which compute the gradients) against MKL's, which the
@@ -51,6 +51,11 @@ OTHERS = [
     # t0 small: ASGD starts averaging (mu < 1) within the run.
     (torch.optim.ASGD, dict(t0=3, lambd=1e-2), dict(weight_decay=1e-2, t0=1), dict(lr=1e-2)),
     (torch.optim.AdamW, dict(amsgrad=True), dict(maximize=True, amsgrad=True, weight_decay=0.0), dict(lr=1e-2)),
+]
+# A weight's second moment is factored into row and column means, a bias's is whole.
+ADAFACTOR = [
+    (torch.optim.Adafactor, dict(weight_decay=1e-2), dict(maximize=True, beta2_decay=-0.5), dict(lr=1e-2)),
+    (torch.optim.Adafactor, dict(eps=(1e-30, 1e-3), d=2.0), dict(), dict(lr=5e-2)),
 ]
 
 
@@ -102,8 +107,8 @@ def train_side_by_side(configs, fuse: bool) -> TrainGraph:
         assert_same_optimizer(optimizers, ref_optimizers, step)
         groups = [(opt, group) for opt in optimizers for group in opt.param_groups]
         pointers = [p.data_ptr() for _, group in groups for p in group["params"]]
-        if step > 0:  # the update kernels write in place, but for Adadelta with weight decay
-            expected = [fuse and not (isinstance(opt, torch.optim.Adadelta) and group["weight_decay"])
+        if step > 0:  # the update kernels write in place, but for Adadelta with weight decay and Adafactor
+            expected = [fuse and RULES[rule_for(opt, "").name].in_place(RULES[rule_for(opt, "").name].flags(group))
                         for opt, group in groups]
             assert [now == before for now, before in zip(pointers, last_pointers)] == expected
         last_pointers = pointers
@@ -123,6 +128,28 @@ def test_adaptive_optimizers_match_eager(fuse: bool) -> None:
 def test_other_optimizers_match_eager(fuse: bool) -> None:
     """RAdam (both sides of the rectification), Adadelta, Rprop, ASGD (averaging), AdamW amsgrad."""
     train_side_by_side(OTHERS, fuse)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "relax"])
+def test_adafactor_matches_eager(fuse: bool) -> None:
+    """Adafactor (weight decay, maximize, beta2_decay, given eps1, d): factored row and column
+    moments for weights, a whole one for biases; the state torch keeps and nothing more."""
+    train_side_by_side(ADAFACTOR, fuse)
+
+
+def test_adafactor_factors_the_last_two_dims_of_a_convolution_weight() -> None:
+    """A 4-D weight: row_var [O, I, kh, 1], col_var [O, I, 1, kw], as torch keeps them."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Conv2d(4, 2, (2, 3)))
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=2e-2)
+    ref_optimizer = torch.optim.Adafactor(reference.parameters(), lr=2e-2)
+    graph = TrainGraph(model, nn.MSELoss(), optimizer)
+    for step in range(4):
+        x, y = torch.randn(2, 3, 9, 9), torch.randn(2, 2, 6, 5)
+        graph(x, y)
+        eager_step(reference, nn.MSELoss(), [ref_optimizer], x, y)
+        assert_same_optimizer([optimizer], [ref_optimizer], step)
+    assert optimizer.state[model[0].weight]["row_var"].shape == (4, 3, 3, 1)
 
 
 def test_unsupported_optimizer_lists_every_supported_one() -> None:

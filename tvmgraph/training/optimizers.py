@@ -1,7 +1,7 @@
 """torch.optim optimizers, lowered: their update rules as backend-neutral formulas.
 
 SGD, Adam and AdamW first, then the others in the order of torch's docs: RMSprop, Adagrad,
-Adamax, NAdam, RAdam, Adadelta, Rprop, ASGD.
+Adamax, NAdam, RAdam, Adadelta, Rprop, ASGD, Adafactor.
 
 An `UpdateRule` knows one optimizer class: which per-parameter state tensors it keeps (the same
 keys torch keeps in `optimizer.state[p]`, so `optimizer.state_dict()` stays the source of truth),
@@ -24,6 +24,8 @@ parameters and state, against eager.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -68,6 +70,13 @@ class UpdateRule:
     def scalar_state(self, key: str) -> bool:
         """True for per-parameter scalar state, False for tensors shaped like p."""
         return key in self.scalar_keys
+
+    def state_shape(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The shape of state `key` for a parameter of `shape`: () for scalar state, the
+        parameter's shape for the rest; None where torch keeps no such state for this parameter
+        (Adafactor's factored `row_var` of a vector), which the program then reads as a scalar
+        placeholder and passes through unchanged."""
+        return () if self.scalar_state(key) else shape
 
     def hyper_values(self, group: dict, fresh: bool) -> list[float]:
         """Runtime inputs in `hyper_keys` order; `fresh` says the group's state was just created."""
@@ -528,8 +537,85 @@ class ASGD(UpdateRule):
         ops.output(PARAM, p)
 
 
+class Adafactor(UpdateRule):
+    """torch.optim.Adafactor: beta2_decay, eps (eps1 None: the dtype's machine epsilon), d,
+    weight_decay, maximize.
+
+    A parameter of two or more dims keeps its second moment factored, a row mean (`row_var`, its
+    last dim reduced) and a column mean (`col_var`, its second to last), and a vector the whole
+    `variance`; torch keeps only the state a parameter uses, and so does the graph (`state_shape`
+    None for the other keys). The step size reads the norms of the parameter and of the update,
+    so the formula has whole-tensor reductions: not an in-place kernel (FuseModelUpdate), Relax ops."""
+
+    name = "adafactor"
+    optimizer_class = torch.optim.Adafactor
+    hyper_keys = ("lr", "beta2_decay", "eps1", "eps2", "d", "weight_decay")
+    scalar_keys = ("step",)
+
+    def flags(self, group: dict) -> dict[str, bool]:
+        return {"maximize": bool(group["maximize"]), "weight_decay": group["weight_decay"] != 0,
+                "machine_eps1": group["eps"][0] is None}
+
+    def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
+        return ("step", "row_var", "col_var", "variance")
+
+    def state_shape(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        factored = len(shape) > 1
+        if key == "row_var":
+            return (*shape[:-1], 1) if factored else None
+        if key == "col_var":
+            return (*shape[:-2], 1, shape[-1]) if factored else None
+        if key == "variance":
+            return None if factored else shape
+        return super().state_shape(key, shape)
+
+    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+        eps1, eps2 = group["eps"]
+        return [_lr(group), float(group["beta2_decay"]), 0.0 if eps1 is None else float(eps1), float(eps2),
+                float(group["d"]), float(group["weight_decay"])]
+
+    def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
+        state = {"step": _scalar(0.0)}
+        for key in ("row_var", "col_var", "variance"):
+            shape = self.state_shape(key, tuple(param.shape))
+            if shape is not None:
+                state[key] = param.new_zeros(shape)
+        return state
+
+    def in_place(self, flags: dict[str, bool]) -> bool:
+        return False  # the norms of p and of the update reduce whole tensors
+
+    def update(self, ops, p, g, state, h, flags) -> None:
+        one = ops.const(1.0)
+        if flags["maximize"]:
+            g = -g
+        shape = ops.shape(p)
+        numel = math.prod(shape)
+        step = ops.output("step", state["step"] + one)
+        beta2_t = ops.pow(step, h["beta2_decay"])
+        rho = ops.minimum(h["lr"], one / ops.sqrt(step))
+        alpha = ops.maximum(h["eps2"], ops.norm(p) / ops.const(math.sqrt(numel))) * rho
+        eps1 = ops.const(torch.finfo(ops.torch_dtype(p)).eps) if flags["machine_eps1"] else h["eps1"]
+        if flags["weight_decay"]:
+            p = p * (one - h["lr"] * h["weight_decay"])
+        squared = g * g
+        if len(shape) > 1:
+            row = ops.output("row_var", _lerp(ops, state["row_var"], ops.mean(squared, -1), beta2_t))
+            col = ops.output("col_var", _lerp(ops, state["col_var"], ops.mean(squared, -2), beta2_t))
+            ops.output("variance", state["variance"])  # a placeholder: torch keeps none
+            estimate = row * col / ops.maximum(ops.mean(row, -2), eps1)
+        else:
+            ops.output("row_var", state["row_var"])
+            ops.output("col_var", state["col_var"])
+            estimate = ops.output("variance", _lerp(ops, state["variance"], squared, beta2_t))
+        update = ops.rsqrt(ops.maximum(estimate, eps1 * eps1)) * g
+        denom = ops.maximum(one, ops.norm(update) / (ops.const(math.sqrt(numel)) * h["d"]))
+        ops.output(PARAM, p - (alpha / denom) * update)
+
+
 RULES: dict[str, UpdateRule] = {rule.name: rule for rule in (
-    SGD(), Adam(), AdamW(), RMSprop(), Adagrad(), Adamax(), NAdam(), RAdam(), Adadelta(), Rprop(), ASGD())}
+    SGD(), Adam(), AdamW(), RMSprop(), Adagrad(), Adamax(), NAdam(), RAdam(), Adadelta(), Rprop(), ASGD(),
+    Adafactor())}
 
 
 def rule_for(optimizer: torch.optim.Optimizer, where: str) -> UpdateRule:

@@ -19,11 +19,22 @@ from .plan import GroupPlan, TrainingPlan
 from .train_step import TrainStepLayout
 
 
+def kept(group: GroupPlan, param: torch.nn.Parameter, key: str) -> bool:
+    """Whether torch keeps state `key` for `param` (Adafactor keeps a matrix's factored moments
+    and a vector's whole one; the program passes a placeholder for the other)."""
+    return group.rule.state_shape(key, tuple(param.shape)) is not None
+
+
+def placeholder(device: torch.device) -> torch.Tensor:
+    """What the program reads for state torch does not keep (a float32 0-d zero)."""
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
 def lazy_state(group: GroupPlan, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
     """The state entries torch creates before `param`'s first step that `group`'s optimizer does
     not hold yet (none after the first step); the optimizer itself is left as it is."""
     state = group.optimizer.state.get(param, {})
-    if all(k in state for k in group.state_keys):
+    if all(k in state for k in group.state_keys if kept(group, param, k)):
         return {}
     created = group.rule.init_state(param, group.flags, group.group)
     return {k: v for k, v in created.items() if k not in state}
@@ -53,6 +64,9 @@ class TrainingBinding:
                     state.update(missing)
                     fresh = True
                 for key in keys:
+                    if not kept(group, param, key):
+                        states.append(placeholder(self.device))
+                        continue
                     value = state[key]
                     if value.device != self.device:  # e.g. torch keeps Adam's step on the CPU
                         value = state[key] = value.to(self.device)
@@ -95,7 +109,8 @@ class TrainingBinding:
             for param in group.params:
                 state = group.optimizer.state[param]
                 for key in keys:
-                    state[key] = new_states[cursor]
+                    if kept(group, param, key):
+                        state[key] = new_states[cursor]
                     cursor += 1
         for group in self.plan.groups:
             # Tell torch's lr schedulers that the optimizer did step (else they warn).

@@ -84,6 +84,16 @@ class TrainStepLayout:
         return self.accumulation_steps > 1 or self.ranks > 1 or self.pipelined
 
 
+def state_type(rule: UpdateRule, key: str, param: relax.TensorType) -> relax.TensorType:
+    """The type of state `key` of a parameter of type `param`: a float32 scalar for scalar
+    state and for state torch does not keep for this parameter (a placeholder, passed through),
+    else the rule's shape in the parameter's dtype."""
+    shape = rule.state_shape(key, tuple(int(d) for d in param.shape.values))
+    if rule.scalar_state(key) or shape is None:
+        return relax.TensorType((), "float32")
+    return relax.TensorType(shape, param.dtype.dtype)
+
+
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
                     name: str, skippable: bool = False) -> relax.Function:
     """The Relax function updating every parameter of one group (see the module docstring).
@@ -98,8 +108,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
     params, per_param = [hyper, *scalars], []
     for i, ty in enumerate(param_types):
         p, g = relax.Var(f"p{i}", ty), relax.Var(f"g{i}", ty)
-        states = {k: relax.Var(f"{k}{i}", relax.TensorType((), "float32") if rule.scalar_state(k) else ty)
-                  for k in keys}
+        states = {k: relax.Var(f"{k}{i}", state_type(rule, k, ty)) for k in keys}
         params += [p, g, *states.values()]
         per_param.append((p, g, states))
     # Public while the adjoint is inlined (see append_train_step), private afterwards.
@@ -113,7 +122,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
                 ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: v.ty.dtype.dtype for k, v in states.items()}})
                 grad = loss_scale.unscaled(bb, g, unscale) if unscale is not None else g
                 rule.update(ops, ops.wrap(p), ops.wrap(grad),
-                            {k: ops.wrap(v, rule.scalar_state(k)) for k, v in states.items()},
+                            {k: ops.wrap(v, rule.scalar_state(k) or v.ty.ndim == 0) for k, v in states.items()},
                             {k: ops.wrap(v, scalar=True) for k, v in h.items()}, flags)
                 new = [ops.outputs[k] for k in keys] + [ops.outputs[PARAM]]
                 if skip is not None:
@@ -258,8 +267,8 @@ def declare_updates(bb: relax.BlockBuilder, plan: TrainingPlan, param_types: lis
         update_gvs.append(bb.add_func(update_function(group.rule, group.flags, types, name, plan.loss_scaling), name))
         for target, ty in zip(group.targets, types):
             for key in group.state_keys:
-                scalar = group.rule.scalar_state(key)
-                shape, dtype = ((), "float32") if scalar else (tuple(int(d) for d in ty.shape), ty.dtype.dtype)
+                state_ty = state_type(group.rule, key, ty)
+                shape, dtype = tuple(int(d) for d in state_ty.shape.values), state_ty.dtype.dtype
                 state_vars.append(relax.Var(f"{target.replace('.', '_')}__{key}", relax.TensorType(shape, dtype)))
                 state_shapes.append((target, key, shape, dtype))
     hyper_vars = [relax.Var(f"hyper_{i}", relax.TensorType((len(g.rule.hyper_keys),), SCALAR_DTYPE))

@@ -4,7 +4,9 @@ A formula (optimizers.py) combines `Value`s with + - * / and unary minus, and ca
 `ops.const`, `ops.sqrt`, `ops.pow`, `ops.abs`, `ops.sign`, `ops.maximum`, `ops.minimum`,
 `ops.where_gt` and `ops.output`. Values are elementwise (shaped like the parameter) or scalar
 (hyperparameters, per-parameter scalar state such as Adam's step, constants); mixing them
-broadcasts.
+broadcasts. Reductions (`ops.mean` along one dim, `ops.norm` of a whole tensor, a scalar) and
+`ops.rsqrt` exist in the Relax backend only: a rule that uses them is not `in_place`
+(Adafactor's factored moments, shaped like the parameter with one dim reduced, broadcast too).
 
 Scalar arithmetic is float64, as torch's is (its optimizers compute bias corrections, NAdam's
 momentum cache, RAdam's rectification in Python floats): hyperparameters travel as float64, and
@@ -120,6 +122,26 @@ class RelaxUpdateOps:
         # The condition is passed as an operand so that it counts in the scalar-ness of the result.
         return self.apply(lambda a, b, c, d: relax.op.where(relax.op.greater(a, b), c, d),
                           x, threshold, then, otherwise)
+
+    def shape(self, x: RelaxValue) -> tuple[int, ...]:
+        return tuple(int(d) for d in x.expr.ty.shape.values)
+
+    def torch_dtype(self, x: RelaxValue):
+        import torch
+
+        return getattr(torch, x.dtype)
+
+    def rsqrt(self, x: RelaxValue) -> RelaxValue:
+        return self.apply(relax.op.rsqrt, x)
+
+    def mean(self, x: RelaxValue, axis: int) -> RelaxValue:
+        """The mean along `axis`, kept as a dim of 1 (broadcasts against x)."""
+        return RelaxValue(self.bb.emit(relax.op.mean(x.expr, axis=[axis], keepdims=True)), x.dtype, False, self)
+
+    def norm(self, x: RelaxValue) -> RelaxValue:
+        """The 2-norm of the whole tensor, a scalar (torch's `x.norm(2).item()`)."""
+        total = relax.op.sum(relax.op.multiply(x.expr, x.expr))
+        return RelaxValue(self.bb.emit(relax.op.sqrt(total)), x.dtype, True, self)
 
     def output(self, key: str, value: RelaxValue) -> RelaxValue:
         """Bind `value` as result `key`, in the dtype of the state (or parameter) it replaces."""
