@@ -449,16 +449,18 @@ def _batches(n: int, x_shape: tuple, y_shape: tuple) -> list[tuple[torch.Tensor,
     return [(torch.randn(x_shape, generator=gen), torch.randn(y_shape, generator=gen)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw", "adafactor"])
 def test_saved_train_step_trains_like_the_graph(optimizer: str, tmp_path: Path) -> None:
     """program='train_step' saves forward, backward and update with the optimizer state: the
     loaded step, fed numpy batches, gives the graph's losses and parameters step for step (SGD
-    saved before any step, so its momentum starts on the first loaded call; AdamW after one)."""
+    saved before any step, so its momentum starts on the first loaded call; AdamW and Adafactor,
+    whose state differs in shape from parameter to parameter, after one)."""
     torch.manual_seed(0)
     model = mlp()
     params = model.parameters()
     opt = (torch.optim.SGD(params, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3) if optimizer == "sgd_momentum"
-           else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
+           else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if optimizer == "adamw"
+           else torch.optim.Adafactor(params, lr=2e-2, weight_decay=0.1))
     graph = TrainGraph(model, torch.nn.MSELoss(), opt)
     batches = _batches(5, (4, 32), (4, 10))
     if optimizer == "sgd_momentum":
