@@ -316,18 +316,22 @@ def trace_build(
 def _quiet_meta_failures() -> Iterator[None]:
     """Keep torch's fake-tensor logger from printing the traceback of an op that fails while
     tracing ("failed while attempting to run meta for aten.mm.default", 20 lines on stderr
-    before the TraceError that carries the same message). Left alone when the user asked
-    torch for more than warnings (TORCH_LOGS)."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    if logger.getEffectiveLevel() < logging.WARNING:
-        yield
-        return
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    before the TraceError that carries the same message), and the symbolic-shapes logger from
+    printing the traced graph twice when build() branches on a value ("Unable to find user code
+    corresponding to {u0}"). Each is left alone when the user asked torch for more than
+    warnings from it (TORCH_LOGS)."""
+    loggers = [logging.getLogger(name) for name in _QUIETED_LOGGERS]
+    quieted = [(logger, logger.level) for logger in loggers if logger.getEffectiveLevel() >= logging.WARNING]
+    for logger, _ in quieted:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in quieted:
+            logger.setLevel(level)
+
+
+_QUIETED_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
 
 
 def _export(root: torch.nn.Module, examples: tuple, dynamic_shapes: object,
