@@ -160,9 +160,10 @@ def masked_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.
         flat = bb.emit(relax.op.reshape(mask, [-1]))
         ranks = bb.emit(relax.op.subtract(relax.op.cumsum(flat, axis=0, dtype="int64"), relax.const(1, "int64")))
         ranks = bb.emit(relax.op.reshape(relax.op.maximum(ranks, relax.const(0, "int64")), mask.ty.shape))
-        # One spare value after the last, so that an all-false mask (no values) reads inside.
-        spare = bb.emit(relax.op.strided_slice(values, [at], [0], [1]))
-        padded = bb.emit(relax.op.concat([values, relax.op.zeros_like(spare)], axis=at))
+        # One spare value after the last, so that an all-false mask (no values) reads inside:
+        # zeros shaped like one value (a sum along the count keeps that dim, even when empty).
+        spare = bb.emit(relax.op.zeros_like(relax.op.sum(values, axis=[at], keepdims=True)))
+        padded = bb.emit(relax.op.concat([values, spare], axis=at))
         per_element = bb.emit(relax.op.take(padded, ranks, axis=at, mode="clip"))
     where_mask = bb.emit(relax.op.reshape(mask, [1] * at + list(mask.ty.shape.values) + [1] * trailing))
     if bool(_arg(node, 3, "accumulate", False)):
