@@ -61,7 +61,7 @@ def test_unsupported_optimizer_lists_the_supported_ones() -> None:
     model = nn.Linear(3, 2)
     with pytest.raises(errors.OptimizerError, match=r"torch.optim.lbfgs.LBFGS cannot be lowered into a graph; "
                                                     r"supported optimizers: torch.optim.SGD, torch.optim.Adam, "
-                                                    r"torch.optim.AdamW, torch.optim.RMSprop, .*torch.optim.ASGD\."):
+                                                    r"torch.optim.AdamW, torch.optim.RMSprop, .*torch.optim.ASGD, torch.optim.Adafactor\."):
         Train(model, torch.optim.LBFGS(model.parameters()))
 
 
