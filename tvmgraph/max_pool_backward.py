@@ -14,18 +14,13 @@ memory bandwidth. Here the window is `y // kh, x // kw` and the argmax a positio
 
 (0 also past the last whole window). Any other max pooling keeps TVM's legalization.
 
-With static float32/float64 shapes on the CPU the kernel is built as loops (`window_loops`):
-per plane (in parallel), per row of windows, 16 windows at a time (8 in float64): each row of
-their inputs read as kw vectors, each tap a shuffle of them, the argmax kept in registers, the
+With static float32/float64 shapes the kernel is built as loops (`window_loops`): per plane
+(in parallel), per row of windows, 16 windows at a time (8 in float64): each row of their
+inputs read as kw vectors, each tap a shuffle of them, the argmax kept in registers, the
 outputs shuffled back into kw vectors and stored; the windows past the last whole vector one
 at a time. The TE form (an argmax reduction, then a select through `col // kw` for every
-output) left each output a scalar with its own divisions: alone, the raw-audio net's
-(16, 32, 1981) gradient 1.37 -> 0.17 ms (torch's: 0.28-0.34), a (64, 64, 32, 32) one with 2x2
-windows 2.9 -> 0.71 ms (torch's: 1.5). FuseOps no longer fuses the ReLU gradient after it (an
-opaque kernel), and the step is still faster: the pooling and ReLU-gradient kernels of the
-raw-audio net's step 3.50 -> 1.10 ms, VGG's 1.41 -> 1.01, the U-Net's 0.83 -> 0.30 (graph.profile).
-A dynamic batch, half precision and GPU targets (whose schedules bind the TE form to threads)
-keep the TE form.
+output) left each output a scalar with its own divisions. A dynamic batch, and half
+precision, and GPU targets (whose schedules bind the TE form to threads) keep it.
 """
 
 from __future__ import annotations

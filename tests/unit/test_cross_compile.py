@@ -91,15 +91,10 @@ def test_a_max_pool_trained_builds_for_cuda(dynamic: bool) -> None:
     from torch import nn
 
 
-    if dynamic:
-        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 8 * 8, 5))
-        x = torch.randn(4, 3, 16, 16)
-    else:  # 1-D windows: the ones the CPU builds as loops
-        model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.MaxPool1d(4), nn.Flatten(), nn.Linear(4 * 16, 5))
-        x = torch.randn(4, 3, 64)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 8 * 8, 5))
     graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
     graph.config.enable_dynamic_batch(dynamic)
-    lowered, options = lower_train_step(graph, x, torch.randint(0, 5, (4,)))
+    lowered, options = lower_train_step(graph, torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,)))
     _, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
     assert "cuda" in [m.kind for m in executable.mod.imports[0].imports]
 
