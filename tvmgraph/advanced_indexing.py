@@ -32,19 +32,15 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+from relay_passes.tensor_sizes import static_shape
+
 from .converters_nn import _arg
 
 
-def _is_mask(index: torch.fx.Node) -> bool:
+def is_mask(index: torch.fx.Node) -> bool:
+    """Whether an index operand is a boolean mask (uint8: torch's deprecated mask dtype)."""
     val = index.meta.get("val")
     return isinstance(val, torch.Tensor) and val.dtype in (torch.bool, torch.uint8)
-
-
-def _static_dims(expr: relax.Expr) -> list[int] | None:
-    values = expr.ty.shape.values if isinstance(expr.ty.shape, relax.ShapeExpr) else None
-    if values is None or not all(isinstance(d, tvm.tirx.IntImm) for d in values):
-        return None
-    return [int(d) for d in values]
 
 
 def coordinates(bb: relax.BlockBuilder, mask: relax.Expr, name: str) -> relax.Expr:
@@ -63,7 +59,7 @@ def _expanded_indices(node: torch.fx.Node, importer: ExportedProgramImporter) ->
     for index in node.args[1]:
         if index is None:
             out.append(None)
-        elif _is_mask(index):
+        elif is_mask(index):
             mask = importer.env[index]
             if mask.ty.ndim == 0:
                 raise NotImplementedError("a 0-d boolean mask as an index: use torch.where instead")
@@ -80,8 +76,7 @@ def _in_range(bb: relax.BlockBuilder, index: relax.Expr, size: int | relax.Expr)
     index = bb.emit(relax.op.astype(index, "int64"))
     zero = relax.const(0, "int64")
     if isinstance(size, int):
-        wrapped = relax.op.where(relax.op.less(index, zero), relax.op.add(index, relax.const(size, "int64")), index)
-        return bb.emit(relax.op.clip(wrapped, 0, max(size - 1, 0)))
+        size = relax.const(size, "int64")
     wrapped = bb.emit(relax.op.where(relax.op.less(index, zero), relax.op.add(index, size), index))
     last = relax.op.maximum(relax.op.subtract(size, relax.const(1, "int64")), zero)
     return bb.emit(relax.op.maximum(relax.op.minimum(wrapped, last), zero))
@@ -104,7 +99,7 @@ def index_tensor(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
     given = [d for d, index in enumerate(indices) if index is not None]
     if len(given) == 1:  # one index tensor: a take along its dim (wrap: negatives count from the end)
         return bb.emit(relax.op.take(x, indices[given[0]], axis=given[0], mode="wrap"))
-    shape = _static_dims(x)
+    shape = static_shape(x)
     if shape is None:  # a symbolic size (a dynamic batch): leading dims indexed, paired by index_tensor
         if given != list(range(len(given))):
             raise NotImplementedError("index tensors after a whole dim of a tensor of symbolic size: "
@@ -177,7 +172,7 @@ def masked_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.
 
 def uses_mask(node: torch.fx.Node) -> bool:
     """Whether `node` (an index or index_put) indexes with a boolean mask."""
-    return any(index is not None and _is_mask(index) for index in node.args[1])
+    return any(index is not None and is_mask(index) for index in node.args[1])
 
 
 def masked_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -185,15 +180,15 @@ def masked_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
     only the mask to x, and failed on a mask of more dims), flattened, the true elements in order."""
     bb = importer.block_builder
     x, mask = importer.env[node.args[0]], importer.env[node.args[1]]
-    shape = list(torch.broadcast_shapes(node.args[0].meta["val"].shape, node.args[1].meta["val"].shape))
+    shape = tuple(torch.broadcast_shapes(node.args[0].meta["val"].shape, node.args[1].meta["val"].shape))
     if not all(isinstance(d, int) for d in shape):
         shape = None
+        if not tvm.ir.structural_equal(mask.ty.shape, x.ty.shape):
+            raise NotImplementedError("masked_select broadcasting a tensor of symbolic size: expand it first")
     flat = []
     for value in (x, mask):
-        if shape is not None and _static_dims(value) != shape:
+        if shape is not None and static_shape(value) != shape:
             value = bb.emit(relax.op.broadcast_to(value, shape))
-        elif shape is None and value is mask and not tvm.ir.structural_equal(mask.ty.shape, x.ty.shape):
-            raise NotImplementedError("masked_select broadcasting a tensor of symbolic size: expand it first")
         flat.append(bb.emit(relax.op.reshape(value, [-1])))
     coords = coordinates(bb, flat[1], f"{node.name}_count")
     return bb.emit(relax.op.take(flat[0], relax.op.reshape(coords, [-1]), axis=0))

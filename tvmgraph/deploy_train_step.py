@@ -70,7 +70,8 @@ def train_step_program(graph: Graph, example_args: tuple | None
             fresh = fresh or bool(missing)
             current = {**group.optimizer.state.get(param, {}), **missing}
             for key in group.state_keys:
-                states[f"optimizer/{target}/{key}"] = current[key] if kept(group, param, key) else placeholder(param.device)
+                value = current[key] if kept(group, param, key) else placeholder(param.device)
+                states[f"optimizer/{target}/{key}"] = value
         groups.append({"optimizer": type(group.optimizer).__name__, "rule": group.rule.name,
                        "index": g_index, "params": list(group.targets), "state_keys": list(group.state_keys),
                        "hyper_keys": list(group.rule.hyper_keys),

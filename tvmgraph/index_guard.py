@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .advanced_indexing import is_mask
 from .errors import IndexOutOfRangeError
 from .lower import module_path, op_key
 
@@ -64,11 +65,6 @@ def _size(node: torch.fx.Node, dim: int | None = None) -> int | None:
     return size if isinstance(size, int) else None  # a symbolic size is not checked
 
 
-def _is_mask(node: torch.fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.dtype in (torch.bool, torch.uint8)
-
-
 def _index_operands(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, int, int, int | None]]:
     """(index operand, low, high, exempt) for each index operand of an indexing op."""
     key, args = op_key(node), node.args
@@ -82,7 +78,7 @@ def _index_operands(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, int, i
             yield args[2], 0, size, None
     elif key in ("index.Tensor", "index_put.default", "index_put_.default"):
         for dim, index in enumerate(args[1]):
-            if index is not None and _is_mask(index):
+            if index is not None and is_mask(index):
                 return  # a boolean mask: torch checks its shape at trace time; dims after it shift
             size = _size(args[0], dim) if index is not None else None
             if size is not None:

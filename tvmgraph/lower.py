@@ -41,7 +41,8 @@ from torch.export.graph_signature import (
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import converters, decompositions, empty_results, half_in_float32, random_ops, result_shapes, type_promotion, zero_dim
+from . import (converters, decompositions, empty_results, half_in_float32, random_ops, result_shapes, type_promotion,
+               zero_dim)
 from .errors import TraceError, UnsupportedOpError
 from .trace import math_attention
 
