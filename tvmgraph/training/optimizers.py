@@ -595,7 +595,7 @@ class Adafactor(UpdateRule):
         beta2_t = ops.pow(step, h["beta2_decay"])
         rho = ops.minimum(h["lr"], one / ops.sqrt(step))
         alpha = ops.maximum(h["eps2"], ops.norm(p) / ops.const(math.sqrt(numel))) * rho
-        eps1 = ops.const(torch.finfo(ops.torch_dtype(p)).eps) if flags["machine_eps1"] else h["eps1"]
+        eps1 = ops.const(torch.finfo(getattr(torch, p.dtype)).eps) if flags["machine_eps1"] else h["eps1"]
         if flags["weight_decay"]:
             p = p * (one - h["lr"] * h["weight_decay"])
         squared = g * g

@@ -126,11 +126,6 @@ class RelaxUpdateOps:
     def shape(self, x: RelaxValue) -> tuple[int, ...]:
         return tuple(int(d) for d in x.expr.ty.shape.values)
 
-    def torch_dtype(self, x: RelaxValue):
-        import torch
-
-        return getattr(torch, x.dtype)
-
     def rsqrt(self, x: RelaxValue) -> RelaxValue:
         return self.apply(relax.op.rsqrt, x)
 
