@@ -344,7 +344,7 @@ def bound(key: str) -> Converter:
 
 
 def constant_factory(make: Callable[..., torch.Tensor]) -> Converter:
-    """A converter for `arange`/`linspace`/`logspace`: with constant arguments, the tensor eager
+    """A converter for `arange`/`linspace`/`logspace`/`triu_indices`/`tril_indices`: with constant arguments, the tensor eager
     makes, as a constant (see the module docstring); arguments from shapes (a dynamic batch) go
     to the stock converter, where there is one."""
 
@@ -615,6 +615,8 @@ CONVERTERS: dict[str, Converter] = {
     "arange.start_step": constant_factory(torch.arange),
     "linspace.default": constant_factory(torch.linspace),
     "logspace.default": constant_factory(torch.logspace),
+    "triu_indices.default": constant_factory(torch.triu_indices),
+    "tril_indices.default": constant_factory(torch.tril_indices),
     "_adaptive_avg_pool2d.default": bound("_adaptive_avg_pool2d.default"),
     "_adaptive_avg_pool3d.default": bound("_adaptive_avg_pool3d.default"),
     "index.Tensor": advanced_indexing.index_tensor,

@@ -562,3 +562,17 @@ def test_arange_linspace_logspace_with_constant_bounds_are_eagers() -> None:
     x = torch.randn(5)
     for got, want in zip(ModuleGraph(Fn(fn))(x), fn(x)):
         assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
+def test_triu_and_tril_indices_are_eagers_constants() -> None:
+    """`triu_indices`/`tril_indices` (a DLRM's pairwise interactions: `z[:, li, lj]`) had no
+    lowering; with constant sizes they are eager's tensors, offsets past the matrix included."""
+
+    def fn(z):
+        li, lj = torch.triu_indices(4, 4, offset=1)
+        return (z[:, li, lj], torch.tril_indices(4, 3, -1), torch.tril_indices(2, 5, 3),
+                torch.triu_indices(3, 6, -2, dtype=torch.int32), torch.triu_indices(2, 2, 5))
+
+    z = torch.randn(3, 4, 4)
+    for got, want in zip(ModuleGraph(Fn(fn))(z), fn(z)):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
