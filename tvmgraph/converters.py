@@ -63,8 +63,8 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import (advanced_indexing, converters_nn, converters_reduce, converters_shift, converters_sort, converters_special,
-               stop_gradient)
+from . import (advanced_indexing, converters_histogram, converters_nn, converters_reduce, converters_shift,
+               converters_sort, converters_special, stop_gradient)
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, operand, result_dtype,
                             stock_converter)
 
@@ -645,5 +645,6 @@ CONVERTERS.update(converters_nn.CONVERTERS)
 CONVERTERS.update(converters_reduce.CONVERTERS)
 CONVERTERS.update(converters_special.CONVERTERS)
 CONVERTERS.update(converters_shift.CONVERTERS)
+CONVERTERS.update(converters_histogram.CONVERTERS)
 CONVERTERS.update(converters_sort.CONVERTERS)
 CONVERTERS.update(stop_gradient.CONVERTERS)

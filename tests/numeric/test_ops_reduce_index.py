@@ -312,3 +312,21 @@ def test_as_strided_scatter_gradient_is_the_true_one() -> None:
     SGDStep(model)(w)
     assert_close(x - model.params[0].detach(), torch.as_strided_scatter(w, torch.zeros(2, 3), *view))
     assert_close(s - model.params[1].detach(), torch.as_strided(w, *view))
+
+
+def test_histc_counts_as_eager() -> None:
+    """torch.histc had no lowering. Elements on the edges (`max` counts into the last bin),
+    outside the range and NaN (not counted), x's own range when min == max (widened when x has
+    one value), float64, an n-d input: every count equal to eager's."""
+
+    def fn(x):
+        edges = torch.arange(0, 1.0001, 0.01)
+        return (torch.histc(x, 5, -2, 2), torch.histc(x, 7, 0.1, 0.7), torch.histc(x.view(8, -1, 5) * 3, 13, -3.3, 3.3),
+                torch.histc(x[4:], 10), torch.histc(torch.full_like(x, 2.0), 4), torch.histc(x.double(), 11, -1, 1),
+                torch.histc(edges, 10, 0, 1))
+
+    torch.manual_seed(0)
+    x = torch.randn(1000)
+    x[:4] = torch.tensor([-2.0, 2.0, 0.0, float("nan")])
+    for got, want in zip(ModuleGraph(Fn(fn))(x), fn(x)):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
