@@ -47,8 +47,13 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                                  f"set_grad_scaler(None)")
         return None
     plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), options.recompute_attention,
-                              options.activation_checkpointing, grad_scaler)
+                              options.activation_checkpointing, grad_scaler, reached=traced.result.reached)
     if not plan.targets:
+        if TrainingPlan.build(graph_name, optimizers, named_parameters()).targets:
+            raise OptimizerError(
+                f"{graph_name}: the loss build() called backward() on depends on no parameter the optimizers "
+                f"update (in eager every .grad would stay None): compute the loss from the model's output "
+                f"outside torch.no_grad() and without .detach()")
         raise OptimizerError(f"{graph_name}: the optimizers have no parameter that requires grad")
     return plan
 

@@ -35,7 +35,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-_STOP = torch.ops.tvmgraph.stop_gradient.default
+STOP = torch.ops.tvmgraph.stop_gradient.default
 _DETACH = torch.ops.aten.detach.default
 _SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
@@ -58,12 +58,12 @@ def _mark_graph(module: torch.fx.GraphModule) -> int:
         if node.op != "call_function":
             continue
         if node.target is _DETACH:
-            node.target = _STOP
+            node.target = STOP
             placed += 1
         elif node.target is _SET_GRAD and node.args and node.args[0] is False:
             block = getattr(module, node.args[1].target)
             for out in [u for u in node.users if u.target is operator.getitem]:
-                if _is_tensor(out) and not any(u.target is _STOP for u in out.users):
+                if _is_tensor(out) and not any(u.target is STOP for u in out.users):
                     updated = _updated_input(block, out.args[1])
                     if updated is None:
                         _stop(graph, out)
@@ -78,7 +78,7 @@ def _mark_graph(module: torch.fx.GraphModule) -> int:
 def _stop(graph: torch.fx.Graph, out: torch.fx.Node) -> None:
     """Every use of `out` reads stop_gradient(out) instead."""
     with graph.inserting_after(out):
-        stop = graph.call_function(_STOP, (out,))
+        stop = graph.call_function(STOP, (out,))
     stop.meta.update(out.meta)
     out.replace_all_uses_with(stop, delete_user_cb=lambda user: user is not stop)
 
@@ -96,9 +96,9 @@ def _straight_through(graph: torch.fx.Graph, out: torch.fx.Node, updated: torch.
         source = graph.call_function(torch.ops.aten.clone.default, (updated,))
     source.meta.update(updated.meta)
     with graph.inserting_after(out):
-        stop_out = graph.call_function(_STOP, (out,))
+        stop_out = graph.call_function(STOP, (out,))
     with graph.inserting_after(stop_out):
-        stop_source = graph.call_function(_STOP, (source,))
+        stop_source = graph.call_function(STOP, (source,))
     with graph.inserting_after(stop_source):
         difference = graph.call_function(torch.ops.aten.sub.Tensor, (source, stop_source))
     with graph.inserting_after(difference):
@@ -167,12 +167,12 @@ class StopWhereGradIsOff(torch.overrides.TorchFunctionMode):
             target = args[0]
             before = target.clone()
             func(*args, **(kwargs or {}))
-            return target.copy_(_STOP(target) + _zero_with_its_gradient(before))
+            return target.copy_(STOP(target) + _zero_with_its_gradient(before))
         out = func(*args, **(kwargs or {}))
         if self.grad_enabled:
             return out
         return torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: _STOP(t) if t.is_floating_point() else t, out)
+            torch.Tensor, lambda t: STOP(t) if t.is_floating_point() else t, out)
 
 
 def _updates_in_place(func: object, args: tuple) -> bool:
@@ -185,7 +185,7 @@ def _updates_in_place(func: object, args: tuple) -> bool:
 def _zero_with_its_gradient(x: torch.Tensor) -> torch.Tensor:
     """0 where x is finite (x - stop(x): the identity gradient to x), else 0 (inf - inf is NaN:
     an attention mask filled with -inf and then updated in place)."""
-    return torch.where(torch.isfinite(x), x - _STOP(x), torch.zeros_like(x))
+    return torch.where(torch.isfinite(x), x - STOP(x), torch.zeros_like(x))
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

@@ -28,6 +28,7 @@ from .dynamic_batch import export_arguments
 from .errors import BackwardError, GraphOutputError, TraceError, TvmGraphError
 from .module_stack import ModuleStack
 from .spec import NotATreeError, TensorSpec, TreeDef, flatten
+from .training import reached
 
 _state = threading.local()
 
@@ -66,6 +67,7 @@ class BackwardCall:
 
     loss: torch.Tensor
     where: str
+    reached: frozenset[str] = frozenset()  # the parameters (by path) autograd gives a gradient
 
 
 def _leaves(value: object) -> list[TensorSpec]:
@@ -125,6 +127,8 @@ class _BuildRoot(torch.nn.Module):
                 f"with a return statement."
             )
         if record.backward is not None:
+            if record.autocast is None:  # under AMP autograd is off: read from the program instead
+                record.backward.reached = reached.from_autograd(record.backward.loss, self)
             # The loss joins the outputs so that autodiff can find it in the lowered program.
             leaves = [*leaves, record.backward.loss]
         return tuple(leaves)
@@ -259,6 +263,8 @@ class TraceResult:
     module_io: dict[str, ModuleIO]
     has_backward: bool
     attributes: AttributeGuard = field(default_factory=AttributeGuard)  # plain values build() read
+    # The parameters (by path) that loss.backward() gives a gradient (training/reached.py).
+    reached: frozenset[str] = frozenset()
 
 
 def trace_build(
@@ -309,7 +315,10 @@ def trace_build(
             h.remove()
     assert record.out_tree is not None
     stop_gradient.mark(exported)
-    return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0])
+    trained = frozenset()
+    if record.backward is not None:
+        trained = reached.from_program(exported) if autocast is not None else record.backward.reached
+    return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0], trained)
 
 
 @contextlib.contextmanager

@@ -101,10 +101,13 @@ class TrainingPlan:
     def build(graph_name: str, optimizers: list[tuple[torch.optim.Optimizer, object]],
               named_parameters: list[tuple[str, torch.nn.Parameter]],
               recompute_attention: bool = True, activation_checkpointing: tuple[str, ...] = (),
-              grad_scaler: torch.amp.GradScaler | None = None, only_present: bool = False) -> TrainingPlan:
+              grad_scaler: torch.amp.GradScaler | None = None, only_present: bool = False,
+              reached: frozenset[str] | None = None) -> TrainingPlan:
         """The plan of `optimizers` over the parameters in `named_parameters`. `only_present` (a
         pipeline stage, which holds part of the model): the parameters of the others are left
-        out, and so is a group left with none; else each of them is an error."""
+        out, and so is a group left with none; else each of them is an error. `reached`: the
+        paths of the parameters the loss gives a gradient (trace.reached_parameters); the others
+        are not updated, as torch's optimizers skip a parameter whose `.grad` is None."""
         path_of: dict[int, str] = {}
         for path, p in named_parameters:  # a shared parameter goes by its first path, as in lowering
             path_of.setdefault(id(p), path)
@@ -131,6 +134,8 @@ class TrainingPlan:
                     if not p.requires_grad:
                         continue  # torch skips parameters without a gradient, so do we
                     path = path_of[id(p)]
+                    if reached is not None and path not in reached:
+                        continue  # unused by the loss: its .grad stays None in torch
                     if path in seen:
                         raise OptimizerError(f"{where}: parameter '{path}' is also updated by {seen[path]}; "
                                              f"give each parameter to one optimizer group only")
