@@ -98,7 +98,8 @@ def test_from_program_follows_only_differentiable_paths() -> None:
             self.a, self.b, self.c, self.d = (nn.Parameter(torch.randn(3)) for _ in range(4))
 
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            loss = (x * self.a).sum() + torch.zeros_like(self.b).sum() + self.c.argmax() + self.d.detach().sum()
+            loss = (x * self.a).sum() + torch.zeros_like(self.b).sum() + self.b.new_ones(2).sum() + self.c.argmax() \
+                + self.d.detach().sum()
             return (self.d * 2, loss)
 
     exported = torch.export.export(Paths(), (torch.randn(3),), strict=False)

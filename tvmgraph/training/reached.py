@@ -23,7 +23,8 @@ from ..stop_gradient import STOP
 
 # Ops whose result takes only the shape (and dtype) of their input, not its values.
 _SHAPE_ONLY = {getattr(torch.ops.aten, name).default for name in (
-    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like")}
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_zeros", "new_ones", "new_empty", "new_full")}
 
 
 def from_autograd(loss: torch.Tensor, root: torch.nn.Module) -> frozenset[str]:
