@@ -81,17 +81,25 @@ def test_an_embedding_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
-def test_a_max_pool_trained_with_a_dynamic_batch_builds_for_cuda() -> None:
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic_batch", "static_batch"])
+def test_a_max_pool_trained_builds_for_cuda(dynamic: bool) -> None:
     """dlight's reduction rules split the pool gradient's window argmax of a symbolic batch over
     threads in a way LowerCrossThreadReduction refuses at code generation; ApplyGPUSchedules
-    now tries that lowering on each rule's schedule and gives the kernel to the next rule."""
+    now tries that lowering on each rule's schedule and gives the kernel to the next rule. With
+    a static batch, the CPU's loop kernel of the gradient (max_pool_backward.window_loops,
+    parallel loops no thread runs) is not used for CUDA."""
     from torch import nn
 
 
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 8 * 8, 5))
+    if dynamic:
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 8 * 8, 5))
+        x = torch.randn(4, 3, 16, 16)
+    else:  # 1-D windows: the ones the CPU builds as loops
+        model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.MaxPool1d(4), nn.Flatten(), nn.Linear(4 * 16, 5))
+        x = torch.randn(4, 3, 64)
     graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
-    graph.config.enable_dynamic_batch(True)
-    lowered, options = lower_train_step(graph, torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,)))
+    graph.config.enable_dynamic_batch(dynamic)
+    lowered, options = lower_train_step(graph, x, torch.randint(0, 5, (4,)))
     _, executable = lowered.build(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), options)
     assert "cuda" in [m.kind for m in executable.mod.imports[0].imports]
 
