@@ -15,6 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -1691,3 +1694,41 @@ def test_im2col_copies_one_output_row_per_vector(shape: tuple, kernel: int, stri
     assert "T.parallel(" in text
     vectors = re.findall(r"in T\.vectorized\((?:T\.int64\()?(\d+)", text)
     assert vectors == ([str(out)] if out <= 16 else []), text
+
+
+def test_a_recurrence_that_reads_each_step_twice_schedules_without_blowing_up() -> None:
+    """`h = sigmoid(h) * h + x[:, t]` in a Python loop is one fused element-wise kernel whose
+    steps each read the previous one several times; inlining every step copied the expression
+    into each read (exponential in the steps: 8 never finished scheduling). A block whose
+    expression is large and read more than once stays its own block (loops.MAX_COPIED_NODES);
+    the numbers are eager's. In a subprocess, so that a regression fails instead of hanging."""
+    program = textwrap.dedent("""
+        import torch
+        from tests.conftest import Fn, ModuleGraph
+
+        def recurrence(x):
+            h = x[:, 0]
+            for t in range(1, x.shape[1]):
+                h = torch.sigmoid(h) * h + x[:, t]
+            return h
+
+        x = torch.randn(4, 16, 8)
+        print((ModuleGraph(Fn(recurrence))(x) - recurrence(x)).abs().max().item())
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        done = subprocess.run([sys.executable, "-c", program], cwd=root, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("16 steps of the recurrence did not compile within 180 s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) < 1e-5
+
+
+def test_has_more_nodes_stops_at_the_limit() -> None:
+    from tvmgraph.schedules.loops import _has_more_nodes
+
+    x = tirx.Var("x", "float32")
+    expr = x
+    for _ in range(30):
+        expr = expr * expr + x  # a tree of 2^30 leaves: counting stops at the limit
+    assert _has_more_nodes(expr, 100) and not _has_more_nodes(x + x, 100)

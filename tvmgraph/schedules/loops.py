@@ -17,7 +17,7 @@ from tvm.ir.expr import TensorLoad
 from tvm.s_tir.dlight.analysis import collect_vars_used_in_prim_expr, get_root_block
 from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.sym import Analyzer
-from tvm_ffi.structural import structural_mutate
+from tvm_ffi.structural import VisitInterrupt, structural_mutate, structural_walk
 
 # Below this many elements a parallel region costs more than it saves: waking the TVM thread
 # pool takes 6-10 us on the 2-core Zen 5 test machine, while one core adds 256K floats to
@@ -169,9 +169,17 @@ def inline_spatial_blocks(
                 break
 
 
+# Inlining copies a block's expression into each read of its result. A chain of element-wise
+# steps that each read the previous one several times (`h = sigmoid(h) * h + x[:, t]` in a
+# Python loop, a CTC recursion) then grows exponentially: 8 such steps never finished
+# scheduling. A block whose expression has more nodes than this, read more than once, stays
+# a block of its own (its result written once and read back).
+MAX_COPIED_NODES = 2000
+
+
 def _try_inline(sch: s_tir.Schedule, block: SBlockRV, into_reductions: bool) -> bool:
     consumers = sch.get_consumers(block)
-    spatial = all(is_spatial(sch, c) for c in consumers)
+    spatial = all(is_spatial(sch, c) for c in consumers) and not _inlining_copies_too_much(sch, block, consumers)
     if spatial or (into_reductions and _read_pointwise_once(sch, block, consumers)):
         try:
             sch.compute_inline(block)
@@ -183,6 +191,34 @@ def _try_inline(sch: s_tir.Schedule, block: SBlockRV, into_reductions: bool) -> 
         return True
     except s_tir.ScheduleError:
         return False
+
+
+def _inlining_copies_too_much(sch: s_tir.Schedule, block: SBlockRV, consumers: list[SBlockRV]) -> bool:
+    """Whether `block`'s expression has more than MAX_COPIED_NODES nodes and is read more than
+    once by `consumers` (each read would get a copy)."""
+    store = sch.get(block).body
+    if not isinstance(store, tirx.BufferStore) or not _has_more_nodes(store.value, MAX_COPIED_NODES):
+        return False
+    buffer = store.buffer
+    reads = 0
+    for consumer in consumers:
+        def on_load(load: TensorLoad) -> None:
+            nonlocal reads
+            reads += load.buffer.same_as(buffer)
+        structural_walk(sch.get(consumer).body, [(TensorLoad, on_load)])
+    return reads > 1
+
+
+def _has_more_nodes(expr: tirx.PrimExpr, limit: int) -> bool:
+    """Whether `expr`, as a tree, has more than `limit` nodes (stops counting there)."""
+    count = 0
+
+    def on_node(_node: object) -> VisitInterrupt | None:
+        nonlocal count
+        count += 1
+        return VisitInterrupt() if count > limit else None
+
+    return structural_walk(expr, on_node, order="pre") is not None
 
 
 def _read_pointwise_once(sch: s_tir.Schedule, block: SBlockRV, consumers: list[SBlockRV]) -> bool:
