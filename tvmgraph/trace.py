@@ -21,7 +21,7 @@ import torch
 import torch.export._trace  # the ATen-level export that AMP uses (`_export`)
 import torch.nn.functional as F
 
-from . import stop_gradient
+from . import ctc_loss, stop_gradient
 from .attribute_guard import AttributeGuard, recording
 from .dynamic_batch import HINT as DYNAMIC_BATCH_HINT
 from .dynamic_batch import export_arguments
@@ -108,7 +108,7 @@ class _BuildRoot(torch.nn.Module):
         amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
         stops = stop_gradient.StopWhereGradIsOff() if record.autocast else contextlib.nullcontext()
         with _capture_backward(record), _refuse_gradient_clipping(record), _causal_hints_from_arguments(), \
-                _gaussian_nll_without_value_check(), _distributions_without_value_checks(), \
+                _gaussian_nll_without_value_check(), _distributions_without_value_checks(), ctc_loss.traceable(), \
                 amp, stops:  # export records autocast's casts
             out = self._build_fn(*args)
         try:
