@@ -1699,9 +1699,10 @@ def test_im2col_copies_one_output_row_per_vector(shape: tuple, kernel: int, stri
 def test_a_recurrence_that_reads_each_step_twice_schedules_without_blowing_up() -> None:
     """`h = sigmoid(h) * h + x[:, t]` in a Python loop is one fused element-wise kernel whose
     steps each read the previous one several times; inlining every step copied the expression
-    into each read (exponential in the steps: 8 never finished scheduling). A block whose
-    expression is large and read more than once stays its own block (loops.MAX_COPIED_NODES);
-    the numbers are eager's. In a subprocess, so that a regression fails instead of hanging."""
+    into each read (exponential in the steps: 8 never finished scheduling). When a block of
+    more than loops.MAX_COPIED_NODES nodes is read more than once, the rules give the kernel up
+    and it is built as written; the numbers are eager's. In a subprocess, so that a regression
+    fails instead of hanging."""
     program = textwrap.dedent("""
         import torch
         from tests.conftest import Fn, ModuleGraph

@@ -172,14 +172,24 @@ def inline_spatial_blocks(
 # Inlining copies a block's expression into each read of its result. A chain of element-wise
 # steps that each read the previous one several times (`h = sigmoid(h) * h + x[:, t]` in a
 # Python loop, a CTC recursion) then grows exponentially: 8 such steps never finished
-# scheduling. A block whose expression has more nodes than this, read more than once, stays
-# a block of its own (its result written once and read back).
+# compiling. When a block of more than MAX_COPIED_NODES nodes is read more than once, the rules
+# give the function up (InliningBlowUp): it is built as written, each block computed into its
+# own buffer, serial. Materializing only that block was not enough: the blocks after it grew
+# again, and LLVM's code generation never finished.
 MAX_COPIED_NODES = 2000
+MAX_WALKED_NODES = 20_000
+
+
+class InliningBlowUp(Exception):
+    """Inlining a block would copy a large expression into several reads."""
 
 
 def _try_inline(sch: s_tir.Schedule, block: SBlockRV, into_reductions: bool) -> bool:
     consumers = sch.get_consumers(block)
-    spatial = all(is_spatial(sch, c) for c in consumers) and not _inlining_copies_too_much(sch, block, consumers)
+    if _inlining_copies_too_much(sch, block, consumers):
+        raise InliningBlowUp(f"block {sch.get(block).name_hint} has over {MAX_COPIED_NODES} nodes and is read "
+                             f"more than once: inlining it would copy them into each read")
+    spatial = all(is_spatial(sch, c) for c in consumers)
     if spatial or (into_reductions and _read_pointwise_once(sch, block, consumers)):
         try:
             sch.compute_inline(block)
@@ -194,19 +204,21 @@ def _try_inline(sch: s_tir.Schedule, block: SBlockRV, into_reductions: bool) -> 
 
 
 def _inlining_copies_too_much(sch: s_tir.Schedule, block: SBlockRV, consumers: list[SBlockRV]) -> bool:
-    """Whether `block`'s expression has more than MAX_COPIED_NODES nodes and is read more than
-    once by `consumers` (each read would get a copy)."""
+    """Whether `block`'s expression has more than MAX_COPIED_NODES nodes and `consumers` read
+    it more than once. The consumers are walked as trees, which shared subexpressions can make
+    exponential: past MAX_WALKED_NODES nodes, a consumer counts as reading it again."""
     store = sch.get(block).body
     if not isinstance(store, tirx.BufferStore) or not _has_more_nodes(store.value, MAX_COPIED_NODES):
         return False
-    buffer = store.buffer
-    reads = 0
-    for consumer in consumers:
-        def on_load(load: TensorLoad) -> None:
-            nonlocal reads
-            reads += load.buffer.same_as(buffer)
-        structural_walk(sch.get(consumer).body, [(TensorLoad, on_load)])
-    return reads > 1
+    buffer, reads, walked = store.buffer, 0, 0
+
+    def on_node(node: object) -> VisitInterrupt | None:
+        nonlocal reads, walked
+        walked += 1
+        reads += isinstance(node, TensorLoad) and node.source.same_as(buffer)
+        return VisitInterrupt() if reads > 1 or walked > MAX_WALKED_NODES else None
+
+    return any(structural_walk(sch.get(consumer).body, on_node, order="pre") is not None for consumer in consumers)
 
 
 def _has_more_nodes(expr: tirx.PrimExpr, limit: int) -> bool:
