@@ -376,12 +376,6 @@ def _trace_hint(message: str, root: torch.nn.Module, dynamic_batch: bool) -> str
         return _DOT_DATA_HINT
     if not any(m in message for m in _DATA_DEPENDENT_MARKERS):
         return ""
-    cumulative = [path for path, m in root.named_modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                  and m.training and m.track_running_stats and m.momentum is None]
-    if cumulative:
-        return (f"\n'{cumulative[0]}' is a batch norm with momentum=None: its cumulative average divides by "
-                f"the number of batches seen so far, a Python float of a buffer that tracing cannot read. "
-                f"Give it a momentum (0.1 is torch's default), or train that module eagerly.")
     return _DATA_DEPENDENT_HINT
 
 

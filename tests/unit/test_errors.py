@@ -259,11 +259,3 @@ def test_every_error_class_has_a_docs_section() -> None:
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.TvmGraphError)]
     for cls in classes:
         assert f'<a id="{cls.__name__.lower()}"></a>' in docs, cls.__name__
-
-
-def test_cumulative_batch_norm_is_named_in_the_trace_error() -> None:
-    """BatchNorm(momentum=None) reads float(num_batches_tracked) in forward(): data-dependent."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=None))
-    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(errors.TraceError, match=r"'model.1' is a batch norm with momentum=None: .* Give it a momentum"):
-        graph(torch.randn(5, 3), torch.randn(5, 4))
