@@ -49,7 +49,7 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
     plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), options.recompute_attention,
                               options.activation_checkpointing, grad_scaler, reached=traced.result.reached)
     if not plan.targets:
-        if TrainingPlan.build(graph_name, optimizers, named_parameters()).targets:
+        if any(p.requires_grad for optimizer, _ in optimizers for g in optimizer.param_groups for p in g["params"]):
             raise OptimizerError(
                 f"{graph_name}: the loss build() called backward() on depends on no parameter the optimizers "
                 f"update (in eager every .grad would stay None): compute the loss from the model's output "

@@ -308,7 +308,7 @@ def trace_build(
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
         raise TraceError(f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}"
-                         f"{running.hint()}{_trace_hint(str(e), root, dynamic_batch)}") from e
+                         f"{running.hint()}{_trace_hint(str(e), dynamic_batch)}") from e
     finally:
         _state.graph_name = None
         running.remove()
@@ -368,15 +368,13 @@ def math_attention(devices: Iterable[torch.device]) -> contextlib.AbstractContex
     return contextlib.nullcontext()
 
 
-def _trace_hint(message: str, root: torch.nn.Module, dynamic_batch: bool) -> str:
+def _trace_hint(message: str, dynamic_batch: bool) -> str:
     """What to add to torch.export's `message`: the likely cause in build(), and its fix."""
     if dynamic_batch and _SPECIALIZED_MARKER in message:
         return DYNAMIC_BATCH_HINT
     if _DOT_DATA_MARKER in message:
         return _DOT_DATA_HINT
-    if not any(m in message for m in _DATA_DEPENDENT_MARKERS):
-        return ""
-    return _DATA_DEPENDENT_HINT
+    return _DATA_DEPENDENT_HINT if any(m in message for m in _DATA_DEPENDENT_MARKERS) else ""
 
 
 def _record_frames_of(build: Callable) -> None:

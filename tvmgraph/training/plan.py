@@ -106,7 +106,7 @@ class TrainingPlan:
         """The plan of `optimizers` over the parameters in `named_parameters`. `only_present` (a
         pipeline stage, which holds part of the model): the parameters of the others are left
         out, and so is a group left with none; else each of them is an error. `reached`: the
-        paths of the parameters the loss gives a gradient (trace.reached_parameters); the others
+        paths of the parameters the loss gives a gradient (training/reached.py); the others
         are not updated, as torch's optimizers skip a parameter whose `.grad` is None."""
         path_of: dict[int, str] = {}
         for path, p in named_parameters:  # a shared parameter goes by its first path, as in lowering
