@@ -1499,6 +1499,22 @@ def test_strict_schedules_raise_a_rule_bug_and_pass_on_what_tvm_refuses() -> Non
             assert bool(scheduled["main"].attrs["tirx.is_scheduled"]), (rule, strict)
 
 
+@pytest.mark.parametrize("shape", [(5, 5), (3, 24, 40)])
+def test_a_gram_matrix_reading_one_buffer_twice_keeps_the_schedules(shape: tuple[int, ...],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """`x @ x.mT` (a Gram matrix: cdist, a style loss, `a @ a.mT + I` before a Cholesky) is a
+    matmul block whose two operands are one buffer, read through one region; the matmul rules'
+    operand check indexed a second region and raised IndexError, which under strict schedules
+    (the tests) cost the graph every CPU schedule (a warning, then a build without them)."""
+    from tests.conftest import Fn, ModuleGraph
+
+    values = torch.randn(*shape)
+    with caplog.at_level(logging.WARNING, logger="tvmgraph"):
+        got = ModuleGraph(Fn(lambda a: a @ a.mT + 1.0))(values)
+    assert "ApplyCPUSchedules raised" not in caplog.text
+    torch.testing.assert_close(got, values @ values.mT + 1.0, atol=1e-4, rtol=1e-4)
+
+
 def test_a_failing_gpu_rule_falls_through_to_the_next() -> None:
     """The same for dlight's GPU rules (TVM 0.27's Reduction rule raised inside rfactor on a
     float16 AMP step and ended its CUDA build): the kernel gets the next rule's schedule."""

@@ -431,6 +431,8 @@ def matmul_operands(stmt: s_tir.SBlock) -> tuple[int, int] | None:
     if not isinstance(c_last, tirx.Var):
         return None
     uses = [c_last in _region_vars(r) for r in stmt.reads]
+    if len(uses) != 2:
+        return None  # one buffer read twice through one region: a Gram matrix, `x @ x.mT`
     if uses[0] == uses[1]:
         return None  # both (a batch axis) or neither
     return (1, 0) if uses[0] else (0, 1)
