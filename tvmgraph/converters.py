@@ -63,8 +63,8 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import (advanced_indexing, converters_histogram, converters_nn, converters_reduce, converters_shift,
-               converters_sort, converters_special, stop_gradient)
+from . import (advanced_indexing, converters_cholesky, converters_histogram, converters_linalg, converters_nn,
+               converters_reduce, converters_shift, converters_sort, converters_special, stop_gradient)
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, operand, result_dtype,
                             stock_converter)
 
@@ -646,5 +646,7 @@ CONVERTERS.update(converters_reduce.CONVERTERS)
 CONVERTERS.update(converters_special.CONVERTERS)
 CONVERTERS.update(converters_shift.CONVERTERS)
 CONVERTERS.update(converters_histogram.CONVERTERS)
+CONVERTERS.update(converters_linalg.CONVERTERS)
+CONVERTERS.update(converters_cholesky.CONVERTERS)
 CONVERTERS.update(converters_sort.CONVERTERS)
 CONVERTERS.update(stop_gradient.CONVERTERS)

@@ -41,8 +41,8 @@ from torch.export.graph_signature import (
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import (converters, decompositions, empty_results, half_in_float32, random_ops, result_shapes, type_promotion,
-               zero_dim)
+from . import (converters, converters_cholesky, converters_linalg, decompositions, empty_results,
+               half_in_float32, random_ops, result_shapes, type_promotion, zero_dim)
 from .errors import TraceError, UnsupportedOpError
 from .trace import math_attention
 
@@ -123,7 +123,26 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         with math_attention(devices):
             decomposed = exported.run_decompositions(table)
     _drop_runtime_asserts(decomposed)
+    _drop_linalg_checks(decomposed)
     return decomposed
+
+
+def _drop_linalg_checks(exported: torch.export.ExportedProgram) -> None:
+    """Remove `_linalg_check_errors` (torch.linalg.inv and solve raise with it on a singular
+    matrix), which export threads through effect tokens (`with_effects`). The compiled program
+    cannot raise on a computed value: a singular matrix gives inf/NaN (converters_linalg.py)."""
+    if not any(n.op == "call_function" and n.target is torch.ops.higher_order.with_effects
+               for n in exported.graph.nodes):
+        return
+    from torch.export._remove_effect_tokens_pass import _remove_effect_tokens
+
+    _remove_effect_tokens(exported)
+    graph = exported.graph_module.graph
+    checks = [n for n in graph.nodes if n.op == "call_function" and n.target is _aten._linalg_check_errors.default]
+    for node in checks:
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    exported.graph_module.recompile()
 
 
 def _drop_runtime_asserts(exported: torch.export.ExportedProgram) -> None:
@@ -373,7 +392,9 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     exported._graph_signature = plain_sig
     exported._constants = {}  # constants are inputs now; nothing is bound into the module
     convert_map = dict(converters.CONVERTERS, **random_ops.converters(seed, salts),
-                       **{"native_dropout.default": converters.dropout(seed, salts)})
+                       **{"native_dropout.default": converters.dropout(seed, salts)},
+                       **converters_linalg.converters(differentiated=has_loss),
+                       **converters_cholesky.converters(differentiated=has_loss))
     convert_map = zero_dim.with_zero_dim(type_promotion.with_promotion(half_in_float32.with_float32(convert_map)))
     convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
     convert_map = empty_results.with_empty_results(convert_map)
