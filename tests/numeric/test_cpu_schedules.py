@@ -1515,6 +1515,20 @@ def test_a_gram_matrix_reading_one_buffer_twice_keeps_the_schedules(shape: tuple
     torch.testing.assert_close(got, values @ values.mT + 1.0, atol=1e-4, rtol=1e-4)
 
 
+def test_a_sum_of_a_broadcast_scalar_keeps_the_schedules(caplog: pytest.LogCaptureFixture) -> None:
+    """`s.expand(4).sum()` of a 0-d `s` (autodiff emits it for the gradient of a scalar used
+    by every row, a flow's log-determinant under AMP) reduces a block whose only read has no
+    axis; the reduction rule indexed its last axis (IndexError), which under strict schedules
+    (the tests) cost the graph every CPU schedule."""
+    from tests.conftest import Fn, ModuleGraph
+
+    scalar = torch.tensor(1.5)
+    with caplog.at_level(logging.WARNING, logger="tvmgraph"):
+        got = ModuleGraph(Fn(lambda s: s.expand(4).sum() * -1.0))(scalar)
+    assert "ApplyCPUSchedules raised" not in caplog.text
+    torch.testing.assert_close(got, torch.tensor(-6.0))
+
+
 def test_a_failing_gpu_rule_falls_through_to_the_next() -> None:
     """The same for dlight's GPU rules (TVM 0.27's Reduction rule raised inside rfactor on a
     float16 AMP step and ended its CUDA build): the kernel gets the next rule's schedule."""

@@ -439,8 +439,9 @@ def _reduces_contiguously(sch: s_tir.Schedule, block: SBlockRV) -> bool:
 
 
 def _largest_read(stmt: s_tir.SBlock) -> tirx.BufferRegion | None:
-    """The block's read of the most dimensions, its own output (a reduction's update) aside."""
-    reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
+    """The block's read of the most dimensions, its own output (a reduction's update) aside;
+    None when no read has an axis (a sum of a broadcast scalar)."""
+    reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source) and len(r.region) > 0]
     return max(reads, key=lambda r: len(r.region)) if reads else None
 
 
@@ -543,10 +544,9 @@ def _contiguous_spatial_loop(sch: s_tir.Schedule, block: SBlockRV) -> int | None
     """Position of the spatial loop the largest read is contiguous along, if it is spatial."""
     stmt = sch.get(block)
     kinds = iter_kinds(sch, block)
-    reads = [r for r in stmt.reads if not r.source.same_as(stmt.writes[0].source)]
-    if not reads or kinds is None:
+    read = _largest_read(stmt)
+    if read is None or kinds is None:
         return None
-    read = max(reads, key=lambda r: len(r.region))
     last = vars_in(read.region[-1].min)
     for pos, (iv, k) in enumerate(zip(stmt.iter_vars, kinds)):
         if k == "S" and iv.var in last:
