@@ -83,6 +83,11 @@ def checked(convert: Converter, graph_name: str, describe) -> Converter:
 
     def run(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         out = convert(node, importer)
+        if isinstance(out, relax.Call):
+            # Bound, so that its type is known here and to the converters reading it: TVM's
+            # binary ops return `lhs * rhs` unbound when both are constants (`w * w` of a
+            # linspace), and `sum` of it read no dimensions (AttributeError).
+            out = importer.block_builder.emit(out)
         problem = mismatch(node, out)
         if problem is not None:
             raise CompileError(

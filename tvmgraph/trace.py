@@ -21,7 +21,7 @@ import torch
 import torch.export._trace  # the ATen-level export that AMP uses (`_export`)
 import torch.nn.functional as F
 
-from . import ctc_loss, cumulative_batch_norm, stop_gradient
+from . import covariance, ctc_loss, cumulative_batch_norm, stop_gradient
 from .attribute_guard import AttributeGuard, recording
 from .dynamic_batch import HINT as DYNAMIC_BATCH_HINT
 from .dynamic_batch import export_arguments
@@ -109,7 +109,7 @@ class _BuildRoot(torch.nn.Module):
         stops = stop_gradient.StopWhereGradIsOff() if record.autocast else contextlib.nullcontext()
         with _capture_backward(record), _refuse_gradient_clipping(record), _causal_hints_from_arguments(), \
                 _gaussian_nll_without_value_check(), _distributions_without_value_checks(), ctc_loss.traceable(), \
-                cumulative_batch_norm.traceable(), \
+                cumulative_batch_norm.traceable(), covariance.traceable(), \
                 amp, stops:  # export records autocast's casts
             out = self._build_fn(*args)
         try:

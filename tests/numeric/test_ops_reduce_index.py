@@ -330,3 +330,55 @@ def test_histc_counts_as_eager() -> None:
     x[:4] = torch.tensor([-2.0, 2.0, 0.0, float("nan")])
     for got, want in zip(ModuleGraph(Fn(fn))(x), fn(x)):
         assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
+def _covariances(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    frequencies, weights = torch.arange(10) % 3 + 1, torch.linspace(0.1, 1.0, 10)
+    return (torch.cov(x), torch.cov(x, correction=0), x.cov(correction=2), torch.cov(x[0]),
+            torch.cov(x, fweights=frequencies), torch.cov(x, aweights=weights),
+            torch.cov(x, fweights=frequencies, aweights=weights, correction=3), torch.corrcoef(x), x.corrcoef(),
+            torch.corrcoef(x[0]), torch.cov(x.double()))
+
+
+def test_cov_and_corrcoef_match_eager() -> None:
+    """torch.export refused both (torch checks their weights and degrees of freedom on the host,
+    tvmgraph/covariance.py): unweighted, frequency and analytic weights, corrections, 1-d and
+    float64 inputs, the Tensor methods."""
+    x = torch.randn(3, 10)
+    for got, want in zip(ModuleGraph(Fn(_covariances))(x), _covariances(x)):
+        assert_close(got, want)
+
+
+def test_cov_with_no_degrees_of_freedom_is_eagers_nan() -> None:
+    """One observation with correction 1: eager warns and divides by zero (NaN); the graph too."""
+    x = torch.randn(3, 1)
+
+    def fn(x):
+        return torch.cov(x), torch.cov(x, correction=0)
+
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        got = ModuleGraph(Fn(fn))(x)
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        want = fn(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, equal_nan=True)
+
+
+def test_cov_gradient_matches_autograd() -> None:
+    x, w = torch.randn(4, 12), torch.randn(4, 4)
+    model = LossOfParameters(lambda x: (torch.cov(x, aweights=torch.linspace(0.5, 1.5, 12)),), (x,), [0])
+    SGDStep(model)(w)
+    leaf = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad((torch.cov(leaf, aweights=torch.linspace(0.5, 1.5, 12)) * w).sum(), leaf)
+    assert_close(x - model.params[0].detach(), grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_product_of_two_constant_tensors_is_bound_before_it_is_read() -> None:
+    """TVM's importer returns `a * b` of two constants (two linspaces) as an unbound expression;
+    `sum` of it read no dimensions (AttributeError, a CompileError). result_shapes.py binds it."""
+
+    def fn(x):
+        return x + (torch.linspace(0, 1, 10) * torch.linspace(1, 2, 10)).sum()
+
+    x = torch.randn(3, 10)
+    assert_close(ModuleGraph(Fn(fn))(x), fn(x))
