@@ -44,6 +44,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
+    "ZeroOperands": None,
     "AttentionAsOneKernel": None,
     "SafeSoftmaxAsOneKernel": None,
     "PadRaggedSoftmax": None,
@@ -207,6 +208,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.share_transposes import ShareTransposes
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
     from relay_passes.simplify_power import SimplifyPower
+    from relay_passes.zero_operands import ZeroOperands
     from relay_passes.split_as_slices import SplitAsSlices
     from relay_passes.stack_step_gradients import StackStepGradients
     from relay_passes.straighten import StraightenBindings
@@ -237,6 +239,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),
         SimplifyPower(report),
+        #    `x * 0`, `x / 0`, `0 / x` keep IEEE's inf and NaN (TVM folds the constant zero away).
+        ZeroOperands(report),
         #    On the CPU, `softmax(q @ k.T) @ v` is one kernel where nothing else reads its
         #    scores; attention's softmax and its test for empty rows are one kernel, and
         #    softmax rows that no vector divides (65 tokens) are padded with -inf to whole

@@ -1,0 +1,118 @@
+"""ZeroOperands: a product with, or a division by or of, a constant zero keeps IEEE's inf and NaN.
+
+TVM builds `x * c` and `x / c` of a constant `c` with the constant as an immediate, and its
+expression builder folds it there: `x * 0.0` becomes `0.0` (eager: NaN where x is inf or NaN),
+`0.0 / x` becomes `0.0` (eager: NaN where x is 0 or NaN), and `x / 0.0` stops the compile
+(`Divide by zero`, a TVM check). A loss term switched off with `* 0.0` hid a NaN that eager
+shows; `torch.cov` with no degrees of freedom, `x / 0.0` did not compile. Each such call, its
+constant all zeros (a scalar or tensor constant of float dtype; for a division also a
+`zeros`/`full(.., 0)` call), becomes what IEEE gives:
+
+    x * 0, 0 * x   ->  where(isfinite(x), 0, NaN)
+    x / 0          ->  where(x == 0 or isnan(x), NaN, where(x > 0, inf, -inf))   (signs flipped by -0.0)
+    x // 0         ->  the same (floor of +-inf)
+    0 / x          ->  where(x == 0 or isnan(x), NaN, 0)
+
+broadcast to the call's shape. Zeros keep no sign (IEEE's `-2 * 0` is -0.0; here +0.0).
+
+Position: before LegalizeOps (after SimplifyPower, which folds constant arithmetic first).
+Limits: float results only (an integer `x * 0` is exactly 0). A product with a `zeros` call
+(`x * torch.zeros(n)`) keeps TVM's 0: autodiff multiplies its zero adjoints the same way, where
+eager computes nothing, and there 0 is eager's number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.relax.expr_functor import mutator
+
+from relay_passes import rewrite_graph_functions
+from relay_passes.rebind import BoundRewriter
+
+op = relax.op
+
+
+def _zeros(expr: relax.Expr) -> np.ndarray | None:
+    """The value of a float constant whose elements are all zero (either sign), else None."""
+    if not isinstance(expr, tvm.ir.expr.GenericConst):
+        return None
+    value = expr.value.numpy()
+    if value.dtype.kind != "f" or value.size == 0 or np.any(value != 0):
+        return None
+    return value
+
+
+@mutator
+class _Rewriter(BoundRewriter):
+    def _zeros_of(self, expr: relax.Expr, calls: bool) -> np.ndarray | None:
+        """The zeros `expr` is bound to: a constant, or with `calls` a zeros/full(0) call."""
+        if isinstance(expr, relax.Var):
+            bound = self.lookup_binding(expr)
+            expr = bound if bound is not None else expr
+        if calls and isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):  # torch.zeros(n), full(.., 0)
+            name, dtype = expr.op.name, getattr(getattr(expr.ty, "dtype", None), "dtype", "")
+            if name in ("relax.zeros", "relax.zeros_like") and dtype.startswith(("float", "bfloat")):
+                return np.zeros((), "float32")
+            if name in ("relax.full", "relax.full_like") and dtype.startswith(("float", "bfloat")):
+                return _zeros(expr.args[1])
+        return _zeros(expr)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not isinstance(call.op, tvm.ir.Op) or len(call.args) != 2:
+            return call
+        name = call.op.name
+        dtype = getattr(getattr(call.ty, "dtype", None), "dtype", None)
+        if name not in ("relax.multiply", "relax.divide", "relax.floor_divide") or dtype is None \
+                or not dtype.startswith(("float", "bfloat")):
+            return call
+        x, y = call.args
+        # A product with a zeros call is left alone: autodiff multiplies its zero adjoints too,
+        # where eager computes nothing (a masked -inf score times a zero adjoint must stay 0).
+        calls = name != "relax.multiply"
+        left, right = self._zeros_of(x, calls), self._zeros_of(y, calls)
+        if left is not None and right is not None:
+            return call  # both constant: nothing reads a value at run time
+        if name == "relax.multiply" and (left is not None or right is not None):
+            value = y if left is not None else x
+            self.counts["x * 0"] += 1
+            return self._shaped(op.where(op.isfinite(value), self._const(0.0, dtype), self._const(np.nan, dtype)), call)
+        if right is not None:  # x / 0, x // 0
+            self.counts["x / 0"] += 1
+            infinity = relax.const(np.where(np.signbit(right), -np.inf, np.inf).astype(dtype), dtype)
+            signed = op.where(op.greater(x, self._const(0.0, dtype)), infinity, op.negative(infinity))
+            undefined = op.logical_or(op.equal(x, self._const(0.0, dtype)), op.isnan(x))
+            return self._shaped(op.where(undefined, self._const(np.nan, dtype), signed), call)
+        if left is not None and name == "relax.divide":  # 0 / x
+            self.counts["0 / x"] += 1
+            undefined = op.logical_or(op.equal(y, self._const(0.0, dtype)), op.isnan(y))
+            return self._shaped(op.where(undefined, self._const(np.nan, dtype), self._const(0.0, dtype)), call)
+        return call
+
+    @staticmethod
+    def _const(value: float, dtype: str) -> relax.Constant:
+        return relax.const(value, dtype)
+
+    def _shaped(self, value: relax.Expr, call: relax.Call) -> relax.Expr:
+        """`value` broadcast to the call's result shape (a zero tensor may be the larger operand)."""
+        value = self.builder_.normalize(value)
+        if value.ty.shape is not None and call.ty.shape is not None \
+                and not tvm_ffi.structural_equal(value.ty.shape, call.ty.shape):
+            return op.broadcast_to(value, call.ty.shape)
+        return value
+
+
+@tvm.transform.module_pass(opt_level=0, name="ZeroOperands")
+class ZeroOperands:
+    """Products with and divisions by or of constant zeros as IEEE computes them."""
+
+    def __init__(self, report: Callable[[str], None] | None = None) -> None:
+        self.report = report or (lambda msg: None)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        return rewrite_graph_functions(mod, "ZeroOperands", self.report, _Rewriter(mod), drop_unused=True)
