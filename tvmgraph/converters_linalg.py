@@ -59,7 +59,8 @@ def square_matrices(a: relax.Expr, what: str, arg: torch.fx.Node) -> tuple[list[
     shape = a.ty.shape
     dims = [getattr(d, "value", None) for d in shape.values] if shape is not None else [None]
     if any(d is None for d in dims) or len(dims) < 2:
-        raise NotImplementedError(f"{what} needs static shapes (a symbolic batch is not supported)")
+        raise NotImplementedError(f"{what} needs static shapes: leave config.enable_dynamic_batch() off for "
+                                  f"this graph (one program per batch size)")
     if dims[-1] != dims[-2]:
         raise NotImplementedError(f"{what} of a non-square matrix ({dims[-2]} x {dims[-1]})")
     if _dtype(a) not in DTYPES:

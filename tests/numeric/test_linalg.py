@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import tvmgraph
 from tests.conftest import Fn, ModuleGraph, SGDStep, assert_close
+from tvmgraph.errors import UnsupportedOpError
 
 
 def _well_conditioned(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -233,3 +235,19 @@ def test_a_gaussian_process_trains_its_kernel_as_eager() -> None:
         assert_close(loss, expected.detach(), atol=1e-4, rtol=1e-4)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert_close(p.detach(), q.detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_dynamic_batch_is_refused_by_name() -> None:
+    """The kernels take static shapes: a dynamic-batch graph gets an UnsupportedOpError naming
+    the op and the fix, not a failed build."""
+
+    class Solve(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.config.enable_dynamic_batch()
+
+        def build(self, a, b):
+            return torch.linalg.solve(a, b)
+
+    with pytest.raises(UnsupportedOpError, match=r"_linalg_solve_ex.*enable_dynamic_batch\(\) off"):
+        Solve()(_well_conditioned(3, 4, 4), torch.randn(3, 4, 2))
