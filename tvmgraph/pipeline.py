@@ -44,6 +44,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "AccumulateFloat32": None,
     "SimplifyBroadcastMatmul": None,
     "SimplifyPower": None,
+    "GramOperandsApart": None,
     "ZeroOperands": None,
     "AttentionAsOneKernel": None,
     "SafeSoftmaxAsOneKernel": None,
@@ -208,6 +209,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.share_transposes import ShareTransposes
     from relay_passes.simplify_broadcast_matmul import SimplifyBroadcastMatmul
     from relay_passes.simplify_power import SimplifyPower
+    from relay_passes.gram_operands import GramOperandsApart
     from relay_passes.zero_operands import ZeroOperands
     from relay_passes.split_as_slices import SplitAsSlices
     from relay_passes.stack_step_gradients import StackStepGradients
@@ -239,6 +241,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    x ** 2 is x * x (MSELoss and its gradient).
         SimplifyBroadcastMatmul(report),
         SimplifyPower(report),
+        #    `x @ x.T` (a Gram matrix) reads its second operand from a copy: a matmul of two buffers.
+        GramOperandsApart(report),
         #    `x * 0`, `x / 0`, `0 / x` keep IEEE's inf and NaN (TVM folds the constant zero away).
         ZeroOperands(report),
         #    On the CPU, `softmax(q @ k.T) @ v` is one kernel where nothing else reads its
