@@ -194,11 +194,13 @@ def extremum_with_index(largest: bool):
 
 def _power_of_nonnegative(x: relax.Expr, exponent: float) -> relax.Expr:
     """x ** exponent for x >= 0, with 0 (and a zero gradient) at x == 0: TVM's power gradient
-    there is inf * 0 = NaN for exponents below 1, and torch masks it to 0."""
+    there is inf * 0 = NaN for exponents below 1, and torch masks it to 0. NaN stays NaN (the
+    test is `x == 0`: `x > 0` sent a NaN sum to the 0 branch, and a norm of a row holding NaN
+    came out 0)."""
     dtype = _dtype(x)
-    positive = op.greater(x, relax.const(0, dtype))
-    safe = op.where(positive, x, relax.const(1, dtype))
-    return op.where(positive, op.power(safe, relax.const(exponent, dtype)), relax.const(0, dtype))
+    zero = op.equal(x, relax.const(0, dtype))
+    safe = op.where(zero, relax.const(1, dtype), x)
+    return op.where(zero, relax.const(0, dtype), op.power(safe, relax.const(exponent, dtype)))
 
 
 def _vector_norm(bb: relax.BlockBuilder, x: relax.Expr, order: float, axes: list[int] | None,

@@ -1753,6 +1753,9 @@ def test_a_recurrence_that_reads_each_step_twice_schedules_without_blowing_up() 
         pytest.fail("16 steps of the recurrence did not compile within 180 s")
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) < 1e-5
+    # The refusal is the rules' own, not a failed pass (which under strict schedules, as here,
+    # compiled the whole graph without its schedules).
+    assert "ApplyCPUSchedules raised" not in done.stderr, done.stderr[-2000:]
 
 
 def test_has_more_nodes_stops_at_the_limit() -> None:

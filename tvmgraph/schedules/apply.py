@@ -29,7 +29,7 @@ from tvm_ffi.structural import structural_mutate
 
 from .cpu_target import is_cpu
 from .fast_math import use_fast_math
-from .loops import with_functions
+from .loops import InliningBlowUp, with_functions
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +155,10 @@ class KernelFacts:
 
 def _raised_by_tvm(err: Exception) -> bool:
     """Whether TVM's own checks raised `err` (a primitive refused where a schedule does not fit a
-    kernel, an rfactor TVM cannot do): expected, the next rule gets the function. Errors that
-    cross TVM's FFI carry `__tvm_ffi_error__`; anything else is a bug of the rule's Python."""
-    return isinstance(err, s_tir.ScheduleError) or hasattr(err, "__tvm_ffi_error__")
+    kernel, an rfactor TVM cannot do), or the rules refused a kernel they would blow up
+    (InliningBlowUp): expected, the next rule gets the function. Errors that cross TVM's FFI
+    carry `__tvm_ffi_error__`; anything else is a bug of the rule's Python."""
+    return isinstance(err, (s_tir.ScheduleError, InliningBlowUp)) or hasattr(err, "__tvm_ffi_error__")
 
 
 def _try_rule(
