@@ -11,8 +11,10 @@ pipeline, see pipeline.py) the exponent stays a runtime value. This pass rewrite
     add/subtract/multiply/divide(c1, c2)      -> c     (float scalar constants, computed here)
     power(x, 1)                               -> x
     power(x, 2)                               -> multiply(x, x)
+    power(x, 3), power(x, 0.5), (-0.5), (-1), (-2) -> x * x * x, sqrt(x), 1 / sqrt(x), 1 / x, 1 / (x * x)
 
-Both power rewrites are exact (pow(x, 2) is correctly rounded, as is x * x).
+as torch's pow kernel computes those exponents (the same operations in the same order, so the
+same numbers, also where libm's pow differs: pow(-inf, 0.5) is inf, torch's sqrt gives NaN).
 
 Position: before LegalizeOps (anywhere in the Relax part of the pipeline).
 Limits: only scalar constants of float dtype; other exponents keep the libm call.
@@ -36,6 +38,24 @@ _FOLD: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "relax.subtract": operator.sub,
     "relax.multiply": operator.mul,
     "relax.divide": operator.truediv,
+}
+
+
+def _one(dtype: str) -> relax.Expr:
+    return relax.const(1.0, dtype)
+
+
+# The exponents torch's pow kernel computes without std::pow (aten/src/ATen/native/cpu/
+# PowKernel.cpp), in its order of operations: the same numbers, also at inf and -0.0 (libm's
+# pow(-inf, 0.5) is inf, torch's sqrt NaN), and vector instructions instead of a libm call.
+_TORCH_POWERS: dict[float, Callable[[relax.Expr, str], relax.Expr]] = {
+    1.0: lambda x, dtype: x,
+    2.0: lambda x, dtype: relax.op.multiply(x, x),
+    3.0: lambda x, dtype: relax.op.multiply(relax.op.multiply(x, x), x),
+    0.5: lambda x, dtype: relax.op.sqrt(x),
+    -0.5: lambda x, dtype: relax.op.divide(_one(dtype), relax.op.sqrt(x)),
+    -1.0: lambda x, dtype: relax.op.divide(_one(dtype), x),
+    -2.0: lambda x, dtype: relax.op.divide(_one(dtype), relax.op.multiply(x, x)),
 }
 
 
@@ -69,12 +89,10 @@ class _Simplifier(BoundRewriter):
             exponent = self._constant(call.args[1])
             x = call.args[0]
             if exponent is not None and x.ty.dtype == call.ty.dtype:
-                if exponent == 1:
-                    self.counts["x ** 1"] += 1
-                    return x
-                if exponent == 2:
-                    self.counts["x ** 2"] += 1
-                    return relax.op.multiply(x, x)
+                rewrite = _TORCH_POWERS.get(float(exponent))
+                if rewrite is not None:
+                    self.counts[f"x ** {float(exponent):g}"] += 1
+                    return rewrite(x, str(exponent.dtype))
         return call
 
 
