@@ -654,10 +654,10 @@ def _p_norm(bb: relax.BlockBuilder, diff: relax.Expr, p: float) -> relax.Expr:
         return bb.emit(op.max(magnitude, [-1]))
     powered = bb.emit(op.multiply(diff, diff) if p == 2 else op.power(magnitude, relax.const(p, dtype)))
     total = bb.emit(op.sum(powered, [-1]))
-    positive = bb.emit(op.greater(total, relax.const(0, dtype)))
-    safe = bb.emit(op.where(positive, total, relax.const(1, dtype)))
+    zero = bb.emit(op.equal(total, relax.const(0, dtype)))  # not `> 0`: a NaN total stays NaN
+    safe = bb.emit(op.where(zero, relax.const(1, dtype), total))
     root = op.sqrt(safe) if p == 2 else op.power(safe, relax.const(1.0 / p, dtype))
-    return bb.emit(op.where(positive, root, relax.const(0, dtype)))
+    return bb.emit(op.where(zero, relax.const(0, dtype), root))
 
 
 def cdist(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:

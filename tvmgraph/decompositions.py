@@ -75,8 +75,9 @@ def binary_cross_entropy(p: torch.Tensor, target: torch.Tensor, weight: torch.Te
 
 
 def _sqrt_of_variance(var: torch.Tensor) -> torch.Tensor:
-    positive = var > 0
-    return torch.where(positive, torch.sqrt(torch.where(positive, var, 1.0)), 0.0)
+    # `== 0`, not `> 0`: a NaN variance (one element with correction 1, a NaN input) stays NaN.
+    zero = var == 0
+    return torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, var)))
 
 
 def std(x: torch.Tensor, dim: list[int] | None = None, *, correction: float | None = None,

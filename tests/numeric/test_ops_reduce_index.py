@@ -387,12 +387,17 @@ def test_a_product_of_two_constant_tensors_is_bound_before_it_is_read() -> None:
 def test_a_norm_of_a_row_holding_nan_is_nan() -> None:
     """The p-norm's root went through `where(sum > 0, sum ** (1/p), 0)` (0 for a zero row, with
     torch's zero gradient there): a NaN sum is not > 0, so a row holding NaN had norm 0 and
-    F.normalize scaled it by 1 / eps (1e12) where eager gives NaN. Inf rows stay inf, zero rows 0."""
+    F.normalize scaled it by 1 / eps (1e12) where eager gives NaN. The same for std (a NaN row,
+    one element with correction 1: 0 where eager gives NaN) and cdist. Inf rows stay inf, zero
+    rows 0."""
     x = torch.tensor([[float("inf"), 1.0, 2.0], [float("nan"), 1.0, 2.0], [0.0, 0.0, 0.0], [3.0, 4.0, 0.0]])
 
     def fn(x):
         return (x.norm(dim=1), torch.linalg.vector_norm(x, 3, dim=1), torch.linalg.vector_norm(x, 0.5, dim=1),
-                F.normalize(x, dim=1), torch.dist(x[1], x[3]))
+                F.normalize(x, dim=1), torch.dist(x[1], x[3]), x.std(dim=1), x[:, :1].std(dim=1),
+                torch.std_mean(x, dim=1)[0], torch.cdist(x, x[2:]), torch.cdist(x, x[2:], p=3))
 
-    for got, want in zip(ModuleGraph(Fn(fn))(x), fn(x)):
-        torch.testing.assert_close(got, want, equal_nan=True)
+    with pytest.warns(UserWarning, match="degrees of freedom"):  # eager's, for the one-element std
+        want = fn(x)
+    for got, expected in zip(ModuleGraph(Fn(fn))(x), want):
+        torch.testing.assert_close(got, expected, equal_nan=True)
