@@ -592,7 +592,19 @@ def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     return bb.emit(relax.op.where(relax.op.greater(x, const(0.0)), positive, negative))
 
 
+def power_of_scalar(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """pow(x, exponent) of a scalar exponent; `x ** 0` is ones, as torch's (1 also for NaN, and a
+    zero gradient: autodiff's `dy * 0 * x ** -1` was NaN at x = 0 once ZeroOperands kept IEEE's
+    `inf * 0`)."""
+    exponent = node.args[1]
+    if isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and exponent == 0:
+        dtype = result_dtype(node)
+        return importer.block_builder.emit(relax.op.full_like(importer.env[node.args[0]], relax.const(1, dtype), dtype))
+    return stock_converter(importer, "pow.Tensor_Scalar")(node)
+
+
 CONVERTERS: dict[str, Converter] = {
+    "pow.Tensor_Scalar": power_of_scalar,
     "_native_batch_norm_legit_functional.default": batch_norm_train,
     "_native_batch_norm_legit.no_stats": batch_norm_no_stats,
     "_batch_norm_with_update_functional.default": batch_norm_with_update,

@@ -401,3 +401,14 @@ def test_a_norm_of_a_row_holding_nan_is_nan() -> None:
         want = fn(x)
     for got, expected in zip(ModuleGraph(Fn(fn))(x), want):
         torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def test_x_to_the_zero_is_one_with_a_zero_gradient() -> None:
+    """torch: x ** 0 is 1 (NaN included) and its gradient 0. TVM's power gradient is
+    `dy * 0 * x ** -1`: inf * 0 = NaN at x = 0 (converters.power_of_scalar returns ones)."""
+    x = torch.tensor([0.0, -0.0, 1.0, -2.0, float("nan")])
+    assert_close(ModuleGraph(Fn(lambda x: x ** 0))(x), x ** 0)
+    finite = x[:4]
+    model = LossOfParameters(lambda x: (x.pow(0) * 3.0 + x,), (finite,), [0])
+    SGDStep(model)(torch.ones(4))
+    assert_close(finite - model.params[0].detach(), torch.ones(4))  # d(x ** 0 * 3 + x) = 1
