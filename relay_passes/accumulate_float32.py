@@ -12,6 +12,7 @@ bfloat16 accumulator (a vector zero stored into the uint16 buffer it becomes). T
     avg_pool*d/adaptive_avg_pool*d(x)   -> the same
     max/avg_pool2d_backward(dy, x)      -> astype(op(astype(dy, "float32"), astype(x, "float32")), dt)
     gelu/silu/softmax/exp/erf/tanh/...  -> astype(op(astype(x, "float32")), dt)
+    power(x, e)                         -> astype(power(astype(x, "float32"), astype(e, "float32")), dt)
 
 for every such call whose result dtype `dt` is bfloat16 or float16 (autocast's ops, and the
 backward pass's bias gradients of them). Results are those of a float32 accumulator rounded once.
@@ -46,7 +47,9 @@ _CAST_INPUT = ("relax.sum", "relax.mean", "relax.variance", "relax.collapse_sum_
                # computed in float32 (opmath), not accumulated
                "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.nn.softplus", "relax.nn.softmax",
                "relax.nn.log_softmax", "relax.erf", "relax.exp", "relax.log", "relax.tanh", "relax.sigmoid",
-               "relax.sqrt", "relax.rsqrt")
+               "relax.sqrt", "relax.rsqrt",
+               # TVM's power legalization refuses bfloat16 ("power only applies to float")
+               "relax.power")
 
 
 def _dtype(expr: relax.Expr) -> str | None:

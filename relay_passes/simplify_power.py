@@ -15,6 +15,9 @@ pipeline, see pipeline.py) the exponent stays a runtime value. This pass rewrite
 
 as torch's pow kernel computes those exponents (the same operations in the same order, so the
 same numbers, also where libm's pow differs: pow(-inf, 0.5) is inf, torch's sqrt gives NaN).
+In bfloat16 and float16 only the one-operation forms (float16: not 0.5, which torch takes
+through std::pow there); the others stay a power, computed in float32 and rounded once
+(AccumulateFloat32), as torch does.
 
 Position: before LegalizeOps (anywhere in the Relax part of the pipeline).
 Limits: only scalar constants of float dtype; other exponents keep the libm call.
@@ -64,7 +67,8 @@ def _scalar(expr: relax.Expr) -> np.ndarray | None:
     if not isinstance(expr, tvm.ir.expr.GenericConst):
         return None
     value = expr.value.numpy()
-    return value if value.ndim == 0 and value.dtype.kind == "f" else None
+    floating = value.dtype.kind == "f" or value.dtype.name == "bfloat16"  # ml_dtypes' bfloat16 is kind V
+    return value if value.ndim == 0 and floating else None
 
 
 @mutator
@@ -90,6 +94,10 @@ class _Simplifier(BoundRewriter):
             x = call.args[0]
             if exponent is not None and x.ty.dtype == call.ty.dtype:
                 rewrite = _TORCH_POWERS.get(float(exponent))
+                if float(exponent) in (0.5, -0.5) and str(exponent.dtype) == "float16":
+                    rewrite = None  # torch's float16 pow takes std::pow here: (-inf) ** 0.5 = inf
+                if float(exponent) not in (1.0, 2.0, 0.5, -1.0) and str(exponent.dtype) in ("bfloat16", "float16"):
+                    rewrite = None  # two 16-bit roundings where torch rounds a float result once
                 if rewrite is not None:
                     self.counts[f"x ** {float(exponent):g}"] += 1
                     return rewrite(x, str(exponent.dtype))

@@ -42,9 +42,10 @@ def _zeros(expr: relax.Expr) -> np.ndarray | None:
     if not isinstance(expr, tvm.ir.expr.GenericConst):
         return None
     value = expr.value.numpy()
-    if value.dtype.kind != "f" or value.size == 0 or np.any(value != 0):
+    floating = value.dtype.kind == "f" or value.dtype.name == "bfloat16"  # ml_dtypes' bfloat16 is kind V
+    if not floating or value.size == 0 or np.any(value.astype("float32") != 0):
         return None
-    return value
+    return value.astype("float32")
 
 
 @mutator
@@ -79,20 +80,29 @@ class _Rewriter(BoundRewriter):
         if left is not None and right is not None:
             return call  # both constant: nothing reads a value at run time
         if name == "relax.multiply" and (left is not None or right is not None):
-            value = y if left is not None else x
+            value = self._testable(y if left is not None else x, dtype)
             self.counts["x * 0"] += 1
             return self._shaped(op.where(op.isfinite(value), self._const(0.0, dtype), self._const(np.nan, dtype)), call)
         if right is not None:  # x / 0, x // 0
             self.counts["x / 0"] += 1
-            infinity = relax.const(np.where(np.signbit(right), -np.inf, np.inf).astype(dtype), dtype)
-            signed = op.where(op.greater(x, self._const(0.0, dtype)), infinity, op.negative(infinity))
-            undefined = op.logical_or(op.equal(x, self._const(0.0, dtype)), op.isnan(x))
+            x = self._testable(x, dtype)
+            test_dtype = "float32" if dtype == "bfloat16" else dtype
+            infinity = relax.const(np.where(np.signbit(right), -np.inf, np.inf).astype("float32"), dtype)
+            signed = op.where(op.greater(x, self._const(0.0, test_dtype)), infinity, op.negative(infinity))
+            undefined = op.logical_or(op.equal(x, self._const(0.0, test_dtype)), op.isnan(x))
             return self._shaped(op.where(undefined, self._const(np.nan, dtype), signed), call)
         if left is not None and name == "relax.divide":  # 0 / x
             self.counts["0 / x"] += 1
-            undefined = op.logical_or(op.equal(y, self._const(0.0, dtype)), op.isnan(y))
+            y = self._testable(y, dtype)
+            test_dtype = "float32" if dtype == "bfloat16" else dtype
+            undefined = op.logical_or(op.equal(y, self._const(0.0, test_dtype)), op.isnan(y))
             return self._shaped(op.where(undefined, self._const(np.nan, dtype), self._const(0.0, dtype)), call)
         return call
+
+    @staticmethod
+    def _testable(x: relax.Expr, dtype: str) -> relax.Expr:
+        """x, in float32 when bfloat16 (TVM legalizes no isnan/isfinite of bfloat16; exact)."""
+        return op.astype(x, "float32") if dtype == "bfloat16" else x
 
     @staticmethod
     def _const(value: float, dtype: str) -> relax.Constant:
