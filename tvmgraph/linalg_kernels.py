@@ -30,6 +30,17 @@ def _lanes(dtype: str) -> int:
     return VECTOR_BYTES // (tvm.DataType(dtype).bits // 8)
 
 
+@T.macro
+def _subtract_scaled_row(acc, coefficient, x, b, row, m, lanes, whole):
+    """acc[:m] -= coefficient * x[b, row, :m]: 64-byte vectors over the whole chunks, then the
+    tail one element at a time (the substitutions' inner loop)."""
+    for chunk in range(m // lanes):
+        for lane in T.vectorized(lanes):
+            acc[chunk * lanes + lane] = acc[chunk * lanes + lane] - coefficient * x[b, row, chunk * lanes + lane]
+    for tail in range(m - whole):
+        acc[whole + tail] = acc[whole + tail] - coefficient * x[b, row, whole + tail]
+
+
 def lu_factor_kernel(batch: int, n: int, dtype: str) -> tirx.PrimFunc:
     """(a[batch, n, n]) -> lu[batch, n, n] (L below the diagonal, unit diagonal implied; U on
     and above it), pivots[batch, n] (1-based: row k was swapped with row pivots[k] - 1).
@@ -118,26 +129,15 @@ def lu_solve_kernel(batch: int, n: int, m: int, dtype: str) -> tirx.PrimFunc:
                         for j in range(m):
                             acc[j] = x[b, i, j]
                         for k in range(i):
-                            for chunk in range(m // lanes):
-                                for lane in T.vectorized(lanes):
-                                    acc[chunk * lanes + lane] = (acc[chunk * lanes + lane]
-                                                                 - lu[b, i, k] * x[b, k, chunk * lanes + lane])
-                            for tail in range(m - whole):
-                                acc[whole + tail] = acc[whole + tail] - lu[b, i, k] * x[b, k, whole + tail]
+                            _subtract_scaled_row(acc, lu[b, i, k], x, b, k, m, lanes, whole)
                         for j in range(m):
                             x[b, i, j] = acc[j]
                     for r in range(n):  # U x = y, from the last row up
                         for j in range(m):
                             acc[j] = x[b, n - 1 - r, j]
                         for solved in range(r):
-                            for chunk in range(m // lanes):
-                                for lane in T.vectorized(lanes):
-                                    acc[chunk * lanes + lane] = (
-                                        acc[chunk * lanes + lane]
-                                        - lu[b, n - 1 - r, n - r + solved] * x[b, n - r + solved, chunk * lanes + lane])
-                            for tail in range(m - whole):
-                                acc[whole + tail] = (acc[whole + tail]
-                                                     - lu[b, n - 1 - r, n - r + solved] * x[b, n - r + solved, whole + tail])
+                            _subtract_scaled_row(acc, lu[b, n - 1 - r, n - r + solved], x, b, n - r + solved, m, lanes,
+                                                 whole)
                         for j in range(m):
                             x[b, n - 1 - r, j] = acc[j] / lu[b, n - 1 - r, n - 1 - r]
 
@@ -206,12 +206,7 @@ def lower_solve_kernel(batch: int, n: int, m: int, dtype: str) -> tirx.PrimFunc:
                         for j in range(m):
                             acc[j] = rhs[b, i, j]
                         for k in range(i):
-                            for chunk in range(m // lanes):
-                                for lane in T.vectorized(lanes):
-                                    acc[chunk * lanes + lane] = (acc[chunk * lanes + lane]
-                                                                 - lower[b, i, k] * x[b, k, chunk * lanes + lane])
-                            for tail in range(m - whole):
-                                acc[whole + tail] = acc[whole + tail] - lower[b, i, k] * x[b, k, whole + tail]
+                            _subtract_scaled_row(acc, lower[b, i, k], x, b, k, m, lanes, whole)
                         for j in range(m):
                             x[b, i, j] = acc[j] / lower[b, i, i]
 
