@@ -32,15 +32,11 @@ import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_linalg import broadcast_batches, finite, square_matrices, transposed
+from .converters_linalg import broadcast_batches, eye_like, finite, square_matrices, stop, transposed
 from .converters_nn import _arg, _dtype
 from .linalg_kernels import cholesky_upper_kernel, lower_solve_kernel
 
 op = relax.op
-
-
-def _stop(bb: relax.BlockBuilder, x: relax.Expr) -> relax.Expr:
-    return bb.emit(relax.op.grad.no_grad(x))
 
 
 def _flip_both(x: relax.Expr) -> relax.Expr:
@@ -61,13 +57,7 @@ def _triangular_solve(bb: relax.BlockBuilder, t: relax.Expr, rhs: relax.Expr, up
     x = bb.emit(relax.call_tir(kernel, [bb.emit(op.reshape(t, [count, n, n])), bb.emit(op.reshape(rhs, [count, n, m]))],
                                relax.TensorType([count, n, m], dtype)))
     x = op.reshape(x, dims)
-    return _stop(bb, bb.emit(op.flip(x, -2) if upper else x))
-
-
-def _eye_like(x: relax.Expr) -> relax.Expr:
-    """The identity broadcast to x's shape [*batch, n, n]."""
-    dims = [int(d) for d in x.ty.shape.values]
-    return op.broadcast_to(op.eye(dims[-1], dtype=_dtype(x)), dims)
+    return stop(bb, bb.emit(op.flip(x, -2) if upper else x))
 
 
 def _mask(n: int, dtype: str, upper: bool, strict: bool, diagonal: float = 1.0) -> relax.Expr:
@@ -86,14 +76,14 @@ def _cholesky(bb: relax.BlockBuilder, a: relax.Expr, node: torch.fx.Node, upper:
         return bb.emit(op.zeros([*batch, n, n], dtype))
     if upper:  # U^T U = A, U^T the lower factor of A^T (whose lower triangle is A's upper one)
         return bb.emit(transposed(_cholesky(bb, bb.emit(transposed(a)), node, False, differentiated)))
-    stopped = _stop(bb, a)
+    stopped = stop(bb, a)
     kernel = bb.add_func(cholesky_upper_kernel(count, n, dtype), "cholesky_upper")
     factor = bb.emit(relax.call_tir(kernel, [bb.emit(op.reshape(stopped, [count, n, n]))],
                                     relax.TensorType([count, n, n], dtype)))
-    lower = _stop(bb, bb.emit(transposed(bb.emit(op.reshape(factor, [*batch, n, n])))))
+    lower = stop(bb, bb.emit(transposed(bb.emit(op.reshape(factor, [*batch, n, n])))))
     if not differentiated:
         return lower
-    inverse = finite(bb, _triangular_solve(bb, lower, bb.emit(_eye_like(lower)), upper=False))
+    inverse = finite(bb, _triangular_solve(bb, lower, bb.emit(eye_like(lower)), upper=False))
     change = bb.emit(op.subtract(a, stopped))
     symmetric = op.multiply(op.add(change, transposed(change)), relax.const(0.5, dtype))
     inner = op.matmul(op.matmul(inverse, symmetric), transposed(inverse))
@@ -127,14 +117,14 @@ def linalg_solve_triangular(node: torch.fx.Node, importer: ExportedProgramImport
         a, b, upper = bb.emit(transposed(a)), bb.emit(transposed(b)), not upper
     a, b = broadcast_batches(bb, a, b)
     dtype = _dtype(a)
-    stopped_a, stopped_b = _stop(bb, a), _stop(bb, b)
+    stopped_a, stopped_b = stop(bb, a), stop(bb, b)
     t = stopped_a
     if unit:  # the kernel divides by the diagonal: make it ones
         t = bb.emit(op.add(op.multiply(t, _mask(n, dtype, upper, strict=True)), op.eye(n, dtype=dtype)))
     x = _triangular_solve(bb, t, stopped_b, upper)
     if not differentiated:
         return bb.emit(transposed(x)) if not left else x
-    inverse = finite(bb, _triangular_solve(bb, t, bb.emit(_eye_like(t)), upper))
+    inverse = finite(bb, _triangular_solve(bb, t, bb.emit(eye_like(t)), upper))
     change_a = op.multiply(op.subtract(a, stopped_a), _mask(n, dtype, upper, strict=unit))
     change = op.subtract(op.subtract(b, stopped_b), op.matmul(change_a, finite(bb, x)))
     result = bb.emit(op.add(x, op.matmul(inverse, change)))
@@ -159,11 +149,11 @@ def cholesky_solve(node: torch.fx.Node, importer: ExportedProgramImporter, diffe
     factor, b = broadcast_batches(bb, factor, b)
     lower = _lower_factor(bb, factor, bool(_arg(node, 2, "upper", False)))
     product = bb.emit(op.matmul(lower, transposed(lower)))
-    stopped_lower, stopped_b, stopped_product = _stop(bb, lower), _stop(bb, b), _stop(bb, product)
+    stopped_lower, stopped_b, stopped_product = stop(bb, lower), stop(bb, b), stop(bb, product)
     x = _spd_solve(bb, stopped_lower, stopped_b)
     if not differentiated:
         return x
-    inverse = finite(bb, _spd_solve(bb, stopped_lower, bb.emit(_eye_like(stopped_lower))))
+    inverse = finite(bb, _spd_solve(bb, stopped_lower, bb.emit(eye_like(stopped_lower))))
     change = op.subtract(op.subtract(b, stopped_b), op.matmul(op.subtract(product, stopped_product), finite(bb, x)))
     return bb.emit(op.add(x, op.matmul(inverse, change)))
 
@@ -175,8 +165,8 @@ def cholesky_inverse(node: torch.fx.Node, importer: ExportedProgramImporter, dif
     square_matrices(factor, "cholesky_inverse", node.args[0])
     lower = _lower_factor(bb, factor, bool(_arg(node, 1, "upper", False)))
     product = bb.emit(op.matmul(lower, transposed(lower)))
-    stopped_lower, stopped_product = _stop(bb, lower), _stop(bb, product)
-    inverse = _spd_solve(bb, stopped_lower, bb.emit(_eye_like(stopped_lower)))
+    stopped_lower, stopped_product = stop(bb, lower), stop(bb, product)
+    inverse = _spd_solve(bb, stopped_lower, bb.emit(eye_like(stopped_lower)))
     if not differentiated:
         return inverse
     coefficient = finite(bb, inverse)

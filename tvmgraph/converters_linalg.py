@@ -88,7 +88,7 @@ class _Square:
         self.bb, self.a, self.dtype = bb, a, _dtype(a)
         self.count = math.prod(self.batch)
         self._inverse: relax.Expr | None = None
-        self.stopped = bb.emit(relax.op.grad.no_grad(a))
+        self.stopped = stop(bb, a)
         self.empty = self.count == 0 or self.n == 0  # no kernels: det 1 (an empty product), inv 0 x 0
         if self.empty:
             self.lu = bb.emit(op.zeros([self.count, self.n, self.n], self.dtype))
@@ -98,8 +98,8 @@ class _Square:
         factor = bb.add_func(lu_factor_kernel(self.count, self.n, self.dtype), "lu_factor")
         lu = bb.emit(relax.call_tir(factor, [flat], [relax.TensorType([self.count, self.n, self.n], self.dtype),
                                                      relax.TensorType([self.count, self.n], "int32")]))
-        self.lu = bb.emit(relax.op.grad.no_grad(bb.emit(relax.TupleGetItem(lu, 0))))
-        self.pivots = bb.emit(relax.op.grad.no_grad(bb.emit(relax.TupleGetItem(lu, 1))))
+        self.lu = stop(bb, bb.emit(relax.TupleGetItem(lu, 0)))
+        self.pivots = stop(bb, bb.emit(relax.TupleGetItem(lu, 1)))
 
     def solve(self, rhs: relax.Expr, m: int) -> relax.Expr:
         """x[count, n, m] with A x = rhs (rhs already [count, n, m]), stopped."""
@@ -108,7 +108,7 @@ class _Square:
         solver = self.bb.add_func(lu_solve_kernel(self.count, self.n, m, self.dtype), "lu_solve")
         x = self.bb.emit(relax.call_tir(solver, [self.lu, self.pivots, rhs],
                                         relax.TensorType([self.count, self.n, m], self.dtype)))
-        return self.bb.emit(relax.op.grad.no_grad(x))
+        return stop(self.bb, x)
 
     def inverse(self) -> relax.Expr:
         """A^-1 as [*batch, n, n], stopped (solved once)."""
@@ -144,6 +144,17 @@ class _Square:
         return self.bb.emit(op.subtract(self.a, self.stopped))
 
 
+def stop(bb: relax.BlockBuilder, x: relax.Expr) -> relax.Var:
+    """x with no gradient (the kernels' inputs and results: autodiff cannot differentiate them)."""
+    return bb.emit(relax.op.grad.no_grad(x))
+
+
+def eye_like(x: relax.Expr) -> relax.Expr:
+    """The identity broadcast to x's shape [*batch, n, n]."""
+    dims = [int(d) for d in x.ty.shape.values]
+    return op.broadcast_to(op.eye(dims[-1], dtype=_dtype(x)), dims)
+
+
 def finite(bb: relax.BlockBuilder, x: relax.Expr) -> relax.Expr:
     """x with its inf and NaN entries zeroed: a coefficient of an exactly-zero term stays finite."""
     return bb.emit(op.where(op.isfinite(x), x, op.zeros_like(x)))
@@ -175,7 +186,7 @@ def _slogdet(square: _Square, differentiated: bool) -> tuple[relax.Expr, relax.E
         return bb.emit(op.ones(square.batch, square.dtype)), bb.emit(op.zeros(square.batch, square.dtype))
     diagonal = square.diagonal()
     sign = op.multiply(op.prod(op.sign(diagonal), axis=[-1]), square.permutation_sign())
-    sign = bb.emit(relax.op.grad.no_grad(square.unflatten(bb.emit(sign), ())))
+    sign = stop(bb, square.unflatten(bb.emit(sign), ()))
     logabsdet = square.unflatten(bb.emit(op.sum(op.log(op.abs(diagonal)), axis=[-1])), ())
     if not differentiated:
         return sign, logabsdet
@@ -201,7 +212,7 @@ def _solve(square: _Square, b: relax.Expr, differentiated: bool) -> relax.Expr:
     m = b.ty.shape.values[-1].value
     if square.empty or m == 0:
         return bb.emit(op.zeros([*square.batch, square.n, m], square.dtype))
-    stopped_b = bb.emit(relax.op.grad.no_grad(b))
+    stopped_b = stop(bb, b)
     flat_b = bb.emit(op.reshape(stopped_b, [square.count, square.n, m]))
     x = square.unflatten(square.solve(flat_b, m), (square.n, m))
     if not differentiated:
