@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -192,15 +193,19 @@ def extremum_with_index(largest: bool):
     return convert
 
 
-def _power_of_nonnegative(x: relax.Expr, exponent: float) -> relax.Expr:
-    """x ** exponent for x >= 0, with 0 (and a zero gradient) at x == 0: TVM's power gradient
-    there is inf * 0 = NaN for exponents below 1, and torch masks it to 0. NaN stays NaN (the
-    test is `x == 0`: `x > 0` sent a NaN sum to the 0 branch, and a norm of a row holding NaN
-    came out 0)."""
+def _root_zero_at_zero(x: relax.Expr, root: Callable[[relax.Expr], relax.Expr]) -> relax.Expr:
+    """root(x) for x >= 0, with 0 (and a zero gradient) at x == 0: TVM's gradient of a root
+    there is inf * 0 = NaN, and torch masks it to 0 (norms, distances). NaN stays NaN (the test
+    is `x == 0`: `x > 0` sent a NaN sum to the 0 branch, and a norm of a row holding NaN came
+    out 0)."""
     dtype = _dtype(x)
     zero = op.equal(x, relax.const(0, dtype))
-    safe = op.where(zero, relax.const(1, dtype), x)
-    return op.where(zero, relax.const(0, dtype), op.power(safe, relax.const(exponent, dtype)))
+    return op.where(zero, relax.const(0, dtype), root(op.where(zero, relax.const(1, dtype), x)))
+
+
+def _power_of_nonnegative(x: relax.Expr, exponent: float) -> relax.Expr:
+    """x ** exponent for x >= 0, 0 with a zero gradient at 0 (`_root_zero_at_zero`)."""
+    return _root_zero_at_zero(x, lambda safe: op.power(safe, relax.const(exponent, _dtype(x))))
 
 
 def _vector_norm(bb: relax.BlockBuilder, x: relax.Expr, order: float, axes: list[int] | None,
@@ -654,10 +659,8 @@ def _p_norm(bb: relax.BlockBuilder, diff: relax.Expr, p: float) -> relax.Expr:
         return bb.emit(op.max(magnitude, [-1]))
     powered = bb.emit(op.multiply(diff, diff) if p == 2 else op.power(magnitude, relax.const(p, dtype)))
     total = bb.emit(op.sum(powered, [-1]))
-    zero = bb.emit(op.equal(total, relax.const(0, dtype)))  # not `> 0`: a NaN total stays NaN
-    safe = bb.emit(op.where(zero, relax.const(1, dtype), total))
-    root = op.sqrt(safe) if p == 2 else op.power(safe, relax.const(1.0 / p, dtype))
-    return bb.emit(op.where(zero, relax.const(0, dtype), root))
+    return bb.emit(_root_zero_at_zero(
+        total, lambda safe: op.sqrt(safe) if p == 2 else op.power(safe, relax.const(1.0 / p, dtype))))
 
 
 def cdist(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
