@@ -12,6 +12,12 @@ if TYPE_CHECKING:
     from tvmgraph.schedules.cpu_target import CPUTarget
 
 
+# Relax's OpPatternKind kOpaque: FuseOps fuses nothing into or out of a PrimFunc carrying it as
+# its "op_pattern" attribute (kernels that must stay apart: im2col, a Gram operand's copy,
+# tvmgraph's loop kernels and one-kernel attention, LSTM cells, upsampling).
+OPAQUE = 8
+
+
 def graph_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax.Function]]:
     """Every Relax function of `mod` except fused kernel groups (attribute "Primitive")."""
     for gv, func in mod.functions_items():

@@ -19,10 +19,9 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import mutator
 
-from relay_passes import rewrite_graph_functions
+from relay_passes import OPAQUE, rewrite_graph_functions
 from relay_passes.rebind import BoundRewriter
 
-OPAQUE = 8  # TVM's OpPatternKind kOpaque: FuseOps fuses nothing into it
 _VIEWS = ("relax.permute_dims", "relax.reshape", "relax.expand_dims", "relax.squeeze")
 
 

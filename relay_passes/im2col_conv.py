@@ -73,7 +73,7 @@ from tvm.relax.expr_functor import mutator
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from relay_passes import rewrite_graph_functions
+from relay_passes import OPAQUE, rewrite_graph_functions
 from relay_passes.rebind import BoundRewriter
 
 # Output widths below this (one AVX-512 vector of float32) go through im2col.
@@ -83,7 +83,6 @@ MIN_REDUCTION = 64
 # A transposed conv on images of fewer pixels than this multiplies all images' pixels at once:
 # per image, the product's output rows (the pixels) fill one vector of 16 at most.
 FOLD_BATCH_BELOW = 32
-OPAQUE = 8  # TVM's OpPatternKind kOpaque: FuseOps fuses nothing into it
 
 
 def _ints(values: object) -> list[int]:

@@ -19,10 +19,9 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from relay_passes import OPAQUE
+
 PIVOT_DTYPE = "int32"  # LAPACK's, and torch's pivots
-# Relax's OpPatternKind: FuseOps never fuses these loops with their neighbours (a kernel that
-# reads back what it wrote cannot take an element-wise consumer into its stores).
-OPAQUE = 8
 VECTOR_BYTES = 64  # an AVX-512 register; LLVM splits the vectors on narrower units
 
 

@@ -41,13 +41,14 @@ from tvm import s_tir, te, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from relay_passes import OPAQUE
+
 from .cpu_target import CPUTarget
 
 # Marks a PrimFunc made by `attention_kernel` (the rule schedules nothing else).
 ATTRIBUTE = "tvmgraph.attention"
 # TVM's op pattern for "never fuse": the crop and reshapes the pass puts around the call fuse
 # into their other neighbours instead (relax FuseOps reads the attribute when it is present).
-OPAQUE = 8
 MAX_TILE = 8  # keys (scores) or output features (weighted sum) per register tile
 
 

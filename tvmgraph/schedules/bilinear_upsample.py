@@ -30,9 +30,10 @@ from tvm import s_tir, te, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from relay_passes import OPAQUE
+
 # Marks a PrimFunc made by `bilinear_upsample_kernel` (the rule schedules nothing else).
 ATTRIBUTE = "tvmgraph.bilinear_upsample"
-OPAQUE = 8  # TVM's op pattern for "never fuse" (relax FuseOps reads the attribute)
 
 
 def bilinear_upsample_kernel(batch: int | None, channels: int, height: int, width: int,

@@ -41,11 +41,12 @@ from tvm import s_tir, te, tirx
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from relay_passes import OPAQUE
+
 from .cpu_target import CPUTarget
 
 # Marks a PrimFunc made by `lstm_cell_kernel` (the rule schedules nothing else).
 ATTRIBUTE = "tvmgraph.lstm_cell"
-OPAQUE = 8  # TVM's op pattern for "never fuse" (relax FuseOps reads the attribute)
 GATES = 4
 MAX_ROWS = 6  # rows per register tile: 4 x 6 sums of AVX-512's 32 registers
 
