@@ -79,34 +79,32 @@ class _Rewriter(BoundRewriter):
         left, right = self._zeros_of(x, calls), self._zeros_of(y, calls)
         if left is not None and right is not None:
             return call  # both constant: nothing reads a value at run time
+        nan, zero = relax.const(np.nan, dtype), relax.const(0.0, dtype)
         if name == "relax.multiply" and (left is not None or right is not None):
-            value = self._testable(y if left is not None else x, dtype)
+            value, _ = self._testable(y if left is not None else x, dtype)
             self.counts["x * 0"] += 1
-            return self._shaped(op.where(op.isfinite(value), self._const(0.0, dtype), self._const(np.nan, dtype)), call)
+            return self._shaped(op.where(op.isfinite(value), zero, nan), call)
         if right is not None:  # x / 0, x // 0
             self.counts["x / 0"] += 1
-            x = self._testable(x, dtype)
-            test_dtype = "float32" if dtype == "bfloat16" else dtype
+            x, test_zero = self._testable(x, dtype)
             infinity = relax.const(np.where(np.signbit(right), -np.inf, np.inf).astype("float32"), dtype)
-            signed = op.where(op.greater(x, self._const(0.0, test_dtype)), infinity, op.negative(infinity))
-            undefined = op.logical_or(op.equal(x, self._const(0.0, test_dtype)), op.isnan(x))
-            return self._shaped(op.where(undefined, self._const(np.nan, dtype), signed), call)
+            signed = op.where(op.greater(x, test_zero), infinity, op.negative(infinity))
+            undefined = op.logical_or(op.equal(x, test_zero), op.isnan(x))
+            return self._shaped(op.where(undefined, nan, signed), call)
         if left is not None and name == "relax.divide":  # 0 / x
             self.counts["0 / x"] += 1
-            y = self._testable(y, dtype)
-            test_dtype = "float32" if dtype == "bfloat16" else dtype
-            undefined = op.logical_or(op.equal(y, self._const(0.0, test_dtype)), op.isnan(y))
-            return self._shaped(op.where(undefined, self._const(np.nan, dtype), self._const(0.0, dtype)), call)
+            y, test_zero = self._testable(y, dtype)
+            undefined = op.logical_or(op.equal(y, test_zero), op.isnan(y))
+            return self._shaped(op.where(undefined, nan, zero), call)
         return call
 
     @staticmethod
-    def _testable(x: relax.Expr, dtype: str) -> relax.Expr:
-        """x, in float32 when bfloat16 (TVM legalizes no isnan/isfinite of bfloat16; exact)."""
-        return op.astype(x, "float32") if dtype == "bfloat16" else x
-
-    @staticmethod
-    def _const(value: float, dtype: str) -> relax.Constant:
-        return relax.const(value, dtype)
+    def _testable(x: relax.Expr, dtype: str) -> tuple[relax.Expr, relax.Expr]:
+        """(x, a zero of its dtype) to test x with: in float32 when bfloat16 (TVM legalizes no
+        isnan/isfinite of bfloat16; the cast is exact)."""
+        if dtype == "bfloat16":
+            return op.astype(x, "float32"), relax.const(0.0, "float32")
+        return x, relax.const(0.0, dtype)
 
     def _shaped(self, value: relax.Expr, call: relax.Call) -> relax.Expr:
         """`value` broadcast to the call's result shape (a zero tensor may be the larger operand)."""

@@ -34,15 +34,13 @@ def cov(input: torch.Tensor, *, correction: int = 1, fweights: torch.Tensor | No
     if weights is None:
         weight_sum = torch.scalar_tensor(count, dtype=torch.long, device=input.device)
         average = observations.sum(1) / weight_sum
-    else:
-        weight_sum = weights.sum()
-        average = (observations * weights).sum(1) / weight_sum
-    if weights is None:
         if count - correction <= 0:
             warnings.warn(_DOF_WARNING)
         # A float, as true_divide makes it: a constant integer 0 stopped TVM's constant folding.
         norm = torch.scalar_tensor(float(max(count - correction, 0)), device=input.device)
     else:
+        weight_sum = weights.sum()
+        average = (observations * weights).sum(1) / weight_sum
         if correction == 0:
             norm = weight_sum
         elif aweights is None:
