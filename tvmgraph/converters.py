@@ -44,6 +44,8 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   from both ends: `arange(3.1, dtype=int64)` had 4 elements, `arange(2.1, -2.9, -1,
   dtype=bfloat16)` a 0.109 where eager has 0.1001, a bfloat16 `logspace(0, 1.2, 2)` 15.875 for
   15.9375. Here it is eager's tensor, as a constant.
+- activations (elu, softplus, mish): see converters_activation.py.
+- xlogy, xlog1py: see converters_xlogy.py.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 - reductions, scans, scatters, strided views, distances: see converters_reduce.py.
 - elementwise math functions (special functions, hypot, fmax, copysign, cosh, ...): see
@@ -63,8 +65,9 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import (advanced_indexing, converters_cholesky, converters_histogram, converters_linalg, converters_nn,
-               converters_reduce, converters_shift, converters_sort, converters_special, stop_gradient)
+from . import (advanced_indexing, converters_activation, converters_cholesky, converters_histogram, converters_linalg,
+               converters_nn, converters_reduce, converters_shift, converters_sort, converters_special, converters_xlogy,
+               stop_gradient)
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, operand, result_dtype,
                             stock_converter)
 
@@ -572,26 +575,6 @@ def dropout(seed_node: torch.fx.Node | None, salts: dict[torch.fx.Node, int]) ->
     return convert
 
 
-def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """aten.elu(x, alpha, scale, input_scale) = scale * (x if x > 0 else alpha * (exp(x * input_scale) - 1)).
-
-    SELU and CELU decompose into it with scale 1.0507... and input_scale 1/alpha; the stock
-    converter reads alpha only, so both came out silently wrong."""
-    bb = importer.block_builder
-    x = importer.env[node.args[0]]
-    dtype = x.ty.dtype.dtype
-    alpha, scale, input_scale = (float(node.args[i]) if len(node.args) > i else float(node.kwargs.get(k, 1.0))
-                                 for i, k in ((1, "alpha"), (2, "scale"), (3, "input_scale")))
-
-    def const(v: float) -> relax.Expr:
-        return relax.const(v, dtype)
-
-    scaled = x if input_scale == 1.0 else relax.op.multiply(x, const(input_scale))
-    negative = relax.op.multiply(const(alpha * scale), relax.op.subtract(relax.op.exp(scaled), const(1.0)))
-    positive = x if scale == 1.0 else relax.op.multiply(x, const(scale))
-    return bb.emit(relax.op.where(relax.op.greater(x, const(0.0)), positive, negative))
-
-
 def power_of_scalar(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """pow(x, exponent) of a scalar exponent; `x ** 0` is ones, as torch's (1 also for NaN, and a
     zero gradient: autodiff's `dy * 0 * x ** -1` was NaN at x = 0 once ZeroOperands kept IEEE's
@@ -608,7 +591,6 @@ CONVERTERS: dict[str, Converter] = {
     "_native_batch_norm_legit_functional.default": batch_norm_train,
     "_native_batch_norm_legit.no_stats": batch_norm_no_stats,
     "_batch_norm_with_update_functional.default": batch_norm_with_update,
-    "elu.default": elu,
     "mm.default": matmul,
     "bmm.default": matmul,
     "matmul.default": matmul,
@@ -653,9 +635,11 @@ CONVERTERS: dict[str, Converter] = {
     "clamp_min.Tensor": clamp,
     "clamp_max.Tensor": clamp,
 }
+CONVERTERS.update(converters_activation.CONVERTERS)
 CONVERTERS.update(converters_nn.CONVERTERS)
 CONVERTERS.update(converters_reduce.CONVERTERS)
 CONVERTERS.update(converters_special.CONVERTERS)
+CONVERTERS.update(converters_xlogy.CONVERTERS)
 CONVERTERS.update(converters_shift.CONVERTERS)
 CONVERTERS.update(converters_histogram.CONVERTERS)
 CONVERTERS.update(converters_linalg.CONVERTERS)

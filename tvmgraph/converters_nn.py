@@ -177,18 +177,23 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
     pool = relax.op.nn.max_pool2d if rank == 2 else relax.op.nn.max_pool3d
     # ceil_mode becomes extra padding at the end (max pooling pads with the lowest value): TVM's
     # ceil-mode gradient read past the input (garbage like 7e22 in max_pool1d's gradient).
-    size = _static_tail(data, f"max_pool{rank}d", rank) if ceil_mode else []
-    end = [_ceil_extra(n, k, s, p, d) for n, k, s, p, d in zip(size, kernel, stride, padding, dilation)] \
-        if ceil_mode else [0] * rank
     spatial = _static_tail(data, f"max_pool{rank}d", rank)
-    if not any(padding) and all(d == 1 and k == n for d, k, n in zip(dilation, kernel, spatial)):
-        # One window over the whole plane: a max reduction. TVM's pool gradient was wrong for a
-        # 1x1 output with several channels (max_pool1d over its whole width).
-        values = bb.emit(relax.op.max(data, axis=list(range(-rank, 0)), keepdims=True))
+    end = [_ceil_extra(n, k, s, p, d) for n, k, s, p, d in zip(spatial, kernel, stride, padding, dilation)] \
+        if ceil_mode else [0] * rank
+    # Along a dim with one window the stride is moot: the kernel's, so that a window over a
+    # whole plane is non-overlapping (max_pool_backward.py's gradient gives ties to the first
+    # maximum, as torch; TOPI's, for a 1-wide output of several channels, was wrong).
+    stride = [k if _floor_windows(n + 2 * p + e, k, s, d) == 1 else s
+              for n, k, s, p, e, d in zip(spatial, kernel, stride, padding, end, dilation)]
+    pad = [*padding, *(p + e for p, e in zip(padding, end))]
+    if rank == 2 and any(d != 1 for d in dilation):
+        # TVM legalizes no dilated max_pool2d gradient: a 3-D pooling of depth 1 (gradients/pool3d.py)
+        values = bb.emit(relax.op.squeeze(relax.op.nn.max_pool3d(
+            relax.op.expand_dims(data, axis=2), pool_size=[1, *kernel], strides=[1, *stride],
+            padding=[0, *padding, 0, *pad[2:]], dilation=[1, *dilation], layout="NCDHW"), axis=[2]))
     else:
-        values = bb.emit(pool(data, pool_size=kernel, strides=stride,
-                              padding=[*padding, *(p + e for p, e in zip(padding, end))],
-                              dilation=dilation, ceil_mode=False, layout="NCHW" if rank == 2 else "NCDHW"))
+        values = bb.emit(pool(data, pool_size=kernel, strides=stride, padding=pad, dilation=dilation,
+                              ceil_mode=False, layout="NCHW" if rank == 2 else "NCDHW"))
     indices = None
     if _output_used(node, 1):
         _static_tail(data, f"max_pool{rank}d indices", rank)
@@ -199,6 +204,11 @@ def max_pool_with_indices(node: torch.fx.Node, importer: ExportedProgramImporter
         indices = bb.emit(relax.op.squeeze(indices, axis=[0])) if indices is not None else None
     # Unused indices are never computed; the tuple still needs a second field.
     return bb.emit(relax.Tuple([values, indices if indices is not None else values]))
+
+
+def _floor_windows(padded: int, kernel: int, stride: int, dilation: int) -> int:
+    """The number of floor-mode windows along a dim of `padded` elements."""
+    return (padded - dilation * (kernel - 1) - 1) // stride + 1
 
 
 def _ceil_extra(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
@@ -342,15 +352,27 @@ def _adaptive_max_along(bb: relax.BlockBuilder, x: relax.Expr, axis: int, out: i
 
 def adaptive_max_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """(values, int64 indices) of `adaptive_max_pool{2,3}d` (and `adaptive_max_pool1d`, which
-    decomposes to the 2-D op). The max over a box is separable: one axis at a time. Its
-    gradient is shared among tied maxima of a window (torch gives it to the indexed one)."""
+    decomposes to the 2-D op). Windows that tile the plane are a max pooling; others are
+    separable: one axis at a time, whose gradient is shared among tied maxima of a window
+    (torch gives it to the indexed one)."""
     bb = importer.block_builder
     rank = 3 if node.target.__name__.startswith("adaptive_max_pool3d") else 2
     x = importer.env[node.args[0]]
     out_size = _per_dim(node.args[1], rank, 1)
-    values = x
-    for axis, out in enumerate(out_size):
-        values = _adaptive_max_along(bb, values, x.ty.ndim - rank + axis, out)
+    spatial = _static_tail(x, f"adaptive_max_pool{rank}d", rank)
+    if all(n % o == 0 for n, o in zip(spatial, out_size)):
+        # Equal windows that tile the plane: a max pooling, whose gradient gives a window's ties
+        # to its first maximum, as torch's does (the windows' `max` shares them).
+        kernel = [n // o for n, o in zip(spatial, out_size)]
+        pool = relax.op.nn.max_pool2d if rank == 2 else relax.op.nn.max_pool3d
+        unbatched = x.ty.ndim == rank + 1
+        data = relax.op.expand_dims(x, axis=0) if unbatched else x
+        values = pool(data, pool_size=kernel, strides=kernel, layout="NCHW" if rank == 2 else "NCDHW")
+        values = bb.emit(relax.op.squeeze(values, axis=[0]) if unbatched else values)
+    else:
+        values = x
+        for axis, out in enumerate(out_size):
+            values = _adaptive_max_along(bb, values, x.ty.ndim - rank + axis, out)
     indices = values
     if _output_used(node, 1):
         _static_shape(x, f"adaptive_max_pool{rank}d indices")

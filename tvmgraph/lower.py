@@ -110,6 +110,15 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         # theirs stops (x = +-3); the stock converters' `clip` stops there too.
         table.pop(torch.ops.aten.hardsigmoid.default)
         table.pop(torch.ops.aten.hardswish.default)
+        # Kept whole: their decompositions differentiate the `where` branch they drop, NaN for
+        # a large input (converters_activation.py).
+        table.pop(torch.ops.aten.softplus.default)
+        table.pop(torch.ops.aten.mish.default)
+        # Kept whole: their decompositions' dropped branch has a NaN gradient at x = 0 (converters_xlogy.py).
+        for xlog in (_aten.xlogy.Tensor, _aten.xlogy.Scalar_Self, _aten.xlogy.Scalar_Other,
+                     _aten.special_xlog1py.default, _aten.special_xlog1py.self_scalar,
+                     _aten.special_xlog1py.other_scalar):
+            table.pop(xlog, None)
         # Kept whole: its decomposition guards on the index's value when the index is 0-d
         # (torch.export refused `torch.take(x, torch.tensor(3))`); converters.py lowers it.
         table.pop(torch.ops.aten.take.default, None)

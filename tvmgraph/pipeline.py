@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import tvm
 from tvm import relax
 
+from . import max_pool_forward  # noqa: F401  (registers max pooling from -inf, a whole plane as a reduction)
 from . import legalize_fixes  # noqa: F401  (registers the legalizations that replace failing ones)
 from . import max_pool_backward  # noqa: F401  (registers non-overlapping max pooling's gradient)
 from . import ragged_sums  # noqa: F401  (registers sums along rows no vector divides, cut in two)
@@ -220,6 +221,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from .schedules.bitwise_isnan import BitwiseIsNaN
     from .schedules.bool_order import BoolOrder
     from .schedules.division_free_bounds import DivisionFreeBounds
+    from .schedules.minus_infinity_pool import MinusInfinityPool
     from .schedules.offset_floordiv import OffsetFloorDiv
     from .schedules.propagate_nan import PropagateNaN, has_one_instruction_maximum
     from .schedules.serial_half_fills import SerialHalfFills
@@ -322,6 +324,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    Max, min and comparisons of booleans as logic (LLVM's code generator compares
         #    bools as floats).
         BoolOrder(),
+        #    Max pooling starts from -inf and pads with it, as torch (TOPI: the lowest float).
+        MinusInfinityPool(),
         #    `(x + k) // d` without its offset inside the division: TVM's FlattenBuffer
         #    simplifies `(x % c + k) // d` wrongly (a strided slice's gradient came out shifted).
         OffsetFloorDiv(),

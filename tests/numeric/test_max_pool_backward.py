@@ -159,3 +159,30 @@ def test_a_trained_3x3_pooling_matches_eager(ceil_mode: bool) -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     torch.testing.assert_close(model.x.detach(), reference.x.detach() - reference.x.grad)
+
+
+@pytest.mark.parametrize("plane", [(9, 11), (1, 100)], ids=["2d", "1d"])
+def test_a_large_window_over_the_whole_plane_is_a_max_a_first_offset_and_a_select(plane: tuple) -> None:
+    """Before/after: a window over a plane of more than MAX_UNROLLED_TAPS elements becomes three
+    kernels (no unrolled taps); dx goes to the first maximum of each plane as in torch, a NaN's
+    gradient to the NaN."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 3, (2, 3, *plane)).float()  # many exact ties
+    x[1, 2, 0, 1] = float("nan")
+    xg = x.clone().requires_grad_()
+    y = torch.nn.functional.max_pool2d(xg, plane)
+    dy = torch.randn(y.shape)
+    y.backward(dy)
+    mod = pool_grad_module(tuple(dy.shape), tuple(x.shape), plane, plane, (0, 0, 0, 0))
+    ours = relax.transform.LegalizeOps()(mod)
+    names = {gv.name_hint for gv in ours.get_global_vars()}
+    assert {"max_pool_plane_max", "max_pool_first_maximum", "max_pool2d_backward"} <= names, names
+    assert "T.parallel" not in ours["max_pool2d_backward"].script()  # the TE form, not the loops
+    assert torch.equal(run(ours, dy, x), xg.grad)
+
+
+def test_a_small_window_over_the_whole_plane_keeps_the_window_loops() -> None:
+    mod = pool_grad_module((2, 3, 1, 1), (2, 3, 7, 7), (7, 7), (7, 7), (0, 0, 0, 0))
+    ours = relax.transform.LegalizeOps()(mod)
+    assert "max_pool_first_maximum" not in {gv.name_hint for gv in ours.get_global_vars()}
+    assert "T.parallel" in ours["max_pool2d_backward"].script()

@@ -36,6 +36,10 @@ def _edges() -> torch.Tensor:
     return torch.tensor([[-2.0, -1.0, 0.0, 1.0, 2.0, 0.5], [1.0, 1.0, -1.0, 0.0, 3.0, -0.5]])
 
 
+def _large() -> torch.Tensor:
+    return torch.tensor([[-100.0, -30.0, 0.0, 19.0, 21.0, 100.0], [90.0, 88.0, -1.0, 1.0, 20.0, 44.0]])
+
+
 def _zero_row() -> torch.Tensor:
     return torch.tensor([[1.0], [0.0]])
 
@@ -383,6 +387,26 @@ GRADIENTS = [
                  id="max_pool1d-ceil-padding"),
     pytest.param(lambda x: F.max_pool1d(x, 3, stride=1), lambda: torch.randint(0, 3, (2, 3, 10)).float(),
                  id="max_pool1d-ties"),
+    # a window's ties: torch's gradient goes to the first maximum (a global pooling was a `max`,
+    # an adaptive one `max`es of windows: both shared it); a dilated one failed to compile
+    pytest.param(lambda x: F.adaptive_max_pool2d(x, 1), lambda: torch.randint(0, 3, (2, 3, 4, 5)).float(),
+                 id="adaptive_max_pool2d-global-ties"),
+    pytest.param(lambda x: F.adaptive_max_pool2d(x, 1), lambda: torch.randint(0, 3, (2, 3, 9, 11)).float(),
+                 id="adaptive_max_pool2d-global-large-ties"),
+    pytest.param(lambda x: F.max_pool2d(x, (9, 11)), lambda: torch.randint(0, 3, (2, 3, 9, 11)).float(),
+                 id="max_pool2d-whole_plane-ties"),
+    pytest.param(lambda x: F.max_pool1d(x, 16), lambda: torch.randint(0, 3, (2, 3, 16)).float(),
+                 id="max_pool1d-whole_width-ties"),
+    pytest.param(lambda x: F.adaptive_max_pool2d(x, (2, 3)), lambda: torch.randint(0, 3, (2, 3, 4, 6)).float(),
+                 id="adaptive_max_pool2d-equal_windows-ties"),
+    pytest.param(lambda x: F.adaptive_max_pool1d(x, 2), lambda: torch.randint(0, 3, (3, 8)).float(),
+                 id="adaptive_max_pool1d-unbatched-ties"),
+    pytest.param(lambda x: F.adaptive_max_pool3d(x, 1), lambda: torch.randint(0, 3, (1, 2, 3, 4, 2)).float(),
+                 id="adaptive_max_pool3d-global-ties"),
+    pytest.param(lambda x: F.max_pool2d(x, 3, stride=2, padding=1, dilation=2), lambda: torch.randn(2, 3, 9, 8),
+                 id="max_pool2d-dilation"),
+    pytest.param(lambda x: F.max_pool1d(x, 2, stride=2, dilation=3, ceil_mode=True), lambda: torch.randn(2, 3, 11),
+                 id="max_pool1d-dilation-ceil"),
     pytest.param(lambda x: F.scaled_dot_product_attention(x, x * 0.5, x, attn_mask=_bool_mask()),
                  lambda: torch.randn(1, 2, 4, 8), id="_safe_softmax-sdpa-masked_row"),
     pytest.param(lambda x: F.scaled_dot_product_attention(x, x * 0.5, x, attn_mask=_float_mask()),
@@ -458,6 +482,20 @@ GRADIENTS = [
     pytest.param(lambda x: torch.std(x * _zero_row(), 1), _edges, id="std-constant_row"),
     pytest.param(lambda x: torch.std_mean(x * _zero_row(), 1)[0], _edges, id="std_mean-constant_row"),
     pytest.param(torch.sinc, _edges, id="sinc-zero"),
+    # exp(x) overflows above 88: the branch a decomposition's `where` dropped was NaN's source
+    pytest.param(F.softplus, _large, id="softplus-large"),
+    pytest.param(lambda x: F.softplus(x, beta=0.5, threshold=10.0), _large, id="softplus-beta-large"),
+    pytest.param(F.mish, _large, id="mish-large"),
+    # 0 * inf in a gradient where torch's formula masks it: pow at a zero base or exponent,
+    # atan2 at the origin, xlogy / xlog1py where x = 0 (their `where` dropped a NaN branch,
+    # and x's gradient log(y) at x = 0 with it)
+    pytest.param(lambda x: torch.pow(x, (x * 2).round().abs() * _zero_row()), _edges, id="pow-zero_exponents"),
+    pytest.param(lambda x: torch.pow(0.0, x), _edges, id="pow-zero_base"),
+    pytest.param(lambda x: torch.pow(torch.tensor([[2.0], [0.0]]).expand(2, 6), x), _edges, id="pow-zero_base_tensor"),
+    pytest.param(lambda x: torch.atan2(x * _zero_row(), x.flip(1) * _zero_row()), _edges, id="atan2-origin"),
+    pytest.param(lambda x: torch.xlogy(x * _zero_row(), _zero_row().expand(2, 6)), _edges, id="xlogy-zeros"),
+    pytest.param(lambda x: torch.special.xlog1py(x * _zero_row(), _zero_row() - 1.0), _edges, id="xlog1py-zeros"),
+    pytest.param(lambda x: torch.xlogy(2.0, x.abs() + 1.0) + torch.xlogy(x, 3.0), _edges, id="xlogy-scalars"),
     # prod over one dim had no lowering (the importer's covers every element); zeros in a row
     pytest.param(lambda x: torch.prod(x * _zero_row(), 1), _edges, id="prod-dim-zero_row"),
     pytest.param(lambda x: torch.prod(x, 0, keepdim=True), _edges, id="prod-dim-keepdim"),

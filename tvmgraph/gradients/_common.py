@@ -119,7 +119,7 @@ def dtype_of(expr: relax.Expr) -> str:
     return dtype if isinstance(dtype, str) else str(dtype.dtype)
 
 
-def const(value: float, like: relax.Expr) -> relax.Constant:
+def const(value: float, like: relax.Expr) -> tvm.ir.expr.Constant:
     """A scalar constant with the dtype of ``like``."""
     return relax.const(value, dtype_of(like))
 

@@ -94,6 +94,10 @@ def _unary(formula: str, derivative: Callable[[relax.Expr, relax.Expr], relax.Ex
     register(f"relax.{name}")(gradient)
 
 
+def _zero(x: relax.Expr) -> relax.Expr:
+    return const(0.0, x)
+
+
 def _one(x: relax.Expr) -> relax.Expr:
     return const(1.0, x)
 
@@ -117,9 +121,11 @@ def _reduce_to(grad: relax.Expr, like: relax.Expr, result: relax.Var) -> relax.E
 def atan2_grad(
     orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
 ) -> list[relax.Expr]:
-    """``z = atan2(a, b)``:  ``da = dy b / (a^2 + b^2)``, ``db = -dy a / (a^2 + b^2)``."""
+    """``z = atan2(a, b)``:  ``da = dy b / (a^2 + b^2)``, ``db = -dy a / (a^2 + b^2)``; both 0
+    where ``a^2 + b^2`` is 0 (at the origin, or underflowed), as torch's (NaN before)."""
     a, b = orig_call.args
-    scale = ctx.emit(output_grad / (a * a + b * b))
+    squares = ctx.emit(a * a + b * b)
+    scale = ctx.emit(op.where(op.equal(squares, _zero(squares)), _zero(squares), output_grad / squares))
     return [_reduce_to(scale * b, a, orig_var), _reduce_to(-(scale * a), b, orig_var)]
 
 

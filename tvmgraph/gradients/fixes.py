@@ -15,6 +15,8 @@ Each is registered above TVM's level (``fixes_tvm=True``); the reason is in its 
   tensor) and for an empty part (``block_diag`` with an empty block).
 * ``relax.split``: a split into one part (``x.split(n)`` with ``n`` at least the axis's size)
   is a tensor, not a tuple, and TVM's ``concat`` of its gradient fails to build.
+* ``relax.power``: ``y * x ** (y - 1)`` is ``0 * inf`` (NaN) at ``x = 0, y = 0`` and
+  ``z * log(x)`` is ``0 * -inf`` at ``x = 0, y > 0``; torch's pow_backward masks both to 0.
 * ``relax.reshape``: reads the input's shape from its type, which a dynamic batch can leave
   unknown (autodiff's copy of the forward pass): the transformer failed to train.
 """
@@ -153,6 +155,28 @@ def minimum_grad(
     dy symmetrically. TVM gives a tie's whole gradient to y; torch splits it."""
     x, y = orig_call.args
     return _split_at_ties(ctx, orig_call, output_grad, op.less(x, y))
+
+
+def _nonzero_constant(y: relax.Expr) -> bool:
+    return isinstance(y, tvm.ir.expr.Constant) and bool((y.value.numpy() != 0).all())
+
+
+@register("relax.power", fixes_tvm=True)
+def power_grad(
+    orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var, ctx: relax.BlockBuilder
+) -> list[relax.Expr]:
+    """``z = x ** y``:  ``dx = dy * y * x ** (y - 1)``, 0 where ``y == 0``;
+    ``dy = dy * z * log(x)``, 0 where ``x == 0`` and ``y >= 0`` (torch's pow_backward and
+    pow_backward_exponent). TVM's were NaN there (``0 * inf``): `pow(x, e)` of a tensor
+    exponent holding zeros, `0.0 ** p` (torch.pow of a scalar base)."""
+    x, y = orig_call.args
+    zero = const(0.0, x)
+    x_grad = output_grad * y * op.power(x, y - const(1.0, y))
+    if not _nonzero_constant(y):
+        x_grad = op.where(op.equal(y, const(0.0, y)), zero, x_grad)
+    y_grad = op.where(op.logical_and(op.equal(x, zero), op.greater_equal(y, const(0.0, y))), zero,
+                      output_grad * orig_var * op.log(x))
+    return [_sum_to(ctx, x_grad, x), _sum_to(ctx, y_grad, y)]
 
 
 @register("relax.concat", fixes_tvm=True)

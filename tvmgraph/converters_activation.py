@@ -1,0 +1,59 @@
+"""Converters for activations whose stock TVM 0.27 conversion, or torch's decomposition, gives
+other numbers than eager.
+
+- `elu(x, alpha, scale, input_scale)`: SELU and CELU decompose into it with scale 1.0507... and
+  input_scale 1/alpha; the stock converter read alpha only, so both came out silently wrong.
+- `softplus(x, beta, threshold)`, `mish(x)`: torch's decompositions spell softplus as
+  `where(b x > threshold, x, log1p(exp(b x)) / b)`, and autodiff differentiates the branch the
+  `where` drops as well: above x = 88, `exp(x)` is inf and `dlog1p * exp(x)` is `0 * inf`, so
+  the gradient of a large input was NaN (eager: 1). Here both are `relax.nn.softplus`, one op
+  whose gradient (gradients/activation.py) is torch's: `sigmoid(b x)`, or 1 above the threshold.
+  lower.py keeps both ops whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from tvm import relax
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+from .converters_nn import _arg, _dtype
+
+
+def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """scale * (x if x > 0 else alpha * (exp(x * input_scale) - 1))."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    dtype = _dtype(x)
+    alpha, scale, input_scale = (float(_arg(node, i, k, 1.0)) for i, k in ((1, "alpha"), (2, "scale"),
+                                                                           (3, "input_scale")))
+
+    def const(v: float) -> relax.Expr:
+        return relax.const(v, dtype)
+
+    scaled = x if input_scale == 1.0 else relax.op.multiply(x, const(input_scale))
+    negative = relax.op.multiply(const(alpha * scale), relax.op.subtract(relax.op.exp(scaled), const(1.0)))
+    positive = x if scale == 1.0 else relax.op.multiply(x, const(scale))
+    return bb.emit(relax.op.where(relax.op.greater(x, const(0.0)), positive, negative))
+
+
+def softplus(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """log1p(exp(beta x)) / beta, or x where beta x > threshold."""
+    x = importer.env[node.args[0]]
+    beta, threshold = float(_arg(node, 1, "beta", 1.0)), float(_arg(node, 2, "threshold", 20.0))
+    return importer.block_builder.emit(relax.op.nn.softplus(x, beta, threshold))
+
+
+def mish(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x * tanh(softplus(x)); torch's kernel has no threshold, where softplus(x) = x to float
+    precision (above 20, exp(-x) is below half an ulp of x)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    return bb.emit(relax.op.multiply(x, relax.op.tanh(bb.emit(relax.op.nn.softplus(x, 1.0, 20.0)))))
+
+
+CONVERTERS = {
+    "elu.default": elu,
+    "softplus.default": softplus,
+    "mish.default": mish,
+}
