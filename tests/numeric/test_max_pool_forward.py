@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import tvm
 from tvm import relax
 from tvm.script import relax as R
 

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tvmgraph
 from tests.conftest import Fn, ModuleGraph, SGDStep, assert_close
 from tvmgraph.errors import UnsupportedOpError
 

@@ -27,8 +27,7 @@ import tvm
 from tvm import relax
 from tvm.relax.op import grad as grad_op
 
-from ._common import (const, dims_of, dtype_of, normalize_axes, prod, register, same_dims, scalar_operand,
-                      shape_of)
+from ._common import const, dims_of, dtype_of, normalize_axes, prod, register, same_dims, scalar_operand
 
 op = relax.op
 
