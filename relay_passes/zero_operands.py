@@ -5,13 +5,15 @@ expression builder folds it there: `x * 0.0` becomes `0.0` (eager: NaN where x i
 `0.0 / x` becomes `0.0` (eager: NaN where x is 0 or NaN), and `x / 0.0` stops the compile
 (`Divide by zero`, a TVM check). A loss term switched off with `* 0.0` hid a NaN that eager
 shows; `torch.cov` with no degrees of freedom, `x / 0.0` did not compile. Each such call, its
-constant all zeros (a scalar or tensor constant of float dtype; for a division also a
-`zeros`/`full(.., 0)` call), becomes what IEEE gives:
+constant all zeros (a scalar or tensor constant of float dtype; for a division also a value
+of `zeros`/`ones`/`full` calls, constants, + - and *, which TIR folds: `x / (torch.ones(n) - 1)`
+stopped the compile), becomes what IEEE gives:
 
     x * 0, 0 * x   ->  where(isfinite(x), 0, NaN)
     x / 0          ->  where(x == 0 or isnan(x), NaN, where(x > 0, inf, -inf))   (signs flipped by -0.0)
     x // 0         ->  the same (floor of +-inf)
     0 / x          ->  where(x == 0 or isnan(x), NaN, 0)
+    x % 0, fmod(x, 0)  ->  NaN (`torch.remainder(x, 0.0)` stopped the compile too)
 
 broadcast to the call's shape. Zeros keep no sign (IEEE's `-2 * 0` is -0.0; here +0.0).
 
@@ -48,20 +50,49 @@ def _zeros(expr: relax.Expr) -> np.ndarray | None:
     return value.astype("float32")
 
 
+_ARITHMETIC = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply}
+
+
 @mutator
 class _Rewriter(BoundRewriter):
     def _zeros_of(self, expr: relax.Expr, calls: bool) -> np.ndarray | None:
-        """The zeros `expr` is bound to: a constant, or with `calls` a zeros/full(0) call."""
+        """The zeros `expr` is bound to: a constant, or with `calls` a value computed from
+        zeros/ones/full calls and constants (`torch.ones(n) - 1`), which TIR folds to a zero."""
+        if not calls:
+            return _zeros(self._bound(expr))
+        value = self._constant_value(expr, depth=4)
+        if value is None or value.size == 0 or np.any(value != 0):
+            return None
+        return value
+
+    def _bound(self, expr: relax.Expr) -> relax.Expr:
         if isinstance(expr, relax.Var):
             bound = self.lookup_binding(expr)
-            expr = bound if bound is not None else expr
-        if calls and isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):  # torch.zeros(n), full(.., 0)
-            name, dtype = expr.op.name, getattr(getattr(expr.ty, "dtype", None), "dtype", "")
-            if name in ("relax.zeros", "relax.zeros_like") and dtype.startswith(("float", "bfloat")):
-                return np.zeros((), "float32")
-            if name in ("relax.full", "relax.full_like") and dtype.startswith(("float", "bfloat")):
-                return _zeros(expr.args[1])
-        return _zeros(expr)
+            return bound if bound is not None else expr
+        return expr
+
+    def _constant_value(self, expr: relax.Expr, depth: int) -> np.ndarray | None:
+        """The float32 value of a float `expr` made of constants, fills and + - *, else None."""
+        expr = self._bound(expr)
+        if isinstance(expr, tvm.ir.expr.GenericConst):
+            value = expr.value.numpy()
+            floating = value.dtype.kind == "f" or value.dtype.name == "bfloat16"  # ml_dtypes' bfloat16 is kind V
+            return value.astype("float32") if floating else None
+        if depth == 0 or not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
+            return None
+        name, dtype = expr.op.name, getattr(getattr(expr.ty, "dtype", None), "dtype", "")
+        if not dtype.startswith(("float", "bfloat")):
+            return None
+        if name in ("relax.zeros", "relax.zeros_like"):
+            return np.zeros((), "float32")
+        if name in ("relax.ones", "relax.ones_like"):
+            return np.ones((), "float32")
+        if name in ("relax.full", "relax.full_like"):
+            return self._constant_value(expr.args[1], 0)
+        if name in _ARITHMETIC:
+            a, b = (self._constant_value(arg, depth - 1) for arg in expr.args)
+            return None if a is None or b is None else _ARITHMETIC[name](a, b).astype("float32")
+        return None
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
@@ -69,7 +100,8 @@ class _Rewriter(BoundRewriter):
             return call
         name = call.op.name
         dtype = getattr(getattr(call.ty, "dtype", None), "dtype", None)
-        if name not in ("relax.multiply", "relax.divide", "relax.floor_divide") or dtype is None \
+        if name not in ("relax.multiply", "relax.divide", "relax.floor_divide", "relax.floor_mod", "relax.mod") \
+                or dtype is None \
                 or not dtype.startswith(("float", "bfloat")):
             return call
         x, y = call.args
@@ -84,6 +116,9 @@ class _Rewriter(BoundRewriter):
             value, _ = self._testable(y if left is not None else x, dtype)
             self.counts["x * 0"] += 1
             return self._shaped(op.where(op.isfinite(value), zero, nan), call)
+        if right is not None and name in ("relax.floor_mod", "relax.mod"):  # x % 0
+            self.counts["x % 0"] += 1
+            return op.full(call.ty.shape, nan, dtype)
         if right is not None:  # x / 0, x // 0
             self.counts["x / 0"] += 1
             x, test_zero = self._testable(x, dtype)

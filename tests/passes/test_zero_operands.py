@@ -53,12 +53,19 @@ def test_products_and_quotients_of_a_constant_zero_become_selects() -> None:
     ("x / -0.0", lambda x: x / -0.0),
     ("x / zeros", lambda x: x / torch.zeros(2, 6)),
     ("x // 0.0", lambda x: torch.floor_divide(x, 0.0)),
+    # a divisor TIR folds to zero stopped the compile too (`Divide by zero`)
+    ("x / (ones - 1)", lambda x: x / (torch.ones(6) - 1.0)),
+    ("x / (ones * 0 + zeros)", lambda x: x / (torch.ones(6) * 0.0 + torch.zeros(6))),
+    ("x % 0.0", lambda x: torch.remainder(x, 0.0)),
+    ("x % zeros", lambda x: torch.remainder(x, torch.zeros(6))),
+    ("fmod(x, 0.0)", lambda x: torch.fmod(x, 0.0)),
+    ("x / (ones - 0.5) (kept)", lambda x: x / (torch.ones(6) - 0.5)),
     ("x * 2 (kept)", lambda x: x * 2.0),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_values_with_inf_and_nan_match_eager(name: str, fn, dtype: torch.dtype) -> None:
-    """Before: x * 0.0 and 0.0 / x were 0 everywhere (TVM folds the constant), x / 0.0 did not
-    compile (`Divide by zero`). bfloat16's tests run in float32 (TVM legalizes no bfloat16
+    """Before: x * 0.0 and 0.0 / x were 0 everywhere (TVM folds the constant), x / 0.0, x % 0.0
+    and x / (torch.ones(n) - 1) did not compile (`Divide by zero`). bfloat16's tests run in float32 (TVM legalizes no bfloat16
     isnan)."""
     x = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, 2.0, -3.0]).to(dtype)
     got, want = ModuleGraph(Fn(fn))(x), fn(x)
