@@ -570,6 +570,19 @@ def test_nan_propagates_like_eager() -> None:
         assert_close(a, e, equal_nan=True)
 
 
+def test_not_equal_is_true_for_nan_as_in_eager() -> None:
+    """TVM's CPU `!=` is an ordered compare: `x != 0` of a NaN was False, `count_nonzero`
+    skipped NaN, `where(x != y, ...)` took the wrong branch (schedules/propagate_nan.py)."""
+    x = torch.tensor([float("nan"), 1.0, 0.0, float("inf"), float("nan"), -0.0])
+    y = torch.tensor([float("nan"), 1.0, 2.0, float("inf"), 1.0, 0.0])
+
+    def comparisons(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x != 0, x != y, torch.ne(x, 1.0), x.count_nonzero(), torch.where(x != y, x, y * 2)
+
+    for got, expected in zip(ModuleGraph(Fn(comparisons))(x, y), comparisons(x, y)):
+        assert_close(got, expected, equal_nan=True)
+
+
 def test_a_nan_input_makes_the_training_loss_nan_as_in_eager() -> None:
     """A NaN reaching a ReLU network shows in the loss, as in eager, instead of training on
     with a finite loss."""

@@ -109,3 +109,26 @@ def test_built_kernels_propagate_nan_like_numpy(ieee_intrinsics: bool) -> None:
     np.testing.assert_array_equal(relu.numpy(), np.maximum(x, 0))  # numpy's maximum keeps NaN
     np.testing.assert_array_equal(minimum.numpy(), np.minimum(x, y))
     np.testing.assert_array_equal(row_max.numpy(), np.max(x, axis=1))
+
+
+def test_float_not_equal_is_true_for_nan_like_numpy() -> None:
+    """Before/after: TVM's float `!=` is LLVM's ordered compare, false for NaN; after the pass
+    `x != y` also tests each operand for NaN (a constant is not tested), and built for the CPU
+    it gives numpy's `!=`; an integer `!=` is untouched."""
+    ops = (lambda x, y, i: relax.op.not_equal(x, y), lambda x, y, i: relax.op.not_equal(x, relax.const(0.0, "float32")),
+           lambda x, y, i: relax.op.not_equal(i, i))
+    mod = _legalized(*ops)
+    before, after = _kernels(mod), _kernels(PropagateNaN()(mod))
+    assert "T.isnan(x[v_ax0, v_ax1]) or T.isnan(y[v_ax0, v_ax1])" in after["not_equal"], after["not_equal"]
+    assert after["not_equal1"].count("T.isnan") == 1, after["not_equal1"]
+    assert after["not_equal2"] == before["not_equal2"]
+    ex = tvm.compile(BitwiseIsNaN()(PropagateNaN()(mod)), target=tvm.target.Target({"kind": "llvm"}))
+    x = np.zeros((4, 8), dtype="float32")
+    y = np.ones((4, 8), dtype="float32")
+    x[0, :3], y[0, 1:4] = math.nan, math.nan
+    x[1, 0] = y[1, 0] = 1.0
+    x[2, 0] = y[2, 0] = math.inf
+    ints = tvm.runtime.tensor(np.zeros((4, 8), dtype="int32"))
+    ne, ne_zero, _ = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y), ints)
+    np.testing.assert_array_equal(ne.numpy(), x != y)
+    np.testing.assert_array_equal(ne_zero.numpy(), x != 0)

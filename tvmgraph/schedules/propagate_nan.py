@@ -1,4 +1,5 @@
-"""PropagateNaN: a float max or min with a NaN operand is NaN, as in torch.
+"""PropagateNaN: a float max or min with a NaN operand is NaN, and a float `!=` with one is true,
+as in torch.
 
 TVM's `max(a, b)` becomes a compare-and-select on CPU, which returns the other operand when `a`
 is NaN: relu, relu6, clamp, hardtanh, maximum and minimum turned NaN into a number (relu(NaN)
@@ -19,6 +20,10 @@ A softmax over 64 x 65 x 65 floats took 0.26 ms with llvm.maximum, 0.17 ms so, 0
 no NaN kept at all (2-vCPU Xeon). BitwiseIsNaN then makes the isnan a vector test of bits.
 16-bit floats, which TVM widens to float32 only later, get `select(isnan(a), a, select(isnan(b),
 b, max(a, b)))`, leaving out the test of a constant operand.
+
+TVM's float `a != b` is LLVM's ordered `fcmp one`, false where either is NaN (IEEE and torch:
+true): `x != 0` of a NaN was False, `count_nonzero` skipped NaN, `where(x != 0, ...)` took the
+other branch. Each becomes `a != b or isnan(a) or isnan(b)` (no test of a constant operand).
 
 The converters of amax/amin and argmax/argmin also put right the all -inf rows, which no max
 can (tvmgraph/converters_reduce.py). On CPU targets only (CUDA's fmaxf drops NaN too, and its
@@ -75,9 +80,19 @@ def _propagating(node: tirx.Max | tirx.Min, ieee_intrinsics: bool) -> tirx.PrimE
     return out
 
 
+def _unordered(node: tirx.NE) -> tirx.PrimExpr:
+    """`a != b` true where either is NaN (IEEE's and torch's), for float operands."""
+    out: tirx.PrimExpr = node
+    for operand in (node.a, node.b):
+        nan = _nan_of(operand)
+        if nan is not None:
+            out = tirx.Or(out, nan)
+    return out
+
+
 def propagate_nan(func: tirx.PrimFunc, ieee_intrinsics: bool = False) -> tirx.PrimFunc:
     """`func` with every float max/min NaN-propagating (`ieee_intrinsics`: as llvm.maximum and
-    llvm.minimum, for AArch64)."""
+    llvm.minimum, for AArch64) and every float `!=` true for NaN."""
 
     def extremum(node: tirx.Max | tirx.Min, mutator: StructuralMutator) -> tirx.PrimExpr:
         node = mutator.default_mutate(node)
@@ -85,7 +100,13 @@ def propagate_nan(func: tirx.PrimFunc, ieee_intrinsics: bool = False) -> tirx.Pr
             return node
         return _propagating(node, ieee_intrinsics)
 
-    return structural_mutate(func, [(tirx.Max, extremum), (tirx.Min, extremum)])
+    def not_equal(node: tirx.NE, mutator: StructuralMutator) -> tirx.PrimExpr:
+        node = mutator.default_mutate(node)
+        if not isinstance(node, tirx.NE) or str(node.a.ty).split("x")[0] not in _FLOATS:
+            return node
+        return _unordered(node)
+
+    return structural_mutate(func, [(tirx.Max, extremum), (tirx.Min, extremum), (tirx.NE, not_equal)])
 
 
 def has_one_instruction_maximum(target: tvm.target.Target) -> bool:
