@@ -33,8 +33,10 @@ keep the TE form.
 from __future__ import annotations
 
 import tvm
-from tvm import relax, te, tirx, topi
+from tvm import relax, te, tirx
 from tvm.relax.transform.legalize_ops.grad import _grad_max_pool2d_backward
+
+from .max_pool_forward import plane_max
 
 _LEVEL = 11  # TVM registers its legalizations at level 10
 VECTOR_BYTES = 64  # an AVX-512 register; LLVM splits the vectors on narrower units
@@ -197,16 +199,16 @@ def _first_maximum(x: te.Tensor, maximum: te.Tensor) -> te.Tensor:
     """The flat offset in each (n, c) plane of x of its first element equal to `maximum` (or
     its first NaN). A min over offsets: a tuple (argmax) reducer came out wrong under the
     default CPU schedules (converters_nn._pool_indices)."""
-    _, _, height, width = x.shape
+    batch, channels, height, width = x.shape
     h, w = te.reduce_axis((0, height), name="h"), te.reduce_axis((0, width), name="w")
     none = tirx.const(2**31 - 1, "int32")
 
     def first(n, c):  # noqa: ANN001, ANN202  (te index variables)
         value = x[n, c, h, w]
-        hit = tirx.any(value == maximum[n, c], tirx.isnan(value))
+        hit = tirx.any(value == maximum[n, c, 0, 0], tirx.isnan(value))
         return te.min(tirx.Select(hit, tirx.Cast("int32", h * width + w), none), axis=[h, w])
 
-    return te.compute(maximum.shape, first, name="first_maximum")
+    return te.compute((batch, channels), first, name="first_maximum")
 
 
 def _whole_plane_grad(dy: te.Tensor, x: te.Tensor, first: te.Tensor) -> te.Tensor:
@@ -232,7 +234,8 @@ def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         # holds it, a select. The window loops would unroll one tap per element of the plane
         # (16 x 256 x 32 x 32, the step of sum(pool(p) * w): 5.9 -> 3.1 ms; 7 x 7 planes stay
         # unrolled, 3.0 ms against 4.5 this way).
-        maximum = bb.emit(bb.call_te(topi.max, x, axis=[2, 3], primfunc_name_hint="max_pool_plane_max"))
+        # the forward's kernel (from -inf after MinusInfinityPool: a plane of -inf has a first maximum)
+        maximum = bb.emit(bb.call_te(plane_max, x, 2, primfunc_name_hint="max_pool_plane_max"))
         first = bb.emit(bb.call_te(_first_maximum, x, maximum, primfunc_name_hint="max_pool_first_maximum"))
         return bb.call_te(_whole_plane_grad, dy, x, first, primfunc_name_hint="max_pool2d_backward")
     target = tvm.target.Target.current(allow_none=True)

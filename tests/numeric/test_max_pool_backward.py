@@ -16,6 +16,7 @@ from tvm.script import relax as R
 from tests.conftest import SGDStep
 from tvmgraph import max_pool_backward  # noqa: F401  (registers the legalization)
 from tvmgraph.schedules import ApplyCPUSchedules
+from tvmgraph.schedules.minus_infinity_pool import MinusInfinityPool
 from tvmgraph.schedules.propagate_nan import PropagateNaN, propagate_nan
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()})
@@ -32,11 +33,11 @@ def pool_grad_module(dy_shape: tuple, x_shape: tuple, kernel: tuple, stride: tup
 
 
 def run(mod: tvm.IRModule, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`mod` with tvmgraph's CPU schedules and NaN-propagating extrema, as a graph compiles it (a
+    """`mod` with tvmgraph's CPU schedules, -inf poolings and NaN-propagating extrema, as a graph compiles it (a
     tuple (argmax) reducer once came out wrong under them: converters_nn._pool_indices), run on
     `dy` and `x`."""
     with TARGET:
-        mod = PropagateNaN()(ApplyCPUSchedules()(mod))
+        mod = PropagateNaN()(MinusInfinityPool()(ApplyCPUSchedules()(mod)))
     vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
     return torch.from_numpy(vm["main"](tvm.runtime.tensor(dy.numpy()), tvm.runtime.tensor(x.numpy())).numpy())
 
@@ -165,10 +166,11 @@ def test_a_trained_3x3_pooling_matches_eager(ceil_mode: bool) -> None:
 def test_a_large_window_over_the_whole_plane_is_a_max_a_first_offset_and_a_select(plane: tuple) -> None:
     """Before/after: a window over a plane of more than MAX_UNROLLED_TAPS elements becomes three
     kernels (no unrolled taps); dx goes to the first maximum of each plane as in torch, a NaN's
-    gradient to the NaN."""
+    gradient to the NaN, a plane of -inf's to its first element."""
     torch.manual_seed(0)
     x = torch.randint(0, 3, (2, 3, *plane)).float()  # many exact ties
     x[1, 2, 0, 1] = float("nan")
+    x[0, 1] = float("-inf")  # a plane of -inf: its first element gets the gradient
     xg = x.clone().requires_grad_()
     y = torch.nn.functional.max_pool2d(xg, plane)
     dy = torch.randn(y.shape)
