@@ -65,10 +65,10 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import (advanced_indexing, converters_activation, converters_cholesky, converters_histogram, converters_linalg,
-               converters_nn, converters_reduce, converters_shift, converters_sort, converters_special, converters_xlogy,
-               stop_gradient)
-from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, operand, result_dtype,
+from . import (advanced_indexing, converters_activation, converters_cholesky, converters_floor_division,
+               converters_histogram, converters_integer_power, converters_linalg, converters_nn, converters_reduce,
+               converters_shift, converters_sort, converters_special, converters_xlogy, stop_gradient)
+from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, isnan, operand, result_dtype,
                             stock_converter)
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
@@ -456,29 +456,6 @@ def add_or_sub(kind: str) -> Converter:
     return convert
 
 
-def divide_rounded(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """div(a, b, rounding_mode=None/'trunc'/'floor') with a scalar in the tensor's dtype (the
-    stock converter made an int64 tensor and an int32 constant, and failed to compile)."""
-    bb = importer.block_builder
-    dtype = result_dtype(node)
-    mode = node.kwargs.get("rounding_mode")
-    a, b = (operand(importer, v, dtype) for v in node.args[:2])
-    if mode is None:
-        return bb.emit(relax.op.divide(a, b))
-    if "float" in dtype:
-        quotient = relax.op.divide(a, b)
-        return bb.emit(relax.op.floor(quotient) if mode == "floor" else relax.op.trunc(quotient))
-    floored = bb.emit(relax.op.floor_divide(a, b))
-    if mode == "floor":
-        return floored
-    # trunc: one more than floor where the exact quotient is negative and not whole
-    zero = relax.const(0, dtype)
-    inexact = relax.op.not_equal(relax.op.subtract(a, relax.op.multiply(floored, b)), zero)
-    negative = relax.op.logical_xor(relax.op.less(a, zero), relax.op.less(b, zero))
-    return bb.emit(relax.op.where(relax.op.logical_and(inexact, negative),
-                                  relax.op.add(floored, relax.const(1, dtype)), floored))
-
-
 def clamp(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """clamp(x, min, max) with scalar or tensor bounds as two `where`s, so that the gradient is
     torch's: x's passes where min <= x <= max (the edges included), a tensor bound's where it
@@ -500,10 +477,18 @@ def clamp(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         return bb.emit(relax.op.clip(out, -math.inf if bounds[0] is None else bounds[0],
                                      math.inf if bounds[1] is None else bounds[1]))
     if low is not None:
-        out = bb.emit(relax.op.where(relax.op.less(out, low), low, out))
+        out = bb.emit(relax.op.where(_beyond(relax.op.less, out, low, dtype), low, out))
     if high is not None:
-        out = bb.emit(relax.op.where(relax.op.greater(out, high), high, out))
+        out = bb.emit(relax.op.where(_beyond(relax.op.greater, out, high, dtype), high, out))
     return out
+
+
+def _beyond(compare: Callable[[relax.Expr, relax.Expr], relax.Expr], x: relax.Expr, bound: relax.Expr,
+            dtype: str) -> relax.Expr:
+    """Where clamp takes `bound`: past it, or where a float bound is NaN (torch's clamp is then
+    NaN; a comparison with NaN is false, and the bound was ignored)."""
+    past = compare(x, bound)
+    return relax.op.logical_or(past, isnan(bound)) if "float" in dtype else past
 
 
 # Ops with their own eager backward that stops where the clamp of their decomposition is at its
@@ -587,7 +572,9 @@ def power_of_scalar(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
 
 
 CONVERTERS: dict[str, Converter] = {
-    "pow.Tensor_Scalar": power_of_scalar,
+    "pow.Tensor_Scalar": converters_integer_power.integer_power("pow.Tensor_Scalar", power_of_scalar),
+    "pow.Tensor_Tensor": converters_integer_power.integer_power("pow.Tensor_Tensor"),
+    "pow.Scalar": converters_integer_power.integer_power("pow.Scalar"),
     "_native_batch_norm_legit_functional.default": batch_norm_train,
     "_native_batch_norm_legit.no_stats": batch_norm_no_stats,
     "_batch_norm_with_update_functional.default": batch_norm_with_update,
@@ -626,8 +613,6 @@ CONVERTERS: dict[str, Converter] = {
     "sub.Scalar": add_or_sub("sub"),
     "rsub.Tensor": add_or_sub("rsub"),
     "rsub.Scalar": add_or_sub("rsub"),
-    "div.Tensor_mode": divide_rounded,
-    "div.Scalar_mode": divide_rounded,
     "clamp.default": clamp,
     "clamp.Tensor": clamp,
     "clamp_min.default": clamp,
@@ -640,6 +625,7 @@ CONVERTERS.update(converters_nn.CONVERTERS)
 CONVERTERS.update(converters_reduce.CONVERTERS)
 CONVERTERS.update(converters_special.CONVERTERS)
 CONVERTERS.update(converters_xlogy.CONVERTERS)
+CONVERTERS.update(converters_floor_division.CONVERTERS)
 CONVERTERS.update(converters_shift.CONVERTERS)
 CONVERTERS.update(converters_histogram.CONVERTERS)
 CONVERTERS.update(converters_linalg.CONVERTERS)

@@ -507,6 +507,9 @@ GRADIENTS = [
     pytest.param(lambda x: torch.index_fill(x, 0, torch.tensor([1, 0, 1]), x[0, 1] * 2.0), _edges,
                  id="index_fill-dim0"),
     pytest.param(lambda x: torch.index_fill(x, -1, torch.tensor([1, -2, 1]), -3.5), _edges, id="index_fill-scalar"),
+    # remainders from the exact fmod: 1.0 % 0.1 was negative; the quotient's gradient is 0
+    pytest.param(lambda x: (torch.remainder(x, 0.1) + torch.remainder(x, x.flip(-1) + 2.0)
+                            + x * torch.div(x, 0.1, rounding_mode="floor")), _grid, id="remainder-floor_divide"),
 ]
 
 
@@ -580,6 +583,61 @@ def test_not_equal_is_true_for_nan_as_in_eager() -> None:
         return x != 0, x != y, torch.ne(x, 1.0), x.count_nonzero(), torch.where(x != y, x, y * 2)
 
     for got, expected in zip(ModuleGraph(Fn(comparisons))(x, y), comparisons(x, y)):
+        assert_close(got, expected, equal_nan=True)
+
+
+def _floor_division(a: torch.Tensor, b: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (a // b, torch.div(a, b, rounding_mode="floor"), a % b, torch.remainder(a, 0.1), a // 0.1,
+            torch.remainder(2.5, b), torch.div(a, b, rounding_mode="trunc"), i // 3, i % -3, i // 2.5)
+
+
+def test_floor_division_and_remainder_are_torchs_bit_for_bit() -> None:
+    """Float `//` and `%` start from the exact remainder fmod(a, b), as torch's do
+    (tvmgraph/converters_floor_division.py): 1.0 // 0.1 was 10 (torch 9), 1.0 % 0.1 was
+    -1.5e-08 (torch 0.1: a remainder takes the divisor's sign), inf // 2 was inf (torch NaN),
+    -1 // inf -0 (torch -1), 1 % inf NaN (torch 1). Values, NaN and the sign of zero equal."""
+    inf, nan = float("inf"), float("nan")
+    a = torch.tensor([1.0, 0.3, 7.0, -1.0, 2.0, inf, -inf, 1.0, -1.0, 5.0, -5.0, 0.0, -0.0, nan, 7.5, inf, 3.0, -2.6])
+    b = torch.tensor([0.1, 0.1, 0.7, 0.1, 0.2, 2.0, 2.0, inf, inf, -inf, -inf, inf, 3.0, 2.0, 0.0, inf, -0.0, -0.7])
+    i = torch.tensor([7, -7, 0, 5, -1, 9, 2, -3, 8, 1, 4, -6, 3, 0, 11, -2, 6, 10])
+    for k, (got, expected) in enumerate(zip(ModuleGraph(Fn(_floor_division))(a, b, i), _floor_division(a, b, i))):
+        assert got.dtype == expected.dtype, f"output {k}"
+        assert torch.equal(got.isnan(), expected.isnan()), f"output {k}: {got} != {expected}"
+        assert torch.equal(got.nan_to_num(0.5), expected.nan_to_num(0.5)), f"output {k}: {got} != {expected}"
+        if got.is_floating_point():
+            assert torch.equal(got.signbit() & ~got.isnan(), expected.signbit() & ~expected.isnan()), f"output {k}"
+
+
+def _integer_powers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.pow(a, b), a ** 3, 2 ** b, torch.pow(c, c), torch.pow(a.int(), b.int()),
+            torch.pow(a.view(3, 4), b[:4]), torch.pow(a.to(torch.int8), 7), 2.0 ** b, a.float() ** b)
+
+
+def test_integer_power_is_exact_and_wraps_as_torchs() -> None:
+    """pow of integer tensors stopped the compile ("power only applies to float"); it is exact
+    above 2 ** 53 (5 ** 27), wraps on overflow as torch's (3 ** 41 in int64, int32, int8), and
+    gives torch's values for negative exponents (tvmgraph/converters_integer_power.py).
+    `2.0 ** int_tensor` kept the exponent's int64 (a CompileError)."""
+    a = torch.tensor([2, -3, 0, 1, -1, 7, 0, 5, 3, -1, 3, 1])
+    b = torch.tensor([3, 2, 0, -2, -3, 10, -1, 27, 41, -4, 40, 63])
+    c = torch.tensor([2, 3, 0, 1, 255, 16], dtype=torch.uint8)
+    for k, (got, expected) in enumerate(zip(ModuleGraph(Fn(_integer_powers))(a, b, c), _integer_powers(a, b, c))):
+        assert got.dtype == expected.dtype, f"output {k}"
+        assert torch.equal(got, expected), f"output {k}: {got} != {expected}"
+
+
+def test_clamp_with_a_nan_bound_is_nan_as_in_eager() -> None:
+    """A NaN in a tensor bound of clamp (or a NaN scalar bound) makes the result NaN there, as
+    in torch; the comparison with NaN is false, and the bound was ignored."""
+    nan = float("nan")
+    x = torch.tensor([3.0, -1.0, nan, 0.5, 2.0])
+    low = torch.tensor([0.0, nan, 1.0, nan, 0.0])
+
+    def clamps(x: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.clamp(x, min=low), torch.clamp(x, max=low), torch.clamp(x, low, low + 1),
+                torch.clamp(x, min=nan), torch.clamp_max(x, low))
+
+    for got, expected in zip(ModuleGraph(Fn(clamps))(x, low), clamps(x, low)):
         assert_close(got, expected, equal_nan=True)
 
 

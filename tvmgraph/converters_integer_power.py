@@ -1,0 +1,104 @@
+"""`pow` of integer tensors (`torch.pow(a, b)`, `2 ** b`, `a ** 3` on int64/int32/int8/uint8),
+exact, as torch's integer kernel computes it.
+
+TVM's `relax.power` takes floats only: an integer `pow` stopped the compile ("power only applies
+to float"), and a float64 detour would round every result above 2 ** 53 (5 ** 27). Here it is
+square-and-multiply over the exponent's bits in the result dtype, which wraps on overflow as
+torch's does; a negative exponent gives torch's values: 1 for a base of 1, +-1 for -1 (by the
+exponent's parity), 0 for any other base. A float power of an integer tensor (`2.0 ** b`)
+casts the exponent first (the importer's kept int64); a scalar exponent keeps converters.py's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tvm import relax, tirx
+from tvm.script import tirx as T
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+from relay_passes import OPAQUE
+
+from .converters_nn import operand, result_dtype
+
+
+def integer_power(key: str, float_converter=None):  # noqa: ANN001, ANN201  (a converter or None)
+    """The converter of `key`: integer results by `_kernel`'s loop, the rest by `float_converter`, or
+    (None) as `relax.power` of both operands in the result's dtype."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        dtype = result_dtype(node)
+        if "int" not in dtype and float_converter is not None:
+            return float_converter(node, importer)
+        bb = importer.block_builder
+        base, exponent = (operand(importer, v, dtype) for v in node.args[:2])
+        base, exponent = (v if v.ty.dtype.dtype == dtype else bb.emit(relax.op.astype(v, dtype))
+                          for v in (base, exponent))
+        if "int" not in dtype:  # `2.0 ** int_tensor`: the importer's power kept int64
+            return bb.emit(relax.op.power(base, exponent))
+        shape = _broadcast_shape(base, exponent)
+        base, exponent = (v if list(v.ty.shape) == shape else bb.emit(relax.op.broadcast_to(v, shape))
+                          for v in (base, exponent))
+        flat = [relax.op.reshape(v, [-1]) for v in (base, exponent)]
+        kernel = bb.add_func(_kernel(dtype), "integer_power")
+        power = bb.emit(relax.call_tir(kernel, flat, relax.TensorType([_product(shape)], dtype)))
+        return bb.emit(relax.op.reshape(power, shape))
+
+    return convert
+
+
+def _kernel(dtype: str) -> tirx.PrimFunc:
+    """(x[n], e[n]) -> x ** e[n]: square-and-multiply over e's bits, a serial loop per element
+    (as one expression, each square is a tree twice the last one's size: TVM's simplifier
+    inlines let-bound steps, and its recursion overflowed the stack at 32 bits). Marked
+    scheduled: elementwise on integers, no schedule rule has anything to add."""
+    bits = np.dtype(dtype).itemsize * 8
+
+    signed = not dtype.startswith("uint")
+
+    @T.prim_func(private=True, s_tir=True)
+    def integer_power(a: T.handle, b: T.handle, c: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": OPAQUE})
+        n = T.int64()
+        x = T.match_buffer(a, (n,), dtype)
+        e = T.match_buffer(b, (n,), dtype)
+        out = T.match_buffer(c, (n,), dtype)
+        with T.sblock("root"):
+            for i in range(n):
+                with T.sblock("integer_power"):
+                    v = T.axis.spatial(n, i)
+                    T.reads(x[v], e[v])
+                    T.writes(out[v])
+                    step = T.sblock_alloc_buffer((2,), dtype, scope="local")  # result, square
+                    step[0] = T.Cast(dtype, 1)
+                    step[1] = x[v]
+                    for bit in range(bits):
+                        if T.bitwise_and(T.shift_right(e[v], T.Cast(dtype, bit)), T.Cast(dtype, 1)) == T.Cast(dtype, 1):
+                            step[0] = step[0] * step[1]
+                        step[1] = step[1] * step[1]
+                    # NOTE: one store per element: a store of step[0] then an overwrite under
+                    # `if e < 0` gave 0 for (-3) ** 3 (TVM 0.27).
+                    if signed and e[v] < T.Cast(dtype, 0):  # torch: 1 ** -k = 1, (-1) ** -k = +-1, else 0
+                        out[v] = T.Select(x[v] == T.Cast(dtype, 1), T.Cast(dtype, 1),
+                                          T.Select(x[v] == T.Cast(dtype, -1), T.Select(
+                                              T.bitwise_and(e[v], T.Cast(dtype, 1)) == T.Cast(dtype, 1),
+                                              T.Cast(dtype, -1), T.Cast(dtype, 1)), T.Cast(dtype, 0)))
+                    else:
+                        out[v] = step[0]
+
+    return integer_power
+
+
+def _product(shape: list) -> tirx.PrimExpr:
+    size = tirx.IntImm("int64", 1)
+    for extent in shape:
+        size = size * extent
+    return size
+
+
+def _broadcast_shape(a: relax.Expr, b: relax.Expr) -> list:
+    """numpy's broadcast of two static or symbolic shapes (ranks aligned at the right)."""
+    sa, sb = list(a.ty.shape), list(b.ty.shape)
+    rank = max(len(sa), len(sb))
+    sa, sb = [1] * (rank - len(sa)) + sa, [1] * (rank - len(sb)) + sb
+    return [y if getattr(x, "value", x) == 1 else x for x, y in zip(sa, sb)]
