@@ -241,13 +241,32 @@ def vector_norm(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax
     return bb.emit(op.reshape(out, [])) if importer.env[node.args[0]].ty.ndim == 0 else out
 
 
+def variance(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """var(x, dim, correction=c): the mean square deviation times n / (n - c), and where n - c
+    <= 0 the sum of squares over 0 as in torch (inf, NaN for a constant slice: the stock
+    converter made every such slice NaN)."""
+    bb = importer.block_builder
+    x = importer.env[node.args[0]]
+    dims = _arg(node, 1, "dim", None)
+    correction = node.kwargs.get("correction")
+    correction = 1 if correction is None else correction
+    var = bb.emit(op.variance(x, dims, keepdims=bool(node.kwargs.get("keepdim", False))))
+    if correction == 0:
+        return var
+    n = importer._reduction_size(x, dims)
+    if n is None:
+        return importer._var_correction(node)  # (it says what it cannot do)
+    scale = float(n) / float(n - correction) if n - correction > 0 else math.inf
+    return bb.emit(op.multiply(var, relax.const(scale, x.ty.dtype.dtype)))
+
+
 def var_mean(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """(var, mean): the stock var converter (it reads the same arguments) and a mean."""
+    """(var, mean): `variance` (it reads the same arguments) and a mean."""
     bb = importer.block_builder
     x = importer.env[node.args[0]]
     dims = _arg(node, 1, "dim", None)
     keepdim = bool(node.kwargs.get("keepdim", False))
-    var = importer._var_correction(node)
+    var = variance(node, importer)
     mean = bb.emit(op.mean(x, [int(d) for d in dims] if dims else None, keepdims=keepdim))
     return bb.emit(relax.Tuple([var, mean]))
 
@@ -750,6 +769,7 @@ CONVERTERS = {
     "max.dim": extremum_with_index(True),
     "min.dim": extremum_with_index(False),
     "var_mean.correction": var_mean,
+    "var.correction": variance,
     "linalg_vector_norm.default": vector_norm,
     "ne.Tensor": self_comparison("ne.Tensor"),
     "eq.Tensor": self_comparison("eq.Tensor"),

@@ -260,6 +260,11 @@ FORWARD = [
                  lambda: (torch.randn(3, 4), torch.tensor(0.3, dtype=torch.float64)), id="promotion-0d_and_half"),
     # torch skips a 1-D empty tensor in a cat of 2-D ones (its dtype still promotes); Relax's
     # concat refused the ranks
+    # a correction of at least the count divides the sum of squares by 0, as torch: inf, NaN for
+    # a constant row (every such slice was NaN)
+    pytest.param(lambda x: (x.var(1, correction=4), x.std(1, correction=6), *torch.var_mean(x, 1, correction=5)),
+                 lambda: (torch.tensor([[0.5, -1.0, 2.0, 0.0], [2.0, 2.0, 2.0, 2.0]]),), id="var-correction_past_count",
+                 marks=pytest.mark.filterwarnings("ignore:.*degrees of freedom")),
     pytest.param(lambda x, e, d: (torch.cat([e, x], 1), torch.cat([x, e, x], 0), torch.cat([d, x]), torch.cat([e, x.T])),
                  lambda: (torch.randn(2, 3), torch.empty(0), torch.empty(0, dtype=torch.float64)), id="cat-legacy_empty"),
 ]
