@@ -35,7 +35,9 @@ UNIT = grid(-1, 1, (0.999999, -0.9999999, 1e-10, 1.5, NAN))
 # trigamma's poles: torch returns pi^2 / sin(pi x)^2 of sin's rounding error there, which depends
 # on the dtype sin is computed in (float64 here)
 OFF_POLES = REAL[(REAL > 0) | (REAL != REAL.floor())]
-PROBABILITY = grid(0, 1, (1e-10, 1e-300, 0.999999, 0.5, NAN))
+# (below 4e-9 ndtri's first guess is the tail's asymptotic iteration: Giles' polynomial made
+# ndtri(1e-20) -7.8 for -9.3, ndtri(1e-30) NaN)
+PROBABILITY = grid(0, 1, (1e-10, 1e-15, 1e-18, 1e-20, 1e-25, 1e-30, 1e-37, 1e-300, 0.999999, 0.5, NAN))
 
 # name: (function, inputs, float64 tolerance override)
 UNARY: dict[str, tuple[Callable, torch.Tensor, dict]] = {
