@@ -500,7 +500,9 @@ def masked_scatter(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
 
 
 def searchsorted(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """searchsorted(sorted_sequence, values, out_int32, right, side, sorter) with TOPI's kernel."""
+    """searchsorted(sorted_sequence, values, out_int32, right, side, sorter) with TOPI's kernel;
+    a NaN value's index is the sequence's length, as torch's (its search advances unless
+    `sorted[mid] >= value`)."""
     bb = importer.block_builder
     sequence = importer.env[node.args[0]]
     values = _env(importer, node.args[1])
@@ -508,17 +510,35 @@ def searchsorted(node: torch.fx.Node, importer: ExportedProgramImporter) -> rela
         values = relax.const(node.args[1], _dtype(sequence))
     right = bool(node.kwargs.get("right", False)) or node.kwargs.get("side") == "right"
     dtype = "int32" if node.kwargs.get("out_int32", False) else "int64"
-    if _static_shape(sequence, "searchsorted")[-1] == 0:  # nothing to search: every value goes first
-        return bb.emit(op.zeros(_static_shape(values, "searchsorted"), dtype))
     sorter = _env(importer, node.kwargs.get("sorter"))
     if sorter is not None:
         sequence = bb.emit(op.gather_elements(sequence, sorter, axis=-1))
+    return _search(bb, sequence, values, right, dtype)
+
+
+def bucketize(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """bucketize(input, boundaries, out_int32, right): searchsorted(boundaries, input, right)."""
+    bb = importer.block_builder
+    values = _env(importer, node.args[0])
+    if values is None:
+        values = relax.const(node.args[0], _dtype(importer.env[node.args[1]]))
+    dtype = "int32" if _arg(node, 2, "out_int32", False) else "int64"
+    return _search(bb, importer.env[node.args[1]], values, bool(_arg(node, 3, "right", False)), dtype)
+
+
+def _search(bb: relax.BlockBuilder, sequence: relax.Expr, values: relax.Expr, right: bool, dtype: str) -> relax.Expr:
+    """TOPI's searchsorted, a NaN value's index set to the sequence's length."""
+    if _static_shape(sequence, "searchsorted")[-1] == 0:  # nothing to search: every value goes first
+        return bb.emit(op.zeros(_static_shape(values, "searchsorted"), dtype))
     squeezed = values.ty.ndim == 0
     if squeezed:
         values = bb.emit(op.reshape(values, [1]))
     if _dtype(values) != _dtype(sequence):
         values = bb.emit(op.astype(values, _dtype(sequence)))
     out = bb.emit_te(topi.searchsorted, sequence, values, right, dtype)
+    if "float" in _dtype(values):  # NaN goes last, as in torch (TOPI's `<` put it first)
+        count = relax.const(_static_shape(sequence, "searchsorted")[-1], dtype)
+        out = bb.emit(op.where(_isnan(values), count, out))
     return bb.emit(op.reshape(out, [])) if squeezed else out
 
 
@@ -789,6 +809,8 @@ CONVERTERS = {
     "masked_scatter.default": masked_scatter,
     "searchsorted.Tensor": searchsorted,
     "searchsorted.Scalar": searchsorted,
+    "bucketize.Tensor": bucketize,
+    "bucketize.Scalar": bucketize,
     "nonzero_static.default": nonzero_static,
     "as_strided.default": as_strided,
     "as_strided_copy.default": as_strided,

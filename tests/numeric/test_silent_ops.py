@@ -631,6 +631,22 @@ def test_integer_power_is_exact_and_wraps_as_torchs() -> None:
         assert torch.equal(got, expected), f"output {k}: {got} != {expected}"
 
 
+def _searches(s: torch.Tensor, v: torch.Tensor, s2: torch.Tensor, v2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.searchsorted(s, v), torch.searchsorted(s, v, right=True), torch.bucketize(v, s),
+            torch.bucketize(v, s, right=True, out_int32=True), torch.searchsorted(s2, v2),
+            torch.searchsorted(s2.half(), v2.half(), side="right"))
+
+
+def test_searchsorted_and_bucketize_put_nan_last_as_in_eager() -> None:
+    """A NaN value's index is the sequence's length in torch (its search advances unless
+    `sorted[mid] >= value`); TOPI's kernel gave 0."""
+    nan = float("nan")
+    s, v = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([nan, 2.0, 0.5, 5.0, -nan])
+    s2, v2 = torch.tensor([[1.0, 2.0, 3.0], [0.0, 5.0, 9.0]]), torch.tensor([[nan, 2.0], [9.0, nan]])
+    for k, (got, expected) in enumerate(zip(ModuleGraph(Fn(_searches))(s, v, s2, v2), _searches(s, v, s2, v2))):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), f"output {k}: {got} != {expected}"
+
+
 def test_clamp_with_a_nan_bound_is_nan_as_in_eager() -> None:
     """A NaN in a tensor bound of clamp (or a NaN scalar bound) makes the result NaN there, as
     in torch; the comparison with NaN is false, and the bound was ignored."""
