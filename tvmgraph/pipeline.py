@@ -224,6 +224,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from .schedules.minus_infinity_pool import MinusInfinityPool
     from .schedules.offset_floordiv import OffsetFloorDiv
     from .schedules.propagate_nan import PropagateNaN, has_one_instruction_maximum
+    from .schedules.safe_integer_division import SafeIntegerDivision
     from .schedules.serial_half_fills import SerialHalfFills
 
     T = relax.transform
@@ -331,6 +332,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         OffsetFloorDiv(),
         #    A float max/min with a NaN operand is NaN, as in torch (TVM's drops it on CPU).
         *([PropagateNaN(has_one_instruction_maximum(target))] if target.kind.name == "llvm" else []),
+        #    An integer division by a zero read from a tensor gives 0 (x86's idiv trapped:
+        #    SIGFPE killed the process where eager raises ZeroDivisionError).
+        *([SafeIntegerDivision()] if target.kind.name == "llvm" else []),
         #    isnan (and isinf, isfinite) as a test of the bits, which vectorizes.
         *([BitwiseIsNaN()] if target.kind.name == "llvm" else []),
         #    A padded tile's bounds test under a dynamic batch without its division, which
