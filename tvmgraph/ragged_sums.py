@@ -14,17 +14,20 @@ Legalizations of `relax.sum`, `relax.mean`, `relax.variance`, `relax.collapse_su
 `_like`: autodiff's gradient of a broadcast bias) and of the training batch norm
 (`relax.nn.batch_norm`, TOPI's formula: its mean and variance are such sums) are registered at a
 level above TVM's, and fall back to TVM's for every other sum. Exact up to the order of the sums.
+A mean or variance over an axis of extent 0 is a NaN `full`, as torch's 0 / 0 (TVM's folded the
+division by the count and stopped the compile: `torch.zeros(0, 3).mean(0)`).
 Limits: static innermost extent above two vectors; a sum to one value (a loss: every axis) keeps
 TVM's, whose schedule splits it into chunks for precision; integer and float types alike.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import tvm
 from tvm import relax, te, tirx, topi
-from tvm.relax.transform.legalize_ops.statistical import _compute_shape_prod
+from tvm.relax.transform.legalize_ops.statistical import _compute_shape_prod, _has_const_zero_reduction_dim
 
 _LEVEL = 11  # TVM registers its legalizations at level 10
 # Whole vectors of this many (one AVX-512 vector of float32, two AVX2 ones) before the tail.
@@ -158,6 +161,10 @@ def _with_fallback(op_name: str, legalize: Callable[[relax.BlockBuilder, relax.C
 def _statistic(te_func: Callable, name: str) -> Callable[[relax.BlockBuilder, relax.Call], relax.Expr | None]:
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr | None:
         x = call.args[0]
+        if name != "sum" and _has_const_zero_reduction_dim(call):  # torch: 0 / 0 (TVM's folded
+            # division by the count 0 stopped the compile)
+            return bb.call_te(topi.full, call.ty.shape.values, str(call.ty.dtype.dtype), math.nan,
+                              primfunc_name_hint="full")
         if not splits(x, call.attrs.axis):
             return None
         return bb.call_te(te_func, x, call.attrs.axis, bool(call.attrs.keepdims), primfunc_name_hint=name)
