@@ -34,15 +34,19 @@ def divide_rounded(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
     bb = importer.block_builder
     dtype = result_dtype(node)
     mode = node.kwargs.get("rounding_mode")
-    a, b = (_in_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])
-    if mode is None:
-        return bb.emit(op.divide(a, b))
     if "float" in dtype:
-        a, b = (_in_dtype(bb, v, _OPMATH.get(dtype, dtype)) for v in (a, b))
+        # torch divides in float32, a Python number as it is (x_bf16 / 0.3: by 0.3, not 0.30078)
+        a, b = (_in_dtype(bb, _in_dtype(bb, importer.env[v], dtype), _OPMATH.get(dtype, dtype))
+                if isinstance(v, torch.fx.Node) else relax.const(v, _OPMATH.get(dtype, dtype)) for v in node.args[:2])
+        if mode is None:
+            return _in_dtype(bb, bb.emit(op.divide(a, b)), dtype)
         if mode == "trunc":
             return _in_dtype(bb, bb.emit(op.trunc(op.divide(a, b))), dtype)
         quotient = floor_quotient(bb, op.grad.no_grad(a), op.grad.no_grad(b), _OPMATH.get(dtype, dtype))
         return _in_dtype(bb, bb.emit(quotient), dtype)
+    a, b = (_in_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])
+    if mode is None:
+        return bb.emit(op.divide(a, b))
     floored = bb.emit(op.floor_divide(a, b))
     if mode == "floor":
         return floored
@@ -54,7 +58,8 @@ def divide_rounded(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
 
 
 def remainder(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """remainder(a, b) (Tensor, Scalar, Scalar_Tensor): Python's modulo, with b's sign."""
+    """remainder(a, b) (Tensor, Scalar, Scalar_Tensor): Python's modulo, with b's sign (a Python
+    number in the result's dtype first, as torch's: x_bf16 % 0.1 is modulo 0.10009766)."""
     bb = importer.block_builder
     dtype = result_dtype(node)
     a, b = (_in_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])

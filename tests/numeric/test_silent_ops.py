@@ -651,6 +651,21 @@ def test_searchsorted_and_bucketize_put_nan_last_as_in_eager() -> None:
         assert got.dtype == expected.dtype and torch.equal(got, expected), f"output {k}: {got} != {expected}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_division_by_a_number_is_torchs(dtype: torch.dtype) -> None:
+    """16-bit `x // 0.1` and `div(x, 0.3, rounding_mode="trunc")` divide in float32 by the number
+    as it is (by bfloat16's 0.10009766 they were one off: 3.703125 // 0.1 gave 36, torch 37),
+    `x % 0.1` is modulo the number rounded to x's dtype, as torch's."""
+    torch.manual_seed(1)
+    x = (torch.rand(512) * 10).to(dtype)
+
+    def divisions(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x // 0.1, torch.div(x, 0.3, rounding_mode="trunc"), x % 0.1, 3.0 % x
+
+    for k, (got, expected) in enumerate(zip(ModuleGraph(Fn(divisions))(x), divisions(x))):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), f"output {k}"
+
+
 def test_clamp_with_a_nan_bound_is_nan_as_in_eager() -> None:
     """A NaN in a tensor bound of clamp (or a NaN scalar bound) makes the result NaN there, as
     in torch; the comparison with NaN is false, and the bound was ignored."""
