@@ -39,28 +39,16 @@ from relay_passes.rebind import BoundRewriter
 op = relax.op
 
 
-def _zeros(expr: relax.Expr) -> np.ndarray | None:
-    """The value of a float constant whose elements are all zero (either sign), else None."""
-    if not isinstance(expr, tvm.ir.expr.GenericConst):
-        return None
-    value = expr.value.numpy()
-    floating = value.dtype.kind == "f" or value.dtype.name == "bfloat16"  # ml_dtypes' bfloat16 is kind V
-    if not floating or value.size == 0 or np.any(value.astype("float32") != 0):
-        return None
-    return value.astype("float32")
-
-
 _ARITHMETIC = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply}
 
 
 @mutator
 class _Rewriter(BoundRewriter):
     def _zeros_of(self, expr: relax.Expr, calls: bool) -> np.ndarray | None:
-        """The zeros `expr` is bound to: a constant, or with `calls` a value computed from
-        zeros/ones/full calls and constants (`torch.ones(n) - 1`), which TIR folds to a zero."""
-        if not calls:
-            return _zeros(self._bound(expr))
-        value = self._constant_value(expr, depth=4)
+        """The zeros `expr` is bound to (either sign): a float constant, or with `calls` a value
+        computed from zeros/ones/full calls and constants (`torch.ones(n) - 1`), which TIR folds
+        to a zero."""
+        value = self._constant_value(expr, depth=4 if calls else 0)
         if value is None or value.size == 0 or np.any(value != 0):
             return None
         return value

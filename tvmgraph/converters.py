@@ -68,8 +68,8 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 from . import (advanced_indexing, converters_activation, converters_cholesky, converters_floor_division,
                converters_histogram, converters_integer_power, converters_linalg, converters_nn, converters_reduce,
                converters_shift, converters_sort, converters_special, converters_xlogy, stop_gradient)
-from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, isnan, operand, result_dtype,
-                            stock_converter)
+from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, as_dtype, isnan, operand,
+                            result_dtype, stock_converter)
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -469,9 +469,9 @@ def clamp(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     if node.target.__name__.startswith("clamp_max"):
         bounds = [None, _arg(node, 1, "max", None)]
     low, high = (None if b is None else
-                 _as_dtype(bb, importer.env[b], dtype) if isinstance(b, torch.fx.Node) else relax.const(b, dtype)
+                 as_dtype(bb, importer.env[b], dtype) if isinstance(b, torch.fx.Node) else relax.const(b, dtype)
                  for b in bounds)
-    out = _as_dtype(bb, x, dtype)
+    out = as_dtype(bb, x, dtype)
     if _decomposed_from(node).startswith(_STRICT_EDGES) and not any(isinstance(b, torch.fx.Node) for b in bounds):
         # from a loss whose eager backward stops at the edges: clip's gradient does too
         return bb.emit(relax.op.clip(out, -math.inf if bounds[0] is None else bounds[0],
@@ -500,10 +500,6 @@ def _decomposed_from(node: torch.fx.Node) -> str:
     """The op `node` came from by decomposition (`aten.multi_margin_loss.default`), else ''."""
     sources = node.meta.get("from_node") or []
     return str(sources[0].target) if sources else ""
-
-
-def _as_dtype(bb: relax.BlockBuilder, x: relax.Expr, dtype: str) -> relax.Expr:
-    return x if x.ty.dtype.dtype == dtype else bb.emit(relax.op.astype(x, dtype))
 
 
 def clamped_index(stock: str) -> Converter:

@@ -22,7 +22,7 @@ import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from .converters_nn import operand, result_dtype
+from .converters_nn import as_dtype, operand, result_dtype
 
 op = relax.op
 _OPMATH = {"float16": "float32", "bfloat16": "float32"}
@@ -36,15 +36,15 @@ def divide_rounded(node: torch.fx.Node, importer: ExportedProgramImporter) -> re
     mode = node.kwargs.get("rounding_mode")
     if "float" in dtype:
         # torch divides in float32, a Python number as it is (x_bf16 / 0.3: by 0.3, not 0.30078)
-        a, b = (_in_dtype(bb, _in_dtype(bb, importer.env[v], dtype), _OPMATH.get(dtype, dtype))
+        a, b = (as_dtype(bb, as_dtype(bb, importer.env[v], dtype), _OPMATH.get(dtype, dtype))
                 if isinstance(v, torch.fx.Node) else relax.const(v, _OPMATH.get(dtype, dtype)) for v in node.args[:2])
         if mode is None:
-            return _in_dtype(bb, bb.emit(op.divide(a, b)), dtype)
+            return as_dtype(bb, bb.emit(op.divide(a, b)), dtype)
         if mode == "trunc":
-            return _in_dtype(bb, bb.emit(op.trunc(op.divide(a, b))), dtype)
+            return as_dtype(bb, bb.emit(op.trunc(op.divide(a, b))), dtype)
         quotient = floor_quotient(bb, op.grad.no_grad(a), op.grad.no_grad(b), _OPMATH.get(dtype, dtype))
-        return _in_dtype(bb, bb.emit(quotient), dtype)
-    a, b = (_in_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])
+        return as_dtype(bb, bb.emit(quotient), dtype)
+    a, b = (as_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])
     if mode is None:
         return bb.emit(op.divide(a, b))
     floored = bb.emit(op.floor_divide(a, b))
@@ -62,13 +62,13 @@ def remainder(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     number in the result's dtype first, as torch's: x_bf16 % 0.1 is modulo 0.10009766)."""
     bb = importer.block_builder
     dtype = result_dtype(node)
-    a, b = (_in_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])
+    a, b = (as_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])
     if "float" not in dtype:
         return bb.emit(op.floor_mod(a, b))
     opmath = _OPMATH.get(dtype, dtype)
-    a, b = (_in_dtype(bb, v, opmath) for v in (a, b))
+    a, b = (as_dtype(bb, v, opmath) for v in (a, b))
     mod = bb.emit(op.mod(a, b))
-    return _in_dtype(bb, bb.emit(op.where(_sign_differs(mod, b, opmath), op.add(mod, b), mod)), dtype)
+    return as_dtype(bb, bb.emit(op.where(_sign_differs(mod, b, opmath), op.add(mod, b), mod)), dtype)
 
 
 def floor_quotient(bb: relax.BlockBuilder, a: relax.Expr, b: relax.Expr, dtype: str) -> relax.Expr:
@@ -92,10 +92,6 @@ def _sign_differs(mod: relax.Expr, b: relax.Expr, dtype: str) -> relax.Expr:
     """mod != 0 and (b < 0) != (mod < 0): where a remainder from fmod takes b's sign."""
     zero = relax.const(0.0, dtype)
     return op.logical_and(op.not_equal(mod, zero), op.not_equal(op.less(b, zero), op.less(mod, zero)))
-
-
-def _in_dtype(bb: relax.BlockBuilder, x: relax.Expr, dtype: str) -> relax.Expr:
-    return x if x.ty.dtype.dtype == dtype else bb.emit(op.astype(x, dtype))
 
 
 CONVERTERS = {

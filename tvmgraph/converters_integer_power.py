@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.script import tirx as T
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from relay_passes import OPAQUE
 
-from .converters_nn import operand, result_dtype
+from .converters_nn import as_dtype, operand, result_dtype
 
 
 def integer_power(key: str, float_converter=None):  # noqa: ANN001, ANN201  (a converter or None)
@@ -31,17 +32,18 @@ def integer_power(key: str, float_converter=None):  # noqa: ANN001, ANN201  (a c
         if "int" not in dtype and float_converter is not None:
             return float_converter(node, importer)
         bb = importer.block_builder
-        base, exponent = (operand(importer, v, dtype) for v in node.args[:2])
-        base, exponent = (v if v.ty.dtype.dtype == dtype else bb.emit(relax.op.astype(v, dtype))
-                          for v in (base, exponent))
+        base, exponent = (as_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])
         if "int" not in dtype:  # `2.0 ** int_tensor`: the importer's power kept int64
             return bb.emit(relax.op.power(base, exponent))
-        shape = _broadcast_shape(base, exponent)
-        base, exponent = (v if list(v.ty.shape) == shape else bb.emit(relax.op.broadcast_to(v, shape))
-                          for v in (base, exponent))
-        flat = [relax.op.reshape(v, [-1]) for v in (base, exponent)]
+        # the broadcast shape, as Relax infers it for an elementwise op of the two
+        shape = bb.normalize(relax.op.multiply(base, exponent)).ty.shape
+        flat = []
+        for v in (base, exponent):
+            if not tvm_ffi.structural_equal(v.ty.shape, shape):
+                v = bb.emit(relax.op.broadcast_to(v, shape))
+            flat.append(bb.emit(relax.op.reshape(v, [-1])))
         kernel = bb.add_func(_kernel(dtype), "integer_power")
-        power = bb.emit(relax.call_tir(kernel, flat, relax.TensorType([_product(shape)], dtype)))
+        power = bb.emit(relax.call_tir(kernel, flat, flat[0].ty))
         return bb.emit(relax.op.reshape(power, shape))
 
     return convert
@@ -87,18 +89,3 @@ def _kernel(dtype: str) -> tirx.PrimFunc:
                         out[v] = step[0]
 
     return integer_power
-
-
-def _product(shape: list) -> tirx.PrimExpr:
-    size = tirx.IntImm("int64", 1)
-    for extent in shape:
-        size = size * extent
-    return size
-
-
-def _broadcast_shape(a: relax.Expr, b: relax.Expr) -> list:
-    """numpy's broadcast of two static or symbolic shapes (ranks aligned at the right)."""
-    sa, sb = list(a.ty.shape), list(b.ty.shape)
-    rank = max(len(sa), len(sb))
-    sa, sb = [1] * (rank - len(sa)) + sa, [1] * (rank - len(sb)) + sb
-    return [y if getattr(x, "value", x) == 1 else x for x, y in zip(sa, sb)]

@@ -79,6 +79,11 @@ def operand(importer: ExportedProgramImporter, value: object, dtype: str) -> rel
     return importer.env[value] if isinstance(value, torch.fx.Node) else relax.const(value, dtype)
 
 
+def as_dtype(bb: relax.BlockBuilder, x: relax.Expr, dtype: str) -> relax.Expr:
+    """x in `dtype` (x itself when it is already)."""
+    return x if x.ty.dtype.dtype == dtype else bb.emit(relax.op.astype(x, dtype))
+
+
 def isnan(x: relax.Expr) -> relax.Expr:
     """isnan for every float dtype: TVM's rejects bfloat16 (and its simplifier folds `x != x`)."""
     return relax.op.isnan(relax.op.astype(x, "float32") if _dtype(x) in _HALF else x)
