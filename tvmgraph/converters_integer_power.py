@@ -37,6 +37,9 @@ def integer_power(key: str, float_converter=None):  # noqa: ANN001, ANN201  (a c
             return bb.emit(relax.op.power(base, exponent))
         # the broadcast shape, as Relax infers it for an elementwise op of the two
         shape = bb.normalize(relax.op.multiply(base, exponent)).ty.shape
+        if shape is None:  # (a symbolic size against a slice of unknown length)
+            raise NotImplementedError("integer pow of two tensors whose broadcast shape is only known when the "
+                                      "program runs: expand them to one shape first")
         flat = []
         for v in (base, exponent):
             if not tvm_ffi.structural_equal(v.ty.shape, shape):

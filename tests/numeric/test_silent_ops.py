@@ -666,6 +666,15 @@ def test_half_division_by_a_number_is_torchs(dtype: torch.dtype) -> None:
         assert got.dtype == expected.dtype and torch.equal(got, expected), f"output {k}"
 
 
+def test_integer_power_of_shapes_known_only_at_run_time_is_refused_by_name() -> None:
+    """Under a dynamic batch, `pow(a, b[:1])` has a broadcast shape Relax cannot infer: an
+    UnsupportedOpError that says what to do (it was a CompileError from inside TVM)."""
+    graph = ModuleGraph(Fn(lambda a, b: torch.pow(a, b[:1])))
+    graph.config.enable_dynamic_batch()
+    with pytest.raises(UnsupportedOpError, match="integer pow of two tensors.*expand them to one shape"):
+        graph(torch.randint(-5, 6, (5, 4)), torch.randint(1, 8, (5, 4)))
+
+
 def test_clamp_with_a_nan_bound_is_nan_as_in_eager() -> None:
     """A NaN in a tensor bound of clamp (or a NaN scalar bound) makes the result NaN there, as
     in torch; the comparison with NaN is false, and the bound was ignored."""
