@@ -29,6 +29,7 @@ import math
 import numpy as np
 import torch
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
@@ -183,7 +184,7 @@ def masked_select(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
     shape = tuple(torch.broadcast_shapes(node.args[0].meta["val"].shape, node.args[1].meta["val"].shape))
     if not all(isinstance(d, int) for d in shape):
         shape = None
-        if not tvm.ir.structural_equal(mask.ty.shape, x.ty.shape):
+        if not tvm_ffi.structural_equal(mask.ty.shape, x.ty.shape):
             raise NotImplementedError("masked_select broadcasting a tensor of symbolic size: expand it first")
     flat = []
     for value in (x, mask):

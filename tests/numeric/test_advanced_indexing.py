@@ -189,3 +189,18 @@ def test_indexing_under_a_dynamic_batch_matches_eager_with_one_program() -> None
         for got, expected in zip(graph(x), pick(x)):
             assert got.shape == expected.shape and torch.equal(got, expected)
     assert len(graph._state().entries) == 1
+
+
+def test_masked_select_under_a_dynamic_batch_matches_eager() -> None:
+    """torch.masked_select of a tensor and a mask of the same symbolic shape (its shape check
+    called tvm.ir.structural_equal, which TVM 0.27 does not have: a CompileError at any batch);
+    a mask of another symbolic shape is refused with the fix."""
+    graph = ModuleGraph(Fn(torch.masked_select))
+    graph.config.enable_dynamic_batch()
+    for batch in (5, 8):
+        x = torch.randn(batch, 4)
+        assert torch.equal(graph(x, x > 0), torch.masked_select(x, x > 0))
+    sliced = ModuleGraph(Fn(lambda x, m: torch.masked_select(x, m[:1])))
+    sliced.config.enable_dynamic_batch()
+    with pytest.raises(UnsupportedOpError, match="symbolic size: expand it first"):
+        sliced(x, x > 0)
