@@ -5,8 +5,10 @@ SGD-with-momentum optimizer; `step()` runs one inference call or one training st
 `train_amp` is the training step in bfloat16 mixed precision with dynamic loss scaling (eager:
 `torch.autocast` + `torch.amp.GradScaler`; tvmgraph: `enable_amp(True)` + `set_grad_scaler`),
 to set beside the float32 `train` rows.
-`tvmgraph` compiles with the default schedules only (tuning off); `tuned` first tunes the
-graph (`tvmgraph.tune`, `TUNE` sets the budget), then compiles with its log.
+`tvmgraph` compiles with the default schedules only (tuning off); `frozen` is the same with
+`enable_frozen_weights()` (inference only: the matmul weights packed once, not per call);
+`tuned` first tunes the graph (`tvmgraph.tune`, `TUNE` sets the budget), then compiles with its
+log.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import tvmgraph
 from .suite import Case
 
 LR, MOMENTUM = 0.01, 0.9
-ENGINES = ("eager", "compile", "tvmgraph", "tuned")
+ENGINES = ("eager", "compile", "tvmgraph", "frozen", "tuned")
+INFERENCE_ONLY = ("frozen",)
 MODES = ("infer", "train", "train_amp")
 # `tuned`: None uses the tuning log as it is (the memory probe's subprocess), else
 # {"trials": N or None (the default budget), "minutes": M or None}; tuning reports are kept here.
@@ -58,8 +61,10 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
     """A function running one inference call or training step of `model` with `engine`."""
     model = copy.deepcopy(model).to(DEVICE)
     loss_fn = case.loss_fn()
-    if engine in ("tvmgraph", "tuned"):
+    if engine in ("tvmgraph", "frozen", "tuned"):
         graph = make_graph(mode, case, model)
+        if engine == "frozen":
+            graph.config.enable_frozen_weights(True)
         inputs = tuple(t.to(DEVICE) for t in case.inputs())
         _tuning(graph, engine, case, mode, inputs[:1] if mode == "infer" else inputs)
         return (lambda x, y: graph(x)) if mode == "infer" else graph
@@ -105,8 +110,8 @@ def make_graph(mode: str, case: Case, model: nn.Module) -> tvmgraph.nn.Graph:
 
 
 def _tuning(graph: tvmgraph.nn.Graph, engine: str, case: Case, mode: str, example_args: tuple) -> None:
-    """`tvmgraph`: no tuning log; `tuned`: tune first (per TUNE), then compile with the log."""
-    if engine == "tvmgraph":
+    """`tvmgraph`, `frozen`: no tuning log; `tuned`: tune first (per TUNE), then compile with the log."""
+    if engine in ("tvmgraph", "frozen"):
         graph.config.enable_tuning(False)
         return
     if TUNE is not None:

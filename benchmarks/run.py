@@ -1,11 +1,12 @@
 """Run the reference suite: torch eager, torch.compile and tvmgraph, interleaved in one run.
 
     python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt,vit] [--modes infer,train,train_amp]
-                             [--engines eager,compile,tvmgraph,tuned] [--rounds 15] [--seconds 0.2]
+                             [--engines eager,compile,tvmgraph,frozen,tuned] [--rounds 15] [--seconds 0.2]
                              [--tune-trials N] [--tune-minutes M]
                              [--no-memory] [--warm-caches] [--json results.json] [--device cpu|cuda]
 
-`tvmgraph` is untuned (default schedules); `tuned` tunes each graph first (`tvmgraph.tune`,
+`tvmgraph` is untuned (default schedules), `frozen` the same with its weights packed once
+(`enable_frozen_weights`, inference rows only); `tuned` tunes each graph first (`tvmgraph.tune`,
 default budget: 32 trials per kernel worth tuning) and prints the trials and tuning minutes.
 Mode `train_amp` is the training step in bfloat16 mixed precision with a GradScaler
 (engines.py), to compare with the float32 `train` rows.
@@ -40,7 +41,7 @@ if __name__ == "__main__" and "--warm-caches" not in sys.argv:
 import torch  # noqa: E402  (after the cache directories are chosen)
 
 from . import engines as engine_setup  # noqa: E402
-from .engines import ENGINES, MODES, make_step  # noqa: E402
+from .engines import ENGINES, INFERENCE_ONLY, MODES, make_step  # noqa: E402
 from .memory import accumulation_rows, checkpointing_row, format_checkpointing_row, measure_peak_memory  # noqa: E402
 from .suite import CASES  # noqa: E402
 
@@ -135,12 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for case_name in args.cases.split(","):
         for mode in args.modes.split(","):
-            result = time_case(case_name, mode, engines, args.rounds, args.seconds)
+            used = [e for e in engines if mode == "infer" or e not in INFERENCE_ONLY]
+            result = time_case(case_name, mode, used, args.rounds, args.seconds)
             if not args.no_memory:
-                result["peak_bytes"] = {e: measure_peak_memory(case_name, mode, e) for e in engines}
+                result["peak_bytes"] = {e: measure_peak_memory(case_name, mode, e) for e in used}
             results.append(result)
             eager = result["median_s"].get("eager")
-            for engine in engines:
+            for engine in used:
                 median = result["median_s"][engine]
                 ratio = f"{median / eager:8.2f}" if eager else f"{'-':>8}"
                 peak = result.get("peak_bytes", {}).get(engine)

@@ -78,6 +78,7 @@ class CompileOptions:
     tuning: bool = True
     tuning_name: str | None = None  # the tuning log's graph name; None: the Graph subclass's name
     dynamic_batch: bool = False
+    frozen_weights: bool = False  # inference: weights packed once per version (relay_passes/weight_packing.py)
     # Pipeline parallelism (training/pipeline_parallel.py): (module path, stage, rank) of each
     # module given a stage; in the program of one stage, (its index, how many of its first
     # inputs are activations received from other stages).
@@ -106,7 +107,7 @@ class GraphConfig:
     _OPTIONS = ("amp", "amp_dtype", "zero", "zero_stage", "data_parallel", "fuse_model_update_ops", "fuse_add_to_output", "fuse_cast_scale",
                 "gradient_accumulation_steps", "cudnn_conv_heuristic_search_algo", "straighten_algorithm",
                 "compress_memory", "recompute_attention", "recompile_limit", "tuning", "tuning_name",
-                "activation_checkpointing", "dynamic_batch", "pipeline_stages")
+                "activation_checkpointing", "dynamic_batch", "frozen_weights", "pipeline_stages")
 
     def __init__(self) -> None:
         self.training = False
@@ -128,6 +129,7 @@ class GraphConfig:
         self.tuning_name = None
         self.activation_checkpointing: tuple[str, ...] = ()  # set through graph.<module>.to(GraphModule)
         self.dynamic_batch = False
+        self.frozen_weights = False
         self.pipeline_stages: tuple[tuple[str, int, int], ...] = ()  # set through GraphModule.set_stage
         self._defaults = self.options()
 
@@ -309,6 +311,21 @@ class GraphConfig:
         """
         self.dynamic_batch = _flag("enable_dynamic_batch", mode)
 
+    def enable_frozen_weights(self, mode: bool = True) -> None:
+        """Pack the weights of an inference graph's matmuls once, not on every call (default:
+        off; tvmgraph's own option, like torch.compile's `freezing`).
+
+        A product with few rows (nn.Linear at batch 64 or less) spends a large share of its time
+        copying the weight into the panels its register tiles read; with this option the graph
+        keeps the panels between calls (as much memory again as those weights) and packs again
+        when a parameter or buffer is replaced or changes in place through itself
+        (`optimizer.step()`, `load_state_dict`, `w.mul_(...)`: torch's version counter). A write
+        that torch does not count, through `w.data`, a numpy view or `torch.optim`'s
+        `fused=True` update, is not seen: call `graph.refresh_weights()` after it. Training
+        graphs refuse it (their weights change every step).
+        """
+        self.frozen_weights = _flag("enable_frozen_weights", mode)
+
     # ---- reading the options ----
 
     def options(self) -> dict[str, object]:
@@ -334,7 +351,8 @@ class GraphConfig:
                 llvm_opt_level=settings.llvm_opt_level, kernel_checks=settings.kernel_checks,
                 tuning=self.tuning and settings.tuning,
                 tuning_name=self.tuning_name, activation_checkpointing=self.activation_checkpointing,
-                dynamic_batch=self.dynamic_batch, pipeline_stages=self.pipeline_stages,
+                dynamic_batch=self.dynamic_batch, frozen_weights=self.frozen_weights,
+                pipeline_stages=self.pipeline_stages,
             )
             object.__setattr__(self, "_snapshot", snap)
             object.__setattr__(self, "_snapshot_ranks", ranks)

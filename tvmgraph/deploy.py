@@ -97,7 +97,10 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
     tvm_target, needs = resolve_target(obj.name, target, arch, device, traced.signature.options)
     tuning = tuning_log_for(type(obj).__name__, traced.signature.options, tvm_target)
     # A saved program may be run by other code than tvmgraph's: its kernels keep their checks.
-    options = dataclasses.replace(traced.signature.options, kernel_checks=True)
+    # Its weights change only through the program itself (a train step's), so an inference
+    # program's are packed once, when it is loaded (tvmgraph/frozen_weights.py).
+    options = dataclasses.replace(traced.signature.options, kernel_checks=True,
+                                  frozen_weights=program != "train_step")
     compiled = lowered.compile(tvm_target, options, PIPELINE, tuning=tuning)
     binder = TensorBinder(lowered.signature.inputs, modules, lowered.signature.constants)
     state = {s.target: t for s, t in zip(binder.sources, binder.tensors()) if s.kind != "constant"}

@@ -30,6 +30,7 @@ from .vm_results import releasing
 logger = logging.getLogger("tvmgraph.deploy")
 
 MANIFEST = "manifest.json"
+PACK_FUNCTION = "pack_weights"  # relay_passes/weight_packing.py (not imported: it needs the compiler)
 FORMAT = 1  # bump when manifest.json changes meaning; newer ones are refused
 KIND = "tvmgraph-saved-graph"
 
@@ -187,7 +188,7 @@ class SavedGraph:
 
     __slots__ = ("path", "manifest", "name", "program", "inputs", "outputs", "_args", "_outs", "_dev",
                  "_sources", "_mutations", "_num_user_outputs", "_has_loss", "_state", "_vm", "_entry",
-                 "_training", "_optimizer_state", "_hypers", "_steps")
+                 "_training", "_optimizer_state", "_hypers", "_steps", "_packed")
 
     def __init__(self, path: Path, manifest: dict[str, Any], files: Mapping[str, bytes], device: Any):
         import tvm
@@ -221,6 +222,7 @@ class SavedGraph:
         lib = load_library(path / manifest["library"])  # native code runs from here on
         self._vm = VirtualMachine(lib, self._dev)
         self._entry = releasing(self._vm, manifest["entry"])
+        self._packed = self._pack_weights()
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}" for s in self.inputs)
@@ -240,7 +242,7 @@ class SavedGraph:
         flat = [self._check(i, value, use_torch) for i, (_, value) in enumerate(leaves)]
         rng = [self._seed()] if any(k == "rng" for k, _ in self._sources) else []
         state = [self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant")]
-        results = self._entry(*flat, *rng, *state, *self._optimizer_inputs())
+        results = self._entry(*flat, *rng, *state, *self._optimizer_inputs(), *self._packed)
         n_mut, n_user = len(self._mutations), self._num_user_outputs
         for (kind, target), value in zip(self._mutations, results[:n_mut]):
             if kind == "user":
@@ -251,6 +253,15 @@ class SavedGraph:
         if self._training is not None:
             self._keep_update(results[n_mut + n_user + int(self._has_loss):])
         return self._outs.unflatten(iter(outs))
+
+    def _pack_weights(self) -> list:
+        """The weights an inference program takes packed (its `pack_weights` function, see
+        tvmgraph/frozen_weights.py), packed once: nothing but the program changes them."""
+        try:
+            pack = releasing(self._vm, PACK_FUNCTION)
+        except AttributeError:  # TVM's answer for a function the program does not have
+            return []
+        return list(pack(*(self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant"))))
 
     def _optimizer_inputs(self) -> list:
         """A train step's optimizer state, then one float64 hyperparameter vector per group."""

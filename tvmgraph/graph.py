@@ -304,6 +304,14 @@ class Graph:
 
         return profile_graph(self, args, repeat)
 
+    def refresh_weights(self) -> None:
+        """Pack the weights again at the next call (`config.enable_frozen_weights()`): after a
+        write that torch's version counter does not see (`w.data.copy_(...)`, a numpy view of
+        a weight, an optimizer with `fused=True`). Any other change is seen on its own."""
+        for compiled in (c for entries in self._state().entries.values() for c in entries):
+            if compiled.packed_weights is not None:
+                compiled.packed_weights.refresh()
+
     def named_modules(self) -> list[tuple[str, torch.nn.Module]]:
         """Every registered module and its submodules, with their paths in the graph."""
         return modules_of(self._state().modules)

@@ -60,6 +60,8 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "FuseCastScale": "graph.config.allow_fuse_cast_scale(False)",
     "tvmgraph.ApplyTuningLog": "graph.config.enable_tuning(False) or TVMGRAPH_TUNING=off",
     "tvmgraph.ApplyCPUSchedules": "the environment variable TVMGRAPH_CPU_SCHEDULES=0",
+    "MarkPackedWeights": "graph.config.enable_frozen_weights(False)",
+    "LiftWeightPacking": "graph.config.enable_frozen_weights(False)",
     "StraightenBindings": "graph.config.enable_straighten_algorithm(False)",
     "CompressMemory": "graph.config.enable_compress_memory(False)",
 }
@@ -217,6 +219,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.straighten import StraightenBindings
     from relay_passes.unit_sums import UnitSumsAsReshapes
     from relay_passes.unwrap_tuple_reads import UnwrapTupleReads
+    from relay_passes.weight_packing import LiftWeightPacking, MarkPackedWeights
 
     from .schedules.bitwise_isnan import BitwiseIsNaN
     from .schedules.bool_order import BoolOrder
@@ -229,6 +232,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
 
     T = relax.transform
     is_gpu = target.kind.name == "cuda"
+    # Only the CPU's Matmul rule packs weights (and a training step's change every call).
+    frozen_weights = config.frozen_weights and target.kind.name == "llvm"
     return [
         # 1. Sort/scan/sampling ops to library or TIR implementations.
         relax.backend.DispatchSampling(),
@@ -321,7 +326,11 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    it (autotune/); then default schedules for the rest: dlight on GPU, tvmgraph's
         #    CPU rules on LLVM.
         ApplyTuningLog(tuning, report),
+        #    Inference with enable_frozen_weights: the matmuls' weights are packed by a function
+        #    of their own, run once per weight version (tvmgraph/frozen_weights.py), not per call.
+        *([MarkPackedWeights(report)] if frozen_weights else []),
         *default_schedules(target, config),
+        *([LiftWeightPacking(report)] if frozen_weights else []),
         #    Max, min and comparisons of booleans as logic (LLVM's code generator compares
         #    bools as floats).
         BoolOrder(),

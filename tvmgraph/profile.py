@@ -26,6 +26,8 @@ import torch
 import tvm
 from tvm import relax
 
+from relay_passes.weight_packing import PREPACKED_SUFFIX
+
 from .config import settings
 from .hardware import Limits
 from .target import tvm_device
@@ -243,8 +245,10 @@ def profile_graph(graph: Graph, args: tuple, repeat: int = 5, limits: Limits | N
     for symbol in recorder.runs[0]:
         per_run = [sum(run.get(symbol, [])) for run in recorder.runs]
         count = len(recorder.runs[0][symbol])
-        if symbol in flops:
-            kernels.append(KernelTime(symbol, count, statistics.median(per_run), flops[symbol] * count,
+        # A kernel whose weight is packed once (enable_frozen_weights) does its unpacked work.
+        unpacked = symbol.removesuffix(PREPACKED_SUFFIX)
+        if unpacked in flops:
+            kernels.append(KernelTime(symbol, count, statistics.median(per_run), flops[unpacked] * count,
                                       recorder.bytes.get(symbol, 0) * count))
         else:
             runtime_s.append(per_run)

@@ -29,8 +29,9 @@ from .binding import TensorBinder
 from .compiled_program import CompiledProgram, entry_name
 from .vm_results import releasing
 from .config import CompileOptions, GraphConfig, compile_options, settings
-from .errors import (DeviceMismatchError, StaleGraphError, TraceError, TvmGraphError, UnsupportedOptionError,
-                     reason_of)
+from .errors import (ConfigError, DeviceMismatchError, StaleGraphError, TraceError, TvmGraphError,
+                     UnsupportedOptionError, reason_of)
+from .frozen_weights import PackedWeights, mark_frozen_state
 from .index_guard import IndexGuard
 from .inputs import runnable_all
 from .native_output import to_debug_log
@@ -93,6 +94,10 @@ class TracedGraph:
         with to_debug_log("import"):  # a failed import's BlockBuilder complains on stderr
             mod, sig = lowering.to_relax(exported, self.graph_name, self.result.has_backward)
         layout = None
+        if plan is not None and self.signature.options.frozen_weights:
+            raise ConfigError(
+                f"{self.graph_name}: enable_frozen_weights() is for inference graphs, and this one trains its "
+                f"parameters (add_optimizer); turn it off with graph.config.enable_frozen_weights(False).")
         if plan is not None:
             index_of = {s.target: i for i, s in enumerate(sig.inputs) if s.kind == "parameter"}
             grad_indices = [index_of[t] for t in plan.targets]
@@ -174,9 +179,12 @@ class LoweredGraph:
         compile that fails is run again with checks, so that such a pass is found and left out.
         """
         graph = self.traced.graph_name
+        mod = self.mod
+        if compile_options(config).frozen_weights and self.train_layout is None:
+            mod = mark_frozen_state(mod, self.signature)
 
         def attempt(check: bool) -> tuple[tvm.IRModule, relax.VMExecutable]:
-            optimized = get_pipeline(target, config, pipeline, report, graph, check, tuning)(self.mod)
+            optimized = get_pipeline(target, config, pipeline, report, graph, check, tuning)(mod)
             return optimized, codegen.build_executable(optimized, target,
                                                        kernel_checks=compile_options(config).kernel_checks)
 
@@ -204,7 +212,8 @@ class CompiledGraph:
     `CompiledProgram.bind`, for a program just compiled or read from the compiled cache."""
 
     __slots__ = ("traced", "plan", "program", "device", "binder", "training", "_lowered", "_entry",
-                 "_num_mutations", "_num_user_outputs", "_has_rng", "_index_guard", "_accumulation", "data_parallel")
+                 "_num_mutations", "_num_user_outputs", "_has_rng", "_index_guard", "_accumulation", "data_parallel",
+                 "packed_weights")
 
     def __init__(self, traced: TracedGraph, plan: TrainingPlan | None, program: CompiledProgram,
                  device: torch.device, modules: Mapping[str, torch.nn.Module], lowered: LoweredGraph | None = None):
@@ -220,6 +229,8 @@ class CompiledGraph:
         self._lowered = lowered
         vm = relax.VirtualMachine(program.library, tvm_device(device), memory_cfg=settings.vm_allocator)
         self._entry: Callable = releasing(vm, self.entry_name)
+        # enable_frozen_weights: the weights main takes packed (tvmgraph/frozen_weights.py).
+        self.packed_weights = PackedWeights.of(vm) if train_layout is None else None
         self._accumulation = None
         if train_layout is not None and train_layout.split:
             positions = update_positions(plan, updated) if updated is not plan else None
@@ -287,6 +298,8 @@ class CompiledGraph:
         inputs, _ = runnable_all(flat_inputs)
         passed_state, copied = runnable_all(state, thorough=False)
         passed_extra = runnable_all(extra, thorough=False)[0] if extra else ()
+        if self.packed_weights is not None:
+            passed_extra = self.packed_weights.get(state, passed_state)
         try:
             results = self._entry(*inputs, *rng, *passed_state, *passed_extra)
         except Exception:  # the VM raises plain errors; say which tensor is at fault

@@ -35,16 +35,21 @@ ZOO_STEP_TOL = dict(atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("frozen", [False, True], ids=["", "frozen"])
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_zoo_inference_matches_eager(name: str) -> None:
-    """Eval-mode outputs of the graph equal eager's."""
+def test_zoo_inference_matches_eager(name: str, frozen: bool) -> None:
+    """Eval-mode outputs of the graph equal eager's, also with its weights packed once
+    (enable_frozen_weights): twice, the second call reading the packed weights again."""
     entry = ZOO[name]
     torch.manual_seed(0)
     model = entry.make().eval()
     x, _ = entry.batch(torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(x)
-    torch.testing.assert_close(ModuleGraph(model)(x), expected, **INFER_TOL)
+    graph = ModuleGraph(model)
+    graph.config.enable_frozen_weights(frozen)
+    for _ in range(2 if frozen else 1):
+        torch.testing.assert_close(graph(x), expected, **INFER_TOL)
 
 
 def _optimizers(entry: ZooEntry, name: str, model: torch.nn.Module) -> torch.optim.Optimizer:

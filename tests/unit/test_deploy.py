@@ -402,6 +402,24 @@ def test_aarch64_build_runs_under_emulation_like_the_x86_64_build(tmp_path: Path
     assert_close(torch.from_numpy(np.load(tmp_path / "out.npy")), expected)
 
 
+def test_an_inference_save_packs_its_weights_once_when_loaded(tmp_path: Path) -> None:
+    """A saved inference program's weights change only through it: its matmuls read them in
+    panels that `pack_weights` makes once at load (relay_passes/weight_packing.py), with the
+    eager model's outputs, also after calls in between."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512)).eval()
+    graph = ModuleGraph(model)
+    x = torch.randn(64, 256)
+    tvmgraph.save(graph, tmp_path / "mlp", example_args=(x,))
+    loaded = tvmgraph.load(tmp_path / "mlp")
+    assert len(loaded._packed) == 2
+    with torch.no_grad():
+        expected = model(x)
+    for _ in range(3):
+        assert_close(loaded(x), expected)
+        loaded(torch.randn(64, 256))
+
+
 class _WithConstant(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -341,8 +341,10 @@ class Matmul(ScheduleRule):
         sch, main, (a, b) = prepared
         cpu = CPUTarget.from_target(target)
         dtype = sch.get(main).writes[0].source.dtype
+        # B a weight the caller can pack once (see WEIGHT_PACK): the product keeps it as B.
+        frozen_b = is_layout_free(func, sch.get(main), b)
         # C.T = W @ x.T: the tiles run along W's rows (see swap_pays) and store transposed.
-        swapped = swap_pays(sch.get(main), a, b, cpu, dtype)
+        swapped = not frozen_b and swap_pays(sch.get(main), a, b, cpu, dtype)
         if swapped:
             a, b = b, a
         a_rows_along_k = contiguous_along_reduction(sch.get(main), a)
@@ -367,10 +369,13 @@ class Matmul(ScheduleRule):
         copy_a = (not a_rows_along_k and k_at >= TRANSPOSED_A_COPY_K
                   and i_at * k_at * dtype_bytes > TRANSPOSED_A_COPY_MIN_BYTES)
         padded_a = _prepare_a(sch, main, a, copy=copy_a)
-        pack = pad_j or not b_contiguous or i_at >= cpu.pack_reused_rows
+        prepacked = frozen_b and i_at <= PREPACK_MAX_ROWS
+        pack = prepacked or pad_j or not b_contiguous or i_at >= cpu.pack_reused_rows
         row_blocks = _row_block_tiles(sch, main, tile, pack, dtype_bytes)
         panel_major = pack and enough_panels(s_at, j_at, tile) and row_blocks is None
-        packed = _prepare_b(sch, main, b, tile, pack, b_contiguous, schedule=not panel_major)
+        packed = _prepare_b(sch, main, b, tile, pack, b_contiguous, schedule=prepacked or not panel_major)
+        if prepacked:
+            sch.annotate(packed, WEIGHT_PACK, 1)
         padded = tuple(axis for axis, pad in ((1, pad_i), (2, pad_j)) if pad)
         chunks = None if pack else _row_chunks(*extents, tile)  # static extents only
         if chunks is not None:
@@ -381,13 +386,37 @@ class Matmul(ScheduleRule):
             rows_outer = not panel_major and _rows_outermost(i_at, j_at, k_at, dtype_bytes)
             outer, tile_loop = _tile_main(sch, main, tile, panel_major, padded, rows_outer,
                                           store_along_i=swapped)
-        if panel_major:
+        if panel_major and not prepacked:
             sch.compute_at(packed, outer, preserve_unit_loops=True)
             _schedule_pack(sch, packed, tile, b_contiguous, parallel=False)
         if padded_a is not None and a_rows_along_k:
             _pad_a_per_tile(sch, padded_a, tile_loop, tile)
         schedule_remaining(sch, cpu)
         return sch
+
+
+# The attribute TVM's SplitLayoutRewritePreproc looks for: the block that packs a weight, which
+# it moves into a function of its own (relay_passes/weight_packing.py then runs that once per
+# weight version instead of once per call). Packing W per call costs about as much as reading
+# it, which is what a 64-row product's multiply-adds take. Sapphire Rapids (2 vCPUs, 478
+# GFLOP/s peak), relu(x @ W.T + b) alone, medians of 31: 64 x 784 -> 1024 326 -> 293 us (84% of
+# the peak at best), 64 x 1024 -> 1024 429 -> 405 us (against the swapped product, W read in
+# place); in an MLP's program 329 -> 303 and 412 -> 419 us.
+WEIGHT_PACK = "meta_schedule.layout_rewrite_preproc"
+# With more rows the per-call pack costs little, and it runs panel by panel, each packed panel
+# read from L2: relu(x @ W.T + b) at 256 x 4096 -> 4096 took 1.1x the time with W prepacked
+# (its panels then come from memory).
+PREPACK_MAX_ROWS = 64
+
+
+def is_layout_free(func: tirx.PrimFunc, stmt: s_tir.SBlock, operand: int) -> bool:
+    """Whether the block's read `operand` is a parameter of `func` listed in its
+    `layout_free_buffers` attribute: a weight the caller may hand over in any layout."""
+    free = func.attrs.get("layout_free_buffers") if func.attrs is not None else None
+    if not free:
+        return False
+    source = stmt.reads[operand].source
+    return any(source.same_as(func.params[int(i)]) for i in free)
 
 
 def matmul_block(sch: s_tir.Schedule) -> SBlockRV | None:

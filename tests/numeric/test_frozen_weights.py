@@ -1,0 +1,104 @@
+"""enable_frozen_weights(): an inference graph packs its matmul weights once per weight version.
+
+Every case compares with eager (float32 tolerances of conftest.TOLERANCES) after the weights
+change in each way the option promises to see: in place through the parameter, by
+load_state_dict, by an optimizer step, by replacing the parameter; and after a write it does
+not see (`.data`), once `graph.refresh_weights()` was called.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tvmgraph
+from tests.conftest import ModuleGraph, TrainGraph, assert_close
+from tvmgraph.errors import ConfigError
+
+
+def _mlp() -> torch.nn.Module:
+    # 64 rows x 256 -> 512: products the Matmul rule packs W for (PREPACK_MAX_ROWS).
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                               torch.nn.ReLU(), torch.nn.Linear(512, 10)).eval()
+
+
+def _frozen(model: torch.nn.Module) -> ModuleGraph:
+    graph = ModuleGraph(model)
+    graph.config.enable_frozen_weights(True)
+    return graph
+
+
+def _check(graph: ModuleGraph, model: torch.nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        expected = model(x)
+    assert_close(graph(x), expected)
+
+
+def test_packs_the_weights_once_and_matches_eager() -> None:
+    model, x = _mlp(), torch.randn(64, 256)
+    graph = _frozen(model)
+    _check(graph, model, x)
+    packed = graph.compiled.packed_weights
+    assert packed is not None, "the program packs no weight"
+    first = packed.get(graph.compiled.binder.tensors(), graph.compiled.binder.tensors())
+    assert len(first) == 3  # one per layer
+    _check(graph, model, torch.randn(64, 256))
+    # Unchanged weights: the same packed tensors, not packed again.
+    again = packed.get(graph.compiled.binder.tensors(), graph.compiled.binder.tensors())
+    assert all(a is b for a, b in zip(first, again))
+
+
+def test_sees_every_change_torch_counts() -> None:
+    model, x = _mlp(), torch.randn(64, 256)
+    graph = _frozen(model)
+    _check(graph, model, x)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # in place through the parameter
+    _check(graph, model, x)
+    model.load_state_dict(_mlp().state_dict())
+    _check(graph, model, x)
+    model[2].weight = torch.nn.Parameter(torch.randn(512, 512) * 0.05)  # replaced
+    _check(graph, model, x)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).square().sum().backward()
+    optimizer.step()
+    _check(graph, model, x)
+
+
+def test_refresh_weights_after_a_write_through_data() -> None:
+    model, x = _mlp(), torch.randn(64, 256)
+    graph = _frozen(model)
+    _check(graph, model, x)
+    model[2].weight.data.copy_(torch.randn(512, 512) * 0.05)  # torch's version counter misses it
+    graph.refresh_weights()
+    _check(graph, model, x)
+
+
+def test_dynamic_batch_and_bfloat16() -> None:
+    model = _mlp()
+    graph = _frozen(model)
+    graph.config.enable_dynamic_batch(True)
+    for rows in (64, 7, 33):
+        _check(graph, model, torch.randn(rows, 256))
+    amp = _frozen(model)
+    amp.config.enable_amp(True, dtype=torch.bfloat16)
+    plain = ModuleGraph(model)
+    plain.config.enable_amp(True, dtype=torch.bfloat16)
+    x = torch.randn(64, 256)
+    # Under AMP the products read the weights' bfloat16 casts, kernels of their own: nothing
+    # is packed, and the program is the unfrozen one.
+    assert torch.equal(amp(x), plain(x))
+
+
+def test_a_training_graph_refuses_it() -> None:
+    model = torch.nn.Linear(8, 4)
+    graph = TrainGraph(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    graph.config.enable_frozen_weights(True)
+    with pytest.raises(ConfigError, match=r"enable_frozen_weights\(\) is for inference graphs.*"
+                                          r"enable_frozen_weights\(False\)"):
+        graph(torch.randn(4, 8), torch.randn(4, 4))
+
+
+def test_the_option_takes_booleans_only() -> None:
+    with pytest.raises(ConfigError, match=r"enable_frozen_weights\(mode\) takes True or False"):
+        tvmgraph.nn.Graph().config.enable_frozen_weights("yes")
