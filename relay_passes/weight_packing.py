@@ -1,29 +1,34 @@
-"""Weights packed once: an inference graph's matmuls read their weights in panels made ahead.
+"""Frozen weights: what an inference graph computes from its weights alone, computed once.
 
-A product `x @ W.T` packs W into panels of its register tile's width on every call, and for a
-few rows of x that copy costs about as much as the multiply-adds (docs/benchmarks.md: 64 x 1024
-x 1024 at 71-72% of the FMA peak with W already in panels, 62-67% packed per call). With
-`graph.config.enable_frozen_weights()` the graph's state does not change behind its back, so
-the packing can run once per weight version. Two passes, either side of the schedules:
+With `graph.config.enable_frozen_weights()` the graph's state does not change behind its back
+(tvmgraph/frozen_weights.py), so every kernel whose operands are frozen tensors, or results of
+such kernels, gives the same result on every call: a weight's transpose shared by an RNN's steps
+(ShareTransposes), its bfloat16 cast under AMP, an eval-mode batch norm's scale and shift, and
+the packing of a weight into the panels a matmul's register tiles read. A product `x @ W.T`
+with a few rows of x packs W on every call, which costs about as much as its multiply-adds
+(docs/benchmarks.md). Two passes, either side of the schedules:
 
-  MarkPackedWeights   before the schedules: a kernel that `main` calls with a frozen tensor
-                      (attribute `tvmgraph.frozen_params`, main's parameter indices) lists that
-                      argument in its `layout_free_buffers`; the Matmul rule then packs it in a
-                      block of its own, marked WEIGHT_PACK (tvmgraph/schedules/matmul.py).
-  LiftWeightPacking   after them: TVM's SplitLayoutRewritePreproc makes each marked block a
-                      kernel of its own, called before the product; those calls on frozen
-                      tensors move out of `main` into `pack_weights`, and their results become
-                      main's last parameters:
+  MarkPackedWeights       before the schedules: a kernel that `main` calls with frozen values
+                          (FROZEN_PARAMS, main's attribute, and what kernels compute from them
+                          alone) lists those arguments in its `layout_free_buffers`; the Matmul
+                          rule then packs such a B in a block of its own, marked WEIGHT_PACK
+                          (tvmgraph/schedules/matmul.py).
+  LiftFrozenComputation   after them: TVM's SplitLayoutRewritePreproc makes each marked block a
+                          kernel of its own, called before the product; then every kernel call
+                          on frozen values moves out of `main` into `pack_weights`, whose
+                          results main reads become main's last parameters:
 
     main(x, W, b):                                   pack_weights(W, b):        (main's state)
-      Wp = call_tir(k_weight_prepack, W)                 Wp = call_tir(k_weight_prepack, W)
-      y = call_tir(k_prepacked, x, Wp, b)       ->       return (Wp,)
+      Wt = call_tir(transpose, W)                        Wt = call_tir(transpose, W)
+      Wp = call_tir(k_weight_prepack, Wt)       ->       Wp = call_tir(k_weight_prepack, Wt)
+      y = call_tir(k_prepacked, x, Wp, b)                return (Wp,)
                                                      main(x, W, b, Wp):
                                                        y = call_tir(k_prepacked, x, Wp, b)
 
-`pack_weights` takes main's parameters from `num_input` on, the state tensors; the runner
-(tvmgraph/weight_cache.py) calls it when a state tensor changed and passes its results after
-them. Exact (the same products, their operands copied earlier). Inference graphs only.
+A value main returns stays in main (the caller owns its outputs; a cached one could be changed
+through them). `pack_weights` takes main's parameters from `num_input` on, the state tensors;
+the runner calls it when a state tensor changed and passes its results after them. Exact (the
+same kernels, run earlier). Inference graphs only.
 """
 
 from __future__ import annotations
@@ -34,48 +39,68 @@ import tvm
 from tvm import relax
 
 from relay_passes import report_counts
-from relay_passes.bindings import Substitute, rebound
+from relay_passes.bindings import Substitute, rebound, vars_in
 
 FROZEN_PARAMS = "tvmgraph.frozen_params"  # main's attribute: indices of its frozen parameters
 PACK_FUNCTION = "pack_weights"
-# SplitLayoutRewritePreproc's names for a split-off pack and the kernel left reading its result.
-_PREPACK_SUFFIX = "_weight_prepack"
-PREPACKED_SUFFIX = "_prepacked"
+PREPACKED_SUFFIX = "_prepacked"  # SplitLayoutRewritePreproc's name for a kernel reading a pack
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
-def _frozen(main: relax.Function) -> set[relax.Var]:
-    indices = (main.attrs or {}).get(FROZEN_PARAMS, [])
-    return {main.params[int(i)] for i in indices}
+def _has_main(mod: tvm.IRModule) -> bool:
+    return any(gv.name_hint == "main" for gv in mod.get_global_vars())
 
 
-def _calls(main: relax.Function) -> list[relax.Call]:
+def _lifts(binding: relax.Binding, frozen: set[relax.Var]) -> bool:
+    """Whether `binding` is a kernel call on frozen values (or constants) alone, with one
+    tensor of static shape as its result."""
+    value = binding.value
+    if not (isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call)
+            and value.op.same_as(_CALL_TIR) and len(value.args) == 2):  # no symbolic tir_vars
+        return False
+    shape = getattr(binding.var.ty, "shape", None)
+    if not isinstance(shape, relax.ShapeExpr) or not all(isinstance(d, tvm.tirx.IntImm) for d in shape.values):
+        return False
+    return all(isinstance(a, tvm.ir.Constant) or a in frozen for a in value.args[1].fields)
+
+
+def frozen_values(main: relax.Function, kept: set[relax.Var] = frozenset()) -> set[relax.Var]:
+    """main's frozen parameters, and the results of kernel calls on frozen values alone, but
+    for `kept` and what is computed from them."""
+    frozen = {main.params[int(i)] for i in (main.attrs or {}).get(FROZEN_PARAMS, [])}
+    if not frozen:
+        return frozen
+    for block in main.body.blocks:
+        for binding in block.bindings:
+            if binding.var not in kept and _lifts(binding, frozen):
+                frozen.add(binding.var)
+    return frozen
+
+
+def _tir_calls(main: relax.Function) -> list[relax.Call]:
     found: list[relax.Call] = []
     relax.analysis.post_order_visit(
         main.body, lambda e: found.append(e) if isinstance(e, relax.Call) and e.op.same_as(_CALL_TIR) else None)
     return found
 
 
-_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
-
-
 @tvm.transform.module_pass(opt_level=0, name="MarkPackedWeights")
 class MarkPackedWeights:
-    """List main's frozen arguments of each kernel in the kernel's `layout_free_buffers`."""
+    """List the frozen arguments of each kernel main calls in the kernel's `layout_free_buffers`."""
 
     def __init__(self, report: Callable[[str], None] | None = None) -> None:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        if "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
+        if not _has_main(mod):
             return mod
-        frozen = _frozen(mod["main"])
+        frozen = frozen_values(mod["main"])
         if not frozen:
             return mod
-        # A kernel takes an argument as layout-free only where every call passes a frozen tensor.
+        # A kernel takes an argument as layout-free only where every call passes a frozen value.
         positions: dict[tvm.ir.GlobalVar, set[int]] = {}
-        for call in _calls(mod["main"]):
-            args = call.args[1].fields
-            here = {i for i, arg in enumerate(args) if arg in frozen}
+        for call in _tir_calls(mod["main"]):
+            here = {i for i, arg in enumerate(call.args[1].fields) if arg in frozen}
             gv = call.args[0]
             positions[gv] = positions.get(gv, here) & here
         marked = 0
@@ -87,50 +112,67 @@ class MarkPackedWeights:
         return mod
 
 
-@tvm.transform.module_pass(opt_level=0, name="LiftWeightPacking")
-class LiftWeightPacking:
-    """Split each marked weight pack off its kernel; move the packs of frozen tensors out of
-    `main` into `pack_weights`, their results main's last parameters."""
+@tvm.transform.module_pass(opt_level=0, name="LiftFrozenComputation")
+class LiftFrozenComputation:
+    """Split each marked weight pack off its kernel; move every kernel call on frozen values
+    out of `main` into `pack_weights`, the results main reads its last parameters."""
 
     def __init__(self, report: Callable[[str], None] | None = None) -> None:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        if "main" not in [gv.name_hint for gv in mod.get_global_vars()] or not _frozen(mod["main"]):
+        if not _has_main(mod) or not frozen_values(mod["main"]):
             return mod
         mod = relax.transform.SplitLayoutRewritePreproc()(mod)
         main = mod["main"]
-        frozen = _frozen(main)
-        num_input = int(main.attrs["num_input"])
-        state = list(main.params[num_input:])
-        lifted: list[relax.VarBinding] = []
-        for block in main.body.blocks:
-            for binding in block.bindings:
-                value = binding.value
-                if (isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call)
-                        and value.op.same_as(_CALL_TIR) and value.args[0].name_hint.endswith(_PREPACK_SUFFIX)
-                        and all(arg in frozen for arg in value.args[1].fields)):
-                    lifted.append(binding)
-        if not lifted:
-            return mod
-        packed = [relax.Var(f"{b.var.name}_packed", b.var.ty) for b in lifted]
-        substitute = Substitute({b.var: p for b, p in zip(lifted, packed)})
+        # What main returns stays in main, and so does what is computed from it.
+        frozen = frozen_values(main, kept=_returned(mod, main))
+        bindings = [b for block in main.body.blocks for b in block.bindings]
+        lifted = [b for b in bindings if b.var in frozen]
         gone = {b.var for b in lifted}
+        read_by_main = set(vars_in(main.body.body))
+        for b in bindings:
+            if b.var not in gone:
+                read_by_main.update(vars_in(b.value))
+        results = [b.var for b in lifted if b.var in read_by_main]
+        if not results:
+            return mod
+        packed = [relax.Var(f"{v.name}_frozen", v.ty) for v in results]
+        substitute = Substitute(dict(zip(results, packed)))
         blocks = [type(block)([rebound(b, substitute) for b in block.bindings if b.var not in gone])
                   for block in main.body.blocks]
         body = relax.SeqExpr(blocks, substitute.visit_expr(main.body.body))
+        num_input = int(main.attrs["num_input"])
         mod["main"] = relax.Function([*main.params, *packed], body, main.ret_ty, main.is_pure, main.attrs)
-        mod[PACK_FUNCTION] = _pack_function(state, lifted)
-        report_counts(self.report, "LiftWeightPacking", {"weight packed once": len(lifted)})
+        mod[PACK_FUNCTION] = _pack_function(list(main.params[num_input:]), lifted, results)
+        report_counts(self.report, "LiftFrozenComputation",
+                      {"kernel run once per weight version": len(lifted), "result kept": len(results)})
         return relax.transform.Normalize()(mod)
 
 
-def _pack_function(state: list[relax.Var], lifted: list[relax.VarBinding]) -> relax.Function:
-    """pack_weights(state...) -> (packed...): the lifted packs over fresh copies of the state."""
+def _returned(mod: tvm.IRModule, main: relax.Function) -> set[relax.Var]:
+    """The variables whose tensors main's result may be: read by its return value, through
+    tuples, aliases and reshapes (RewriteDataflowReshape makes a reshape kernel a view)."""
+    returned = set(vars_in(main.body.body))
+    for block in reversed(main.body.blocks):
+        for binding in reversed(block.bindings):
+            if binding.var not in returned:
+                continue
+            value = binding.value
+            kernel = isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)
+            if not kernel or relax.analysis.has_reshape_pattern(mod[value.args[0]]):
+                returned.update(vars_in(value))
+    return returned
+
+
+def _pack_function(state: list[relax.Var], lifted: list[relax.Binding],
+                   results: list[relax.Var]) -> relax.Function:
+    """pack_weights(state...) -> (results...): the lifted calls over fresh copies of the state."""
     params = [relax.Var(p.name, p.ty) for p in state]
     substitute = Substitute(dict(zip(state, params)))
-    bindings = [relax.VarBinding(relax.Var(b.var.name, b.var.ty), substitute.visit_expr(b.value))
-                for b in lifted]
-    result = relax.Tuple([b.var for b in bindings])
+    for b in lifted:  # fresh non-dataflow variables: this function has no dataflow block
+        substitute.mapping[b.var] = relax.Var(b.var.name, b.var.ty)
+    bindings = [relax.VarBinding(substitute.mapping[b.var], substitute.visit_expr(b.value)) for b in lifted]
+    result = relax.Tuple([substitute.mapping[v] for v in results])
     body = relax.SeqExpr([relax.BindingBlock(bindings)], result)
     return relax.Function(params, body, result.ty, True).with_attr("global_symbol", PACK_FUNCTION)

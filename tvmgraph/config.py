@@ -312,12 +312,13 @@ class GraphConfig:
         self.dynamic_batch = _flag("enable_dynamic_batch", mode)
 
     def enable_frozen_weights(self, mode: bool = True) -> None:
-        """Pack the weights of an inference graph's matmuls once, not on every call (default:
-        off; tvmgraph's own option, like torch.compile's `freezing`).
+        """Compute what an inference graph computes from its weights alone once, not on every
+        call (default: off; tvmgraph's own option, like torch.compile's `freezing`).
 
         A product with few rows (nn.Linear at batch 64 or less) spends a large share of its time
         copying the weight into the panels its register tiles read; with this option the graph
-        keeps the panels between calls (as much memory again as those weights) and packs again
+        keeps the panels between calls (as much memory again as those weights), and the
+        weights' casts under AMP and other work on them alone, and computes them again
         when a parameter or buffer is replaced or changes in place through itself
         (`optimizer.step()`, `load_state_dict`, `w.mul_(...)`: torch's version counter). A write
         that torch does not count, through `w.data`, a numpy view or `torch.optim`'s

@@ -1,10 +1,11 @@
-"""Frozen weights (`graph.config.enable_frozen_weights()`): what an inference program may pack
-once, and the runner's packed copies.
+"""Frozen weights (`graph.config.enable_frozen_weights()`): what an inference program may
+compute once, and the runner's copies of it.
 
 `mark_frozen_state` tells the pass pipeline which of main's parameters are state that the
 program does not write (parameters, buffers and constants it does not mutate) and where the
-state starts; relay_passes/weight_packing.py then moves the packing of those weights into a
-function of its own, `pack_weights(state...) -> (packed...)`, whose results main takes last.
+state starts; relay_passes/weight_packing.py then moves what main computes from those alone
+(the matmuls' packed weights among it) into a function of its own,
+`pack_weights(state...) -> (results...)`, whose results main takes last.
 
 `PackedWeights` runs `pack_weights` when the state changed since it last did: a tensor replaced
 (another object or storage) or changed in place through itself (torch's version counter).

@@ -305,7 +305,8 @@ class Graph:
         return profile_graph(self, args, repeat)
 
     def refresh_weights(self) -> None:
-        """Pack the weights again at the next call (`config.enable_frozen_weights()`): after a
+        """Recompute what the graph keeps from its weights at the next call
+        (`config.enable_frozen_weights()`): after a
         write that torch's version counter does not see (`w.data.copy_(...)`, a numpy view of
         a weight, an optimizer with `fused=True`). Any other change is seen on its own."""
         for compiled in (c for entries in self._state().entries.values() for c in entries):

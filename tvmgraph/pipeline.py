@@ -61,7 +61,7 @@ OPTIONAL_PASSES: dict[str, str | None] = {
     "tvmgraph.ApplyTuningLog": "graph.config.enable_tuning(False) or TVMGRAPH_TUNING=off",
     "tvmgraph.ApplyCPUSchedules": "the environment variable TVMGRAPH_CPU_SCHEDULES=0",
     "MarkPackedWeights": "graph.config.enable_frozen_weights(False)",
-    "LiftWeightPacking": "graph.config.enable_frozen_weights(False)",
+    "LiftFrozenComputation": "graph.config.enable_frozen_weights(False)",
     "StraightenBindings": "graph.config.enable_straighten_algorithm(False)",
     "CompressMemory": "graph.config.enable_compress_memory(False)",
 }
@@ -219,7 +219,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from relay_passes.straighten import StraightenBindings
     from relay_passes.unit_sums import UnitSumsAsReshapes
     from relay_passes.unwrap_tuple_reads import UnwrapTupleReads
-    from relay_passes.weight_packing import LiftWeightPacking, MarkPackedWeights
+    from relay_passes.weight_packing import LiftFrozenComputation, MarkPackedWeights
 
     from .schedules.bitwise_isnan import BitwiseIsNaN
     from .schedules.bool_order import BoolOrder
@@ -326,11 +326,12 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         #    it (autotune/); then default schedules for the rest: dlight on GPU, tvmgraph's
         #    CPU rules on LLVM.
         ApplyTuningLog(tuning, report),
-        #    Inference with enable_frozen_weights: the matmuls' weights are packed by a function
-        #    of their own, run once per weight version (tvmgraph/frozen_weights.py), not per call.
+        #    Inference with enable_frozen_weights: what kernels compute from the weights alone
+        #    (the matmuls' packed weights among it) is computed by a function of its own, run
+        #    once per weight version (tvmgraph/frozen_weights.py), not on every call.
         *([MarkPackedWeights(report)] if frozen_weights else []),
         *default_schedules(target, config),
-        *([LiftWeightPacking(report)] if frozen_weights else []),
+        *([LiftFrozenComputation(report)] if frozen_weights else []),
         #    Max, min and comparisons of booleans as logic (LLVM's code generator compares
         #    bools as floats).
         BoolOrder(),

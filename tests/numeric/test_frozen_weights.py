@@ -1,4 +1,5 @@
-"""enable_frozen_weights(): an inference graph packs its matmul weights once per weight version.
+"""enable_frozen_weights(): what an inference graph computes from its weights alone (their
+packing for the matmuls, their casts under AMP, a shared transpose) runs once per weight version.
 
 Every case compares with eager (float32 tolerances of conftest.TOLERANCES) after the weights
 change in each way the option promises to see: in place through the parameter, by
@@ -65,6 +66,48 @@ def test_sees_every_change_torch_counts() -> None:
     _check(graph, model, x)
 
 
+def test_a_transposed_weight_shared_by_steps_is_computed_once() -> None:
+    """One layer applied three times: ShareTransposes computes W.T once per call, which the
+    frozen program computes once per weight version (and packs for the products)."""
+    layer = torch.nn.Linear(256, 256)
+    model = torch.nn.Sequential(layer, torch.nn.Tanh(), layer, torch.nn.Tanh(), layer).eval()
+    x = torch.randn(64, 256)
+    graph = _frozen(model)
+    _check(graph, model, x)
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)
+    _check(graph, model, x)
+    assert graph.compiled.packed_weights is not None
+
+
+class _ReturnsWeights(tvmgraph.nn.Graph):
+    def __init__(self, layer: torch.nn.Linear):
+        super().__init__()
+        self.layer = layer
+
+    def build(self, x):
+        return self.layer(x), self.layer.weight * 2, self.layer.weight.t(), (self.layer.weight * 3).reshape(-1)
+
+
+def test_values_computed_from_weights_and_returned_are_computed_every_call() -> None:
+    """The caller owns what build() returns: a value computed from the weights alone and
+    returned is computed in every call, never a kept tensor that changing an output changes."""
+    layer = torch.nn.Linear(256, 512).eval()
+    graph = _ReturnsWeights(layer)
+    graph.config.enable_frozen_weights(True)
+    x = torch.randn(64, 256)
+    _, doubled, transposed, flat = graph(x)
+    doubled.add_(1.0)
+    transposed.zero_()
+    flat.zero_()
+    out, doubled, transposed, flat = graph(x)
+    with torch.no_grad():
+        assert_close(out, layer(x))
+        assert_close(doubled, layer.weight * 2)
+        assert_close(transposed, layer.weight.t())
+        assert_close(flat, (layer.weight * 3).reshape(-1))
+
+
 def test_refresh_weights_after_a_write_through_data() -> None:
     model, x = _mlp(), torch.randn(64, 256)
     graph = _frozen(model)
@@ -85,9 +128,10 @@ def test_dynamic_batch_and_bfloat16() -> None:
     plain = ModuleGraph(model)
     plain.config.enable_amp(True, dtype=torch.bfloat16)
     x = torch.randn(64, 256)
-    # Under AMP the products read the weights' bfloat16 casts, kernels of their own: nothing
-    # is packed, and the program is the unfrozen one.
+    # Under AMP the weights' bfloat16 casts (kernels of their own) run once too: the same
+    # kernels, earlier, bit for bit the unfrozen program's.
     assert torch.equal(amp(x), plain(x))
+    assert amp.compiled.packed_weights is not None
 
 
 def test_a_training_graph_refuses_it() -> None:

@@ -1,4 +1,4 @@
-"""MarkPackedWeights and LiftWeightPacking: a frozen weight's packing leaves `main` for `pack_weights`.
+"""MarkPackedWeights and LiftFrozenComputation: a frozen weight's packing leaves `main` for `pack_weights`.
 
 `relu(x @ W.T + b)` at 64 x 256 -> 512 with W and b frozen (main's parameters 1 and 2): before,
 one kernel packs W and multiplies; after, `pack_weights(W, b)` packs W, and main takes the
@@ -13,7 +13,7 @@ import torch
 import tvm
 from tvm import relax, tirx
 
-from relay_passes.weight_packing import FROZEN_PARAMS, PACK_FUNCTION, LiftWeightPacking, MarkPackedWeights
+from relay_passes.weight_packing import FROZEN_PARAMS, PACK_FUNCTION, LiftFrozenComputation, MarkPackedWeights
 from tvmgraph.codegen import build_executable
 from tvmgraph.schedules import ApplyCPUSchedules
 from tvmgraph.schedules.matmul import WEIGHT_PACK
@@ -47,7 +47,7 @@ def _kernels(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
 
 def _pipeline(mod: tvm.IRModule) -> tvm.IRModule:
     with TARGET:
-        return LiftWeightPacking()(ApplyCPUSchedules()(MarkPackedWeights()(mod)))
+        return LiftFrozenComputation()(ApplyCPUSchedules()(MarkPackedWeights()(mod)))
 
 
 def test_the_kernel_reading_a_frozen_weight_lists_it_as_layout_free() -> None:
@@ -65,7 +65,7 @@ def test_the_kernel_reading_a_frozen_weight_lists_it_as_layout_free() -> None:
 def test_the_pack_moves_out_of_main_into_pack_weights() -> None:
     after = _pipeline(_linear(64, frozen=[1, 2]))
     main, pack = after["main"], after[PACK_FUNCTION]
-    assert [p.name for p in main.params] == ["x", "w", "b", "lv_packed"]
+    assert [p.name for p in main.params] == ["x", "w", "b", "lv_frozen"]
     assert [p.name for p in pack.params] == ["w", "b"]
     packed_type = main.params[3].ty
     assert [int(d) for d in packed_type.shape][-2:] == [256, 48]  # panels of 48 columns along K
@@ -99,3 +99,29 @@ def test_built_it_computes_what_numpy_does() -> None:
     packed = vm[PACK_FUNCTION](*args[1:])
     out = vm["main"](*args, *packed).numpy()
     np.testing.assert_allclose(out, np.maximum(x @ w.T + b, 0), rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_on_frozen_values_alone_are_lifted_but_not_what_main_returns() -> None:
+    """main(x, w): t = transpose(w); y = x @ t; d = w * 2; returns (y, d). The transpose (and
+    the packing of t for the product) runs in pack_weights; d, returned, stays in main."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64, 256), "float32"))
+    w = relax.Var("w", relax.TensorType((512, 256), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            t = bb.emit(relax.op.permute_dims(w))
+            y = bb.emit(relax.op.matmul(x, t))
+            d = bb.emit(relax.op.multiply(w, relax.const(2.0, "float32")))
+            out = bb.emit_output(relax.Tuple([y, d]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    mod["main"] = mod["main"].with_attr("num_input", 1).with_attr(FROZEN_PARAMS, [1])
+    with TARGET:
+        mod = tvm.transform.Sequential([T.LegalizeOps(), T.AnnotateTIROpPattern(), T.FuseOps(), T.FuseTIR()])(mod)
+    before = mod["main"].script()
+    assert "transpose" in before and "multiply" in before
+    after = _pipeline(mod)
+    main, pack = after["main"].script(), after[PACK_FUNCTION].script()
+    assert "transpose" in pack and "transpose" not in main
+    assert "multiply" in main and "multiply" not in pack
+    assert len(after["main"].params) == 3  # x, w, and the packed transpose
