@@ -125,3 +125,24 @@ def test_kernels_on_frozen_values_alone_are_lifted_but_not_what_main_returns() -
     assert "transpose" in pack and "transpose" not in main
     assert "multiply" in main and "multiply" not in pack
     assert len(after["main"].params) == 3  # x, w, and the packed transpose
+
+
+def test_a_reshape_main_reads_stays_in_main_where_it_is_a_view() -> None:
+    """main(x, w): x + reshape(w): the reshape is not lifted (kept, it would be a copy of the
+    weight; in main RewriteDataflowReshape makes it a view), so nothing is."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64, 512), "float32"))
+    w = relax.Var("w", relax.TensorType((512, 64), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            r = bb.emit(relax.op.reshape(w, (64, 512)))
+            out = bb.emit_output(relax.op.add(x, r))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    mod["main"] = mod["main"].with_attr("num_input", 1).with_attr(FROZEN_PARAMS, [1])
+    with TARGET:
+        mod = tvm.transform.Sequential([T.LegalizeOps(), T.AnnotateTIROpPattern()])(mod)
+    assert "reshape" in mod["main"].script()
+    after = _pipeline(mod)
+    assert PACK_FUNCTION not in [gv.name_hint for gv in after.get_global_vars()]
+    assert "reshape" in after["main"].script()
