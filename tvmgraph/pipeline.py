@@ -232,7 +232,8 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
 
     T = relax.transform
     is_gpu = target.kind.name == "cuda"
-    # Only the CPU's Matmul rule packs weights (and a training step's change every call).
+    # CPU only (its Matmul rule packs weights); inference only (tvmgraph/stages.py marks the
+    # frozen state of inference programs only: a training step changes its weights).
     frozen_weights = config.frozen_weights and target.kind.name == "llvm"
     return [
         # 1. Sort/scan/sampling ops to library or TIR implementations.

@@ -180,7 +180,8 @@ class LoweredGraph:
         """
         graph = self.traced.graph_name
         mod = self.mod
-        if compile_options(config).frozen_weights and self.train_layout is None:
+        # Frozen weights: the CPU pipeline lifts what main computes from them alone (pipeline.py).
+        if compile_options(config).frozen_weights and self.train_layout is None and target.kind.name == "llvm":
             mod = mark_frozen_state(mod, self.signature)
 
         def attempt(check: bool) -> tuple[tvm.IRModule, relax.VMExecutable]:

@@ -9,10 +9,14 @@ not see (`.data`), once `graph.refresh_weights()` was called.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+import tvm
 
 import tvmgraph
+from relay_passes.weight_packing import PACK_FUNCTION, PREPACKED_SUFFIX
 from tests.conftest import ModuleGraph, TrainGraph, assert_close
 from tvmgraph.errors import ConfigError
 
@@ -146,3 +150,14 @@ def test_a_training_graph_refuses_it() -> None:
 def test_the_option_takes_booleans_only() -> None:
     with pytest.raises(ConfigError, match=r"enable_frozen_weights\(mode\) takes True or False"):
         tvmgraph.nn.Graph().config.enable_frozen_weights("yes")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile CUDA")
+def test_a_frozen_graph_built_for_cuda_is_the_unfrozen_program() -> None:
+    """On a GPU the option changes nothing yet: the same kernels, no pack_weights."""
+    graph = _frozen(_mlp())
+    lowered = graph.trace(torch.randn(64, 256)).lower()
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    optimized, _ = lowered.build(target, graph.config)
+    names = [gv.name_hint for gv in optimized.get_global_vars()]
+    assert PACK_FUNCTION not in names and not any(n.endswith(PREPACKED_SUFFIX) for n in names)
