@@ -4,7 +4,8 @@ Each engine owns its copy of the model (same initial weights) and, for training,
 SGD-with-momentum optimizer; `step()` runs one inference call or one training step. Mode
 `train_amp` is the training step in bfloat16 mixed precision with dynamic loss scaling (eager:
 `torch.autocast` + `torch.amp.GradScaler`; tvmgraph: `enable_amp(True)` + `set_grad_scaler`),
-to set beside the float32 `train` rows.
+to set beside the float32 `train` rows; `infer_amp` the inference call in bfloat16 mixed
+precision (eager: under `torch.autocast`; tvmgraph: `enable_amp(True)`).
 `tvmgraph` compiles with the default schedules only (tuning off); `frozen` is the same with
 `enable_frozen_weights()` (inference only: the matmul weights packed once, not per call);
 `tuned` first tunes the graph (`tvmgraph.tune`, `TUNE` sets the budget), then compiles with its
@@ -26,7 +27,8 @@ from .suite import Case
 LR, MOMENTUM = 0.01, 0.9
 ENGINES = ("eager", "compile", "tvmgraph", "frozen", "tuned")
 INFERENCE_ONLY = ("frozen",)
-MODES = ("infer", "train", "train_amp")
+MODES = ("infer", "infer_amp", "train", "train_amp")
+INFERENCE_MODES = ("infer", "infer_amp")
 # `tuned`: None uses the tuning log as it is (the memory probe's subprocess), else
 # {"trials": N or None (the default budget), "minutes": M or None}; tuning reports are kept here.
 TUNE: dict | None = None
@@ -66,14 +68,16 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
         if engine == "frozen":
             graph.config.enable_frozen_weights(True)
         inputs = tuple(t.to(DEVICE) for t in case.inputs())
-        _tuning(graph, engine, case, mode, inputs[:1] if mode == "infer" else inputs)
-        return (lambda x, y: graph(x)) if mode == "infer" else graph
-    if mode == "infer":
+        inference = mode in INFERENCE_MODES
+        _tuning(graph, engine, case, mode, inputs[:1] if inference else inputs)
+        return (lambda x, y: graph(x)) if inference else graph
+    if mode in INFERENCE_MODES:
         model.eval()
         fn = torch.compile(model) if engine == "compile" else model
+        amp = mode == "infer_amp"
 
         def infer(x, y):
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast(DEVICE, enabled=amp):  # the device's default dtype
                 return fn(x)
 
         return infer
@@ -99,8 +103,10 @@ def make_step(engine: str, mode: str, case: Case, model: nn.Module) -> Callable[
 def make_graph(mode: str, case: Case, model: nn.Module) -> tvmgraph.nn.Graph:
     """tvmgraph's graph of `model` (on DEVICE, used as it is) for `mode`: inference, or a
     training step with SGD momentum (bfloat16/float16 AMP with a grad scaler for train_amp)."""
-    if mode == "infer":
-        return _InferGraph(model.eval())
+    if mode in INFERENCE_MODES:
+        graph = _InferGraph(model.eval())
+        graph.config.enable_amp(mode == "infer_amp")
+        return graph
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     graph = _TrainGraph(model.train(), case.loss_fn(), optimizer)
     if mode == "train_amp":

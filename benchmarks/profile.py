@@ -25,7 +25,7 @@ def graph_for(case_name: str, mode: str, device: str):
     graph = engines.make_graph(mode, case, case.make_model().to(device))
     graph.config.enable_tuning(False)
     x, y = (t.to(device) for t in case.inputs())
-    return graph, ((x,) if mode == "infer" else (x, y))
+    return graph, ((x,) if mode in engines.INFERENCE_MODES else (x, y))
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Run the reference suite: torch eager, torch.compile and tvmgraph, interleaved in one run.
 
-    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt,vit] [--modes infer,train,train_amp]
+    python -m benchmarks.run [--cases mlp_b1,mlp_b64,cnn,transformer,resnet18,mlp_large,gpt,vit] [--modes infer,infer_amp,train,train_amp]
                              [--engines eager,compile,tvmgraph,frozen,tuned] [--rounds 15] [--seconds 0.2]
                              [--tune-trials N] [--tune-minutes M]
                              [--no-memory] [--warm-caches] [--json results.json] [--device cpu|cuda]
@@ -8,8 +8,9 @@
 `tvmgraph` is untuned (default schedules), `frozen` the same with its weights packed once
 (`enable_frozen_weights`, inference rows only); `tuned` tunes each graph first (`tvmgraph.tune`,
 default budget: 32 trials per kernel worth tuning) and prints the trials and tuning minutes.
-Mode `train_amp` is the training step in bfloat16 mixed precision with a GradScaler
-(engines.py), to compare with the float32 `train` rows.
+Mode `train_amp` is the training step in bfloat16 mixed precision with a GradScaler, and
+`infer_amp` the inference call in bfloat16 mixed precision (engines.py), to compare with the
+float32 `train` and `infer` rows.
 For every case and mode it prints the median time per call of each engine, its ratio to eager
 (below 1.00 is faster than eager), the first-call (compile) time, and the peak memory of the
 steady-state step. Timing rounds rotate through the engines so that all three see the same
@@ -41,7 +42,7 @@ if __name__ == "__main__" and "--warm-caches" not in sys.argv:
 import torch  # noqa: E402  (after the cache directories are chosen)
 
 from . import engines as engine_setup  # noqa: E402
-from .engines import ENGINES, INFERENCE_ONLY, MODES, make_step  # noqa: E402
+from .engines import ENGINES, INFERENCE_MODES, INFERENCE_ONLY, MODES, make_step  # noqa: E402
 from .memory import accumulation_rows, checkpointing_row, format_checkpointing_row, measure_peak_memory  # noqa: E402
 from .suite import CASES  # noqa: E402
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for case_name in args.cases.split(","):
         for mode in args.modes.split(","):
-            used = [e for e in engines if mode == "infer" or e not in INFERENCE_ONLY]
+            used = [e for e in engines if mode in INFERENCE_MODES or e not in INFERENCE_ONLY]
             result = time_case(case_name, mode, used, args.rounds, args.seconds)
             if not args.no_memory:
                 result["peak_bytes"] = {e: measure_peak_memory(case_name, mode, e) for e in used}
