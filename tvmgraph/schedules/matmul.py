@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad, TensorRegion
+from tvm_ffi.structural import StructuralMutator, structural_mutate
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import IterKind, IterTrait, make_iter_fusion_index_map
 from tvm.s_tir.schedule import LoopRV, SBlockRV
@@ -368,7 +369,11 @@ class Matmul(ScheduleRule):
             sch.pad_einsum(main, [1, tile.mi if pad_i else 1, tile.nj if pad_j else 1, 1])
         copy_a = (not a_rows_along_k and k_at >= TRANSPOSED_A_COPY_K
                   and i_at * k_at * dtype_bytes > TRANSPOSED_A_COPY_MIN_BYTES)
-        padded_a = _prepare_a(sch, main, a, copy=copy_a)
+        # A 16-bit A reread by several panels of B is copied once, widened (see _narrower).
+        widen_a = (_narrower(sch.get(main).reads[a].source.dtype, dtype)
+                   and -(-j_at // tile.nj) >= WIDEN_A_MIN_PANELS)
+        padded_a = _prepare_a(sch, main, a, copy=copy_a or widen_a)
+        copied_a = producer_of(sch, main, a) if (copy_a or widen_a) and padded_a is None else None
         prepacked = frozen_b and i_at <= PREPACK_MAX_ROWS
         pack = prepacked or pad_j or not b_contiguous or i_at >= cpu.pack_reused_rows
         row_blocks = _row_block_tiles(sch, main, tile, pack, dtype_bytes)
@@ -376,6 +381,12 @@ class Matmul(ScheduleRule):
         packed = _prepare_b(sch, main, b, tile, pack, b_contiguous, schedule=prepacked or not panel_major)
         if prepacked:
             sch.annotate(packed, WEIGHT_PACK, 1)
+        # 16-bit operands widened once, in their copies, not at every FMA (see _narrower).
+        widened = []
+        for copy in (padded_a, copied_a, packed):
+            if copy is not None and _narrower(sch.get(copy).writes[0].source.dtype, dtype):
+                sch.unsafe_set_dtype(copy, 0, str(dtype))
+                widened.append(sch.get(copy).writes[0].source)
         padded = tuple(axis for axis, pad in ((1, pad_i), (2, pad_j)) if pad)
         chunks = None if pack else _row_chunks(*extents, tile)  # static extents only
         if chunks is not None:
@@ -392,7 +403,26 @@ class Matmul(ScheduleRule):
         if padded_a is not None and a_rows_along_k:
             _pad_a_per_tile(sch, padded_a, tile_loop, tile)
         schedule_remaining(sch, cpu)
+        if widened:
+            return Schedule(_read_widened(sch.mod["main"], widened))
         return sch
+
+
+def _read_widened(func: tirx.PrimFunc, widened: list) -> tirx.PrimFunc:
+    """`func` reading its widened copies as they are: unsafe_set_dtype leaves every read of a
+    copy as `Cast(float32, Cast(bfloat16, copy[..]))`, a rounding LLVM cannot drop; the values
+    are widened 16-bit ones, which that rounding leaves unchanged."""
+
+    def unround(node: tirx.PrimExpr, mutator: StructuralMutator) -> tirx.PrimExpr:
+        node = mutator.default_mutate(node)
+        inner = node.value
+        if (isinstance(inner, tirx.Cast) and isinstance(inner.value, TensorLoad)
+                and any(inner.value.source.same_as(w) for w in widened)
+                and str(inner.value.ty) == str(node.ty) and _narrower(str(inner.ty), str(node.ty))):
+            return inner.value
+        return node
+
+    return structural_mutate(func, [(tirx.Cast, unround)])
 
 
 # The attribute TVM's SplitLayoutRewritePreproc looks for: the block that packs a weight, which
@@ -592,6 +622,21 @@ def producer_of(sch: s_tir.Schedule, main: SBlockRV, index: int) -> SBlockRV:
         if any(w.source.same_as(buffer) for w in sch.get(block).writes):
             return block
     raise ValueError(f"no producer for read {index} of the matmul block")
+
+
+# Copied whole and widened, an A read by fewer panels of B costs more than widening it in the
+# FMA loop: a MobileNet's 1x1-convolution weight gradients (dY^T over 65536 pixels by one panel
+# of 16-24 input channels) took 1.8x the time, the CNN's bfloat16 training step 1.05-1.11x.
+WIDEN_A_MIN_PANELS = 4
+
+
+def _narrower(operand: str, accumulator: str) -> bool:
+    """Whether an operand is a 16-bit float summed in float32 (AMP's bfloat16 products). Read
+    in place, each broadcast of A and each vector of B's panel was widened inside the FMA loop:
+    the batch-64 MLP's bfloat16 products ran at 46-56% of the FMA peak where float32's reach
+    67-71% (Sapphire Rapids). B's panels are then packed widened, and an A reread by enough
+    panels (WIDEN_A_MIN_PANELS) is copied widened."""
+    return str(operand) in ("bfloat16", "float16") and str(accumulator) == "float32"
 
 
 def _prepare_a(sch: s_tir.Schedule, main: SBlockRV, a: int, copy: bool) -> SBlockRV | None:
