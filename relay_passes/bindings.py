@@ -58,6 +58,24 @@ def vars_in(expr: relax.Expr) -> list[relax.Var]:
     return _visited_vars(expr)
 
 
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+
+def is_view(call: relax.Call, mod: tvm.IRModule | None) -> bool:
+    """A reshape kernel, which RewriteDataflowReshape turns into a view of its input: its readers
+    read that input (StraightenBindings: an in-place update of the input waits for them;
+    LiftFrozenComputation: a view of a weight is no copy worth keeping)."""
+    if mod is None or not (call.op.same_as(_CALL_TIR) and isinstance(call.args[0], tvm.ir.GlobalVar)):
+        return False
+    func = mod[call.args[0]]
+    if not isinstance(func, tvm.tirx.PrimFunc):
+        return False
+    try:
+        return bool(relax.analysis.has_reshape_pattern(func))
+    except tvm.error.InternalError:  # a body that is not one block (nothing RewriteDataflowReshape takes)
+        return False
+
+
 def _visited_vars(expr: relax.Expr) -> list[relax.Var]:
     found: list[relax.Var] = []
     relax.analysis.post_order_visit(expr, lambda e: found.append(e) if isinstance(e, relax.Var) else None)

@@ -40,11 +40,10 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvmgraph.debug import logger
 from tvmgraph.schedules.loops import REFERENCE_BATCH
 
-from .bindings import vars_in
+from .bindings import is_view, vars_in
 from .tensor_sizes import bytes_per_unit, format_bytes
 
 _INPLACE = tvm.ir.Op.get("relax.call_tir_inplace")
-_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 class BlockModel:
@@ -103,7 +102,7 @@ class BlockModel:
                 args = value.args[1].fields if isinstance(value.args[1], relax.Tuple) else [value.args[1]]
                 roots.append(set().union(*(roots_of(args[int(k)]) for k in value.attrs.inplace_indices
                                            if int(k) >= 0)))
-            elif isinstance(value, relax.Call) and not _is_view(value, mod):
+            elif isinstance(value, relax.Call) and not is_view(value, mod):
                 ty = binding.var.ty
                 field_types = list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
                 self.allocates[i] = [new_root(_bytes(t)) for t in field_types]
@@ -167,20 +166,6 @@ def _bytes(ty: object) -> int:
         return 0
     nbytes, unit = size
     return nbytes if unit is None else nbytes * REFERENCE_BATCH
-
-
-def _is_view(call: relax.Call, mod: tvm.IRModule | None) -> bool:
-    """A reshape kernel, which RewriteDataflowReshape (after this pass) turns into a view of its
-    input: its readers read that input, and an in-place update of the input must wait for them."""
-    if mod is None or not (call.op.same_as(_CALL_TIR) and isinstance(call.args[0], tvm.ir.GlobalVar)):
-        return False
-    func = mod[call.args[0]]
-    if not isinstance(func, tvm.tirx.PrimFunc):
-        return False
-    try:
-        return bool(relax.analysis.has_reshape_pattern(func))
-    except tvm.error.InternalError:  # a body that is not one block (nothing RewriteDataflowReshape takes)
-        return False
 
 
 def straighten(model: BlockModel) -> list[int]:

@@ -39,7 +39,7 @@ import tvm
 from tvm import relax
 
 from relay_passes import report_counts
-from relay_passes.bindings import Substitute, rebound, vars_in
+from relay_passes.bindings import Substitute, is_view, rebound, vars_in
 
 FROZEN_PARAMS = "tvmgraph.frozen_params"  # main's attribute: indices of its frozen parameters
 PACK_FUNCTION = "pack_weights"
@@ -64,10 +64,14 @@ def _lifts(binding: relax.Binding, frozen: set[relax.Var]) -> bool:
     return all(isinstance(a, tvm.ir.Constant) or a in frozen for a in value.args[1].fields)
 
 
+def _frozen_params(main: relax.Function) -> set[relax.Var]:
+    return {main.params[int(i)] for i in (main.attrs or {}).get(FROZEN_PARAMS, [])}
+
+
 def frozen_values(main: relax.Function, kept: set[relax.Var] = frozenset()) -> set[relax.Var]:
     """main's frozen parameters, and the results of kernel calls on frozen values alone, but
     for `kept` and what is computed from them."""
-    frozen = {main.params[int(i)] for i in (main.attrs or {}).get(FROZEN_PARAMS, [])}
+    frozen = _frozen_params(main)
     if not frozen:
         return frozen
     for block in main.body.blocks:
@@ -121,7 +125,7 @@ class LiftFrozenComputation:
         self.report = report or (lambda msg: None)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        if not _has_main(mod) or not frozen_values(mod["main"]):
+        if not _has_main(mod) or not _frozen_params(mod["main"]):
             return mod
         mod = relax.transform.SplitLayoutRewritePreproc()(mod)
         main = mod["main"]
@@ -133,7 +137,7 @@ class LiftFrozenComputation:
         # view; kept, it was a copy of the weight (ResNet-18's im2col weights: 40 MiB more).
         while True:
             results = _read_by_main(main, bindings, lifted)
-            views = [b for b in lifted if b.var in results and _is_reshape(mod, b)]
+            views = [b for b in lifted if b.var in results and is_view(b.value, mod)]
             if not views:
                 break
             lifted = [b for b in lifted if b not in views]
@@ -164,10 +168,6 @@ def _read_by_main(main: relax.Function, bindings: list[relax.Binding],
     return [b.var for b in lifted if b.var in read]
 
 
-def _is_reshape(mod: tvm.IRModule, binding: relax.Binding) -> bool:
-    return relax.analysis.has_reshape_pattern(mod[binding.value.args[0]])
-
-
 def _returned(mod: tvm.IRModule, main: relax.Function) -> set[relax.Var]:
     """The variables whose tensors main's result may be: read by its return value, through
     tuples, aliases and reshapes (RewriteDataflowReshape makes a reshape kernel a view)."""
@@ -178,7 +178,7 @@ def _returned(mod: tvm.IRModule, main: relax.Function) -> set[relax.Var]:
                 continue
             value = binding.value
             kernel = isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)
-            if not kernel or relax.analysis.has_reshape_pattern(mod[value.args[0]]):
+            if not kernel or is_view(value, mod):
                 returned.update(vars_in(value))
     return returned
 

@@ -241,7 +241,7 @@ class SavedGraph:
         use_torch = any(type(v).__module__.startswith("torch") for _, v in leaves)
         flat = [self._check(i, value, use_torch) for i, (_, value) in enumerate(leaves)]
         rng = [self._seed()] if any(k == "rng" for k, _ in self._sources) else []
-        state = [self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant")]
+        state = self._program_state()
         results = self._entry(*flat, *rng, *state, *self._optimizer_inputs(), *self._packed)
         n_mut, n_user = len(self._mutations), self._num_user_outputs
         for (kind, target), value in zip(self._mutations, results[:n_mut]):
@@ -261,7 +261,11 @@ class SavedGraph:
             pack = releasing(self._vm, PACK_FUNCTION)
         except AttributeError:  # TVM's answer for a function the program does not have
             return []
-        return list(pack(*(self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant"))))
+        return list(pack(*self._program_state()))
+
+    def _program_state(self) -> list:
+        """The parameters, buffers and constants the program takes after its inputs, in order."""
+        return [self._state[t] for k, t in self._sources if k in ("parameter", "buffer", "constant")]
 
     def _optimizer_inputs(self) -> list:
         """A train step's optimizer state, then one float64 hyperparameter vector per group."""

@@ -300,7 +300,7 @@ class CompiledGraph:
         passed_state, copied = runnable_all(state, thorough=False)
         passed_extra = runnable_all(extra, thorough=False)[0] if extra else ()
         if self.packed_weights is not None:
-            passed_extra = self.packed_weights.get(state, passed_state)
+            passed_extra = (*passed_extra, *self.packed_weights.get(state, passed_state))
         try:
             results = self._entry(*inputs, *rng, *passed_state, *passed_extra)
         except Exception:  # the VM raises plain errors; say which tensor is at fault
