@@ -10,14 +10,23 @@
   axis ("split_indices must be sorted"). Here each part is a strided slice, an empty one an
   empty `full`.
 
+- `relax.index_put` with `accumulate=True` (`x.index_add_(0, idx, v)`, `x.index_put_(...,
+  accumulate=True)`, `x[idx] += v` as torch.export writes it): TOPI's kernel adds each value in a
+  parallel loop over the values, `out[index[k]] += values[k]`, so two threads adding at one
+  repeated index raced and one sum was lost (a graph neural net's `index_add_` over an edge
+  list: 1 call in 8 wrong by up to 2.5, a different call each time). Here the adds run as
+  TOPI's `scatter_elements` does them, serially along the indexed axis, on x flattened.
+
 Importing this module registers them (at a level above TVM's own).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
-from tvm import relax, tirx, topi
+from tvm import relax, te, tirx, topi
 from tvm.relax.transform.legalize_ops.common import _try_convert_to_scalar_const
+from tvm.relax.transform.legalize_ops.manipulate import _index_put as tvm_index_put
 from tvm.relax.transform.legalize_ops.manipulate import _split as tvm_split
 
 _LEVEL = 11  # TVM registers its legalizations at level 10
@@ -85,3 +94,41 @@ def _split(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 tvm.ir.register_op_attr("relax.split", "FLegalize", _split, level=_LEVEL)
+
+
+def _accumulate_into(data: te.Tensor, *rest: te.Tensor) -> te.Tensor:
+    """`data` with `values` added at `indices` (one index tensor per dim of data, broadcast
+    together; negative indices count from the end), repeated indices summed."""
+    *indices, values = rest
+    shape = [int(d) for d in topi.utils.get_const_tuple(data.shape)]
+    broadcast = list(np.broadcast_shapes(*[tuple(int(d) for d in topi.utils.get_const_tuple(i.shape)) for i in indices]))
+    count = int(np.prod(broadcast, dtype=np.int64))
+    indices = [topi.reshape(topi.broadcast_to(i, broadcast), (count,)) for i in indices]
+    if int(np.prod(topi.utils.get_const_tuple(values.shape), dtype=np.int64)) != count:
+        values = topi.broadcast_to(values, broadcast)
+    values = topi.reshape(values, (count,))
+
+    def flat_index(k: tirx.PrimExpr) -> tirx.PrimExpr:
+        flat = tirx.const(0, "int64")
+        for index, size in zip(indices, shape):
+            i = index[k].astype("int64")
+            flat = flat * size + tirx.Select(i < 0, i + size, i)
+        return flat
+
+    flat = te.compute((count,), flat_index, name="flat_index")
+    total = int(np.prod(shape, dtype=np.int64))
+    summed = topi.scatter_elements(topi.reshape(data, (total,)), flat, values, axis=0, reduction="add")
+    return topi.reshape(summed, shape)
+
+
+def _index_put(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    indices = call.args[1]
+    fields = list(indices.fields) if isinstance(indices, relax.Tuple) else [indices]
+    static = all(isinstance(d, tirx.IntImm) for e in (call.args[0], *fields, call.args[2])
+                 for d in (e.ty.shape or [None]))
+    if not call.attrs.accumulate or not static:
+        return tvm_index_put(bb, call)
+    return bb.call_te(_accumulate_into, call.args[0], *fields, call.args[2], primfunc_name_hint="index_put_add")
+
+
+tvm.ir.register_op_attr("relax.index_put", "FLegalize", _index_put, level=_LEVEL)

@@ -92,6 +92,27 @@ def test_indexing_matches_eager(name: str) -> None:
         assert torch.equal(out, expected)
 
 
+ACCUMULATIONS = {
+    "index_add_": lambda x, idx, v: x.index_add_(0, idx % 5, v),  # index_add_ takes no negative index
+    "index_put_accumulate": lambda x, idx, v: x.index_put_((idx,), v, accumulate=True),
+    "add_at_indices": lambda x, idx, v: x.index_put_((idx, idx % 3), v[:, 0], accumulate=True),
+}
+
+
+@pytest.mark.parametrize("name", list(ACCUMULATIONS))
+def test_accumulating_at_repeated_indices_sums_every_value(name: str) -> None:
+    """Thousands of values added at a few repeated indices: TOPI's index_put added them in a
+    parallel loop, and two threads adding at one index lost a sum (legalize_fixes.py). Values
+    of whole numbers: any order of the adds gives the exact sum, so the graph must equal eager."""
+    fn = ACCUMULATIONS[name]
+    graph = ModuleGraph(Fn(lambda x, idx, v: fn(x.clone(), idx, v)))
+    for _ in range(3):
+        x = torch.zeros(5, 3)
+        idx = torch.randint(-5, 5, (20000,))
+        v = torch.randint(-3, 4, (20000, 3)).float()
+        assert torch.equal(graph(x, idx, v), fn(x.clone(), idx, v))
+
+
 class MaskedActivations(nn.Module):
     """A leaky ReLU written as masked assignments, then indexing by pairs of index tensors."""
 
