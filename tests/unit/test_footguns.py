@@ -98,3 +98,29 @@ def test_random_ops_in_build_draw_at_every_call_not_frozen() -> None:
 
     with pytest.raises(errors.UnsupportedOpError, match=r"aten.poisson.default from build\(\) itself"):
         Counts()(torch.ones(3))
+
+
+def test_transformer_encoder_with_a_padding_mask_computes_padded_positions_as_the_slow_path() -> None:
+    """Under no_grad in eval, eager's nn.TransformerEncoder runs a nested-tensor fast path that
+    writes 0 at the padded positions; the graph computes them as eager's general path does
+    (which eager also runs with grad enabled). Every position that is not padding is eager's."""
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2).eval()
+
+    class Encode(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.encoder = encoder
+
+        def build(self, x, pad):
+            return self.encoder(x, src_key_padding_mask=pad)
+
+    x, pad = torch.randn(3, 6, 16), torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    got = Encode()(x, pad)
+    with torch.no_grad(), pytest.warns(UserWarning, match="nested tensors is in prototype"):
+        fast = encoder(x, src_key_padding_mask=pad)
+    general = encoder(x, src_key_padding_mask=pad).detach()  # grad enabled: the general path
+    torch.testing.assert_close(got, general, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[~pad], fast[~pad], atol=2e-5, rtol=2e-5)
+    assert not fast[pad].any() and got[pad].abs().min() > 0  # should be 0 at padding, as eager's fast path!
