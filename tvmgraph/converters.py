@@ -396,8 +396,9 @@ def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     a whole dim) name fewer dims than x has, as `x[idx] += v` on a matrix: every dim gets an
     index, the whole ones an `arange`, all broadcast to the indexing result's shape. TVM's
     index_put needs one index a dim; the stock converter padded only leading dims and failed on
-    the others. Negative indices count from the end and all are clamped into x, as `take`'s.
-    A boolean mask goes to `advanced_indexing.masked_put`."""
+    the others. Sizes may be symbolic (a dynamic batch) where the index tensors' shapes are
+    equal. Negative indices count from the end and all are clamped into x, as `take`'s (by the
+    legalization, tvmgraph/legalize_fixes.py). A boolean mask goes to `advanced_indexing.masked_put`."""
     if advanced_indexing.uses_mask(node):
         return advanced_indexing.masked_put(node, importer)
     bb = importer.block_builder
@@ -405,23 +406,18 @@ def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     indices = list(node.args[1])
     values = importer.env[node.args[2]]
     accumulate = bool(_arg(node, 3, "accumulate", False))
-    shape = x.ty.shape.values
+    shape = list(x.ty.shape.values)
     given = [d for d, i in enumerate(indices) if i is not None]
-    if (not given or given != list(range(given[0], given[-1] + 1))
-            or any(not isinstance(d, tvm.tirx.IntImm) for d in shape)):
+    batch = _index_batch([importer.env[indices[d]] for d in given]) if given else None
+    if batch is None or given != list(range(given[0], given[-1] + 1)):
         return importer._index_put(node)  # TVM's layout rules for the other cases
     indices += [None] * (len(shape) - len(indices))
-    tensors = [importer.env[indices[d]] for d in given]
-    batch = list(np.broadcast_shapes(*[tuple(int(v) for v in t.ty.shape.values) for t in tensors]))
     first = given[0]
-    out_shape = [int(v) for v in shape[:first]] + batch + [int(v) for v in shape[given[-1] + 1:]]
+    out_shape = shape[:first] + batch + shape[given[-1] + 1:]
     full = []
-    for d, size in enumerate(int(v) for v in shape):
+    for d, size in enumerate(shape):
         if d in given:
-            index = bb.emit(relax.op.astype(importer.env[indices[d]], "int64"))
-            index = bb.emit(relax.op.where(relax.op.less(index, relax.const(0, "int64")),
-                                           relax.op.add(index, relax.const(size, "int64")), index))
-            index = bb.emit(relax.op.broadcast_to(relax.op.clip(index, 0, size - 1), batch))
+            index = bb.emit(relax.op.broadcast_to(relax.op.astype(importer.env[indices[d]], "int64"), batch))
             index = bb.emit(relax.op.reshape(index, [1] * first + batch + [1] * (len(out_shape) - first - len(batch))))
         else:
             at = d if d < first else d - len(given) + len(batch)
@@ -435,6 +431,19 @@ def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
         summed = bb.emit(relax.op.index_put(x, relax.Tuple(full), values, True))
         return bb.emit(relax.op.not_equal(summed, relax.const(0, "int32")))
     return bb.emit(relax.op.index_put(x, relax.Tuple(full), values, accumulate))
+
+
+def _index_batch(tensors: list[relax.Expr]) -> list[tvm.tirx.PrimExpr] | None:
+    """The shape the index tensors broadcast to: numpy's rules where every size is known, their
+    common shape where some are symbolic and all are equal; None otherwise."""
+    shapes = [list(t.ty.shape.values) for t in tensors]
+    if all(isinstance(d, tvm.tirx.IntImm) for dims in shapes for d in dims):
+        return [tvm.tirx.IntImm("int64", d) for d in np.broadcast_shapes(*[tuple(int(d) for d in dims) for dims in shapes])]
+    analyzer = tvm.sym.Analyzer()
+    if all(len(dims) == len(shapes[0]) and all(analyzer.can_prove_equal(a, b) for a, b in zip(dims, shapes[0]))
+           for dims in shapes):
+        return shapes[0]
+    return None
 
 
 def add_or_sub(kind: str) -> Converter:

@@ -15,12 +15,18 @@
   parallel loop over the values, `out[index[k]] += values[k]`, so two threads adding at one
   repeated index raced and one sum was lost (a graph neural net's `index_add_` over an edge
   list: 1 call in 8 wrong by up to 2.5, a different call each time). Here the adds run as
-  TOPI's `scatter_elements` does them, serially along the indexed axis, on x flattened.
+  TOPI's `scatter_elements` does them, serially along the indexed axis, on x flattened. Every
+  `index_put` (accumulating or not) also counts negative indices from the end and clamps them
+  into x here, where sizes may be symbolic (a dynamic batch: the converter's relax ops could
+  not, and such a graph failed to compile).
 
 Importing this module registers them (at a level above TVM's own).
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import numpy as np
 import tvm
@@ -96,39 +102,59 @@ def _split(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 tvm.ir.register_op_attr("relax.split", "FLegalize", _split, level=_LEVEL)
 
 
-def _accumulate_into(data: te.Tensor, *rest: te.Tensor) -> te.Tensor:
-    """`data` with `values` added at `indices` (one index tensor per dim of data, broadcast
-    together; negative indices count from the end), repeated indices summed."""
+def _common_shape(tensors: list[te.Tensor]) -> list[tirx.PrimExpr] | None:
+    """The shape `tensors` broadcast to: numpy's rules where every size is known, their common
+    shape where some are symbolic (a dynamic batch) and all are equal; else None."""
+    shapes = [list(t.shape) for t in tensors]
+    if all(isinstance(d, tirx.IntImm) for dims in shapes for d in dims):
+        return [int(d) for d in np.broadcast_shapes(*[tuple(int(d) for d in dims) for dims in shapes])]
+    analyzer = tvm.sym.Analyzer()
+    if all(len(dims) == len(shapes[0]) and all(analyzer.can_prove_equal(a, b) for a, b in zip(dims, shapes[0]))
+           for dims in shapes):
+        return shapes[0]
+    return None
+
+
+def _put(data: te.Tensor, *rest: te.Tensor, accumulate: bool) -> te.Tensor:
+    """`data` with `values` written (or added) at `indices`, one index tensor per dim of data,
+    broadcast together, flattened to one position per value; negative indices count from the
+    end and every index is clamped into data (as `take`'s). Added values at a repeated index
+    are summed one after the other; without `accumulate`, under symbolic sizes, written one
+    after the other (the last wins, where torch leaves it unspecified)."""
     *indices, values = rest
-    shape = [int(d) for d in topi.utils.get_const_tuple(data.shape)]
-    broadcast = list(np.broadcast_shapes(*[tuple(int(d) for d in topi.utils.get_const_tuple(i.shape)) for i in indices]))
-    count = int(np.prod(broadcast, dtype=np.int64))
-    indices = [topi.reshape(topi.broadcast_to(i, broadcast), (count,)) for i in indices]
-    if int(np.prod(topi.utils.get_const_tuple(values.shape), dtype=np.int64)) != count:
-        values = topi.broadcast_to(values, broadcast)
-    values = topi.reshape(values, (count,))
+    shape = list(data.shape)
+    common = _common_shape(indices)
+    count = functools.reduce(operator.mul, common, 1)
+    indices = [topi.reshape(topi.broadcast_to(i, common), (count,)) for i in indices]
+    values = topi.reshape(topi.broadcast_to(values, common), (count,))
 
-    def flat_index(k: tirx.PrimExpr) -> tirx.PrimExpr:
-        flat = tirx.const(0, "int64")
-        for index, size in zip(indices, shape):
+    def inside(index: te.Tensor, size: tirx.PrimExpr) -> te.Tensor:
+        def at(k):
             i = index[k].astype("int64")
-            flat = flat * size + tirx.Select(i < 0, i + size, i)
-        return flat
+            size64 = tirx.Cast("int64", size)
+            return tirx.max(tirx.min(tirx.Select(i < 0, i + size64, i), size64 - 1), tirx.const(0, "int64"))
+        return te.compute((count,), at, name="index_inside")
 
-    flat = te.compute((count,), flat_index, name="flat_index")
-    total = int(np.prod(shape, dtype=np.int64))
-    summed = topi.scatter_elements(topi.reshape(data, (total,)), flat, values, axis=0, reduction="add")
-    return topi.reshape(summed, shape)
+    indices = [inside(i, size) for i, size in zip(indices, shape)]
+    if not accumulate and isinstance(count, int):  # TOPI's writes in parallel (its checks need sizes)
+        return topi.index_put(data, indices, values, accumulate=False)
+    flat = te.compute((count,), lambda k: functools.reduce(
+        lambda f, pair: f * tirx.Cast("int64", pair[1]) + pair[0][k], zip(indices, shape), tirx.const(0, "int64")),
+        name="flat_index")
+    total = functools.reduce(operator.mul, shape, 1)
+    put = topi.scatter_elements(topi.reshape(data, (total,)), flat, values, axis=0,
+                                reduction="add" if accumulate else "update")
+    return topi.reshape(put, shape)
 
 
 def _index_put(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     indices = call.args[1]
     fields = list(indices.fields) if isinstance(indices, relax.Tuple) else [indices]
-    static = all(isinstance(d, tirx.IntImm) for e in (call.args[0], *fields, call.args[2])
-                 for d in (e.ty.shape or [None]))
-    if not call.attrs.accumulate or not static:
+    shapes = [f.ty.shape for f in fields]
+    if any(s is None for s in shapes) or _common_shape([te.placeholder(s.values) for s in shapes]) is None:
         return tvm_index_put(bb, call)
-    return bb.call_te(_accumulate_into, call.args[0], *fields, call.args[2], primfunc_name_hint="index_put_add")
+    return bb.call_te(_put, call.args[0], *fields, call.args[2], accumulate=bool(call.attrs.accumulate),
+                      primfunc_name_hint="index_put_add" if call.attrs.accumulate else "index_put")
 
 
 tvm.ir.register_op_attr("relax.index_put", "FLegalize", _index_put, level=_LEVEL)

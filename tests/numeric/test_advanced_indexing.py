@@ -212,6 +212,36 @@ def test_indexing_under_a_dynamic_batch_matches_eager_with_one_program() -> None
     assert len(graph._state().entries) == 1
 
 
+def test_index_put_under_a_dynamic_batch_matches_eager_with_one_program() -> None:
+    """Scatters into a symbolic batch and from it into a fixed table (a graph network's edges):
+    the index tensors' and x's sizes are symbolic; such a graph failed to compile (the
+    converter's indices needed every size known)."""
+
+    def scatter(x, idx, v):
+        return (x.clone().index_add_(0, idx % 4, v),
+                torch.zeros(7, 3).index_put_((idx % 7, idx % 3), v[:, 0], accumulate=True),
+                x.clone().index_put_((idx % 5,), v * 2))  # no accumulation: one of the writers wins
+
+    class Dynamic(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.config.enable_dynamic_batch(True)
+
+        def build(self, x, idx, v):
+            return scatter(x, idx, v)
+
+    graph = Dynamic()
+    for batch in (600, 900, 5):
+        x, idx = torch.randn(batch, 3), torch.randint(0, 100, (batch,))
+        v = torch.randint(-3, 4, (batch, 3)).float()
+        got, expected = graph(x, idx, v), scatter(x, idx, v)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        written = torch.zeros(batch, dtype=torch.bool)
+        written[idx % 5] = True
+        assert torch.equal(got[2][~written], x[~written])  # rows no index names are x's
+    assert len(graph._state().entries) == 1
+
+
 def test_masked_select_under_a_dynamic_batch_matches_eager() -> None:
     """torch.masked_select of a tensor and a mask of the same symbolic shape (its shape check
     called tvm.ir.structural_equal, which TVM 0.27 does not have: a CompileError at any batch);
