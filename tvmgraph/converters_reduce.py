@@ -761,10 +761,15 @@ def embedding_bag(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
     weights = bb.emit(op.where(member, relax.const(1, dtype), relax.const(0, dtype)))
     count = bb.emit(op.sum(weights, [1], keepdims=True))
     if mode == 2:
+        # Each bag's maximum read at its first position (argmax), as eager's `max_indices`: the
+        # gradient goes to that row alone; a `max` would share it between tied rows.
         candidates = bb.emit(op.where(op.expand_dims(member, 2), op.expand_dims(rows, 0),
                                       relax.const(-math.inf, dtype)))
-        out = bb.emit(op.where(op.greater(count, relax.const(0, dtype)), op.max(candidates, [1]),
-                               relax.const(0, dtype)))
+        # (16-bit values compared as float32, the same order: TVM's argmax of bfloat16 failed to build)
+        ordered = candidates if dtype in ("float32", "float64") else op.astype(candidates, "float32")
+        first = bb.emit(op.argmax(ordered, axis=1, keepdims=True))
+        best = bb.emit(op.squeeze(op.gather_elements(candidates, first, axis=1), [1]))
+        out = bb.emit(op.where(op.greater(count, relax.const(0, dtype)), best, relax.const(0, dtype)))
     else:
         out = bb.emit(op.matmul(weights, rows, out_dtype=dtype))
         if mode == 1:

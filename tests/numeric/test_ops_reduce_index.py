@@ -302,6 +302,27 @@ def test_gradient_matches_eager(name: str) -> None:
         assert_close(args[i] - p.detach(), leaves[i].grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_bag_max_gives_a_tied_maximum_its_first_row_s_gradient(padding_idx: int | None) -> None:
+    """A table of small integers: rows tie for a bag's maximum. Eager's gradient goes to the row
+    its `max_indices` names (the first maximum); a `max` reduction shared it between the tied
+    rows (found by a sweep: every call of a training graph off, by up to 3.7). An empty bag
+    (offsets 2, 2) and repeated ids too."""
+    torch.manual_seed(0)
+    table = torch.randint(-1, 2, (6, 4)).float()
+    ids, offsets = torch.tensor([0, 1, 2, 2, 3, 1, 4, 5, 0]), torch.tensor([0, 2, 2, 6])
+    weights = torch.randn(4, 4)
+
+    def loss(w):
+        return (F.embedding_bag(ids, w, offsets, mode="max", padding_idx=padding_idx) * weights).sum()
+
+    leaf = table.clone().requires_grad_()
+    loss(leaf).backward()
+    model = LossOfParameters(lambda w: (loss(w),), (table,), [0])
+    SGDStep(model)(torch.ones(()))
+    assert_close(table - model.params[0].detach(), leaf.grad, atol=1e-6, rtol=1e-6)
+
+
 def test_as_strided_scatter_gradient_is_the_true_one() -> None:
     """y = as_strided_scatter(x, s, ...): dy/dx is 1 where s does not land, 0 where it does.
     Eager's backward puts x's gradient on the overwritten elements instead (OpInfo expects its
