@@ -291,7 +291,7 @@ def _window_counts(size: int, pad: int, kernel: int, stride: int, out: int, coun
 
 def _adaptive_max_indices(x: te.Tensor, out_size: list[int]) -> te.Tensor:
     """torch's adaptive max-pool indices: the flat offset in the input plane of each window's
-    first maximum (its first NaN if it holds one); window ``i`` of ``n -> o`` spans
+    first maximum (its last NaN if it holds one); window ``i`` of ``n -> o`` spans
     ``[floor(i n / o), ceil((i + 1) n / o))``."""
     rank = len(out_size)
     spatial = [int(d) for d in x.shape[-rank:]]
@@ -326,20 +326,22 @@ def _adaptive_max_indices(x: te.Tensor, out_size: list[int]) -> te.Tensor:
         axes = reduce_axes("f")
         value, valid, flat = window(index, axes)
         hit = tir.all(valid, tir.any(value == maximum(*index), tir.isnan(value)))
-        # a NaN's flat offset counts first: offset - size (negative) so that min() prefers it
-        key = tir.Select(tir.isnan(value), flat - int(np.prod(spatial)), flat)
+        # a NaN counts first, the last NaN first of all: -(offset + 1) (negative), so that min()
+        # prefers it, as torch's scan (`val > max || isnan(val)`) keeps the last NaN
+        key = tir.Select(tir.isnan(value), -flat - 1, flat)
         return te.min(tir.Select(hit, key, none), axis=axes)
 
     keyed = te.compute(shape, first, name="adaptive_max_first")
-    size = int(np.prod(spatial))
-    return te.compute(shape, lambda *i: tir.Select(keyed(*i) < 0, keyed(*i) + size, keyed(*i)),
+    return te.compute(shape, lambda *i: tir.Select(keyed(*i) < 0, -keyed(*i) - 1, keyed(*i)),
                       name="adaptive_max_indices")
 
 
 def _adaptive_max_along(bb: relax.BlockBuilder, x: relax.Expr, axis: int, out: int) -> relax.Expr:
     """The max over each adaptive window along `axis`: x with a -inf row appended, `take` of
-    each window's rows padded to the longest window with that row, then max over them (the -inf
-    rows never win, nor get a gradient)."""
+    each window's rows padded to the longest window with that row, then the row torch's kernel
+    picks read from each window (`gather_elements`), so that the gradient goes to it alone: the
+    first maximum, or the last NaN where the window holds one (torch's `val > max || isnan(val)`
+    scan). The -inf rows never win, nor get a gradient."""
     shape = _static_shape(x, "adaptive_max_pool")
     size = shape[axis]
     if size == out:
@@ -352,14 +354,26 @@ def _adaptive_max_along(bb: relax.BlockBuilder, x: relax.Expr, axis: int, out: i
     extended = bb.emit(relax.op.concat([x, lowest], axis=axis))
     taken = bb.emit(relax.op.take(extended, relax.const(rows.reshape(-1), "int64"), axis=axis))
     windows = bb.emit(relax.op.reshape(taken, [*shape[:axis], out, longest, *shape[axis + 1:]]))
-    return bb.emit(relax.op.max(windows, axis=[axis + 1]))
+    window = axis + 1
+    nan = bb.emit(relax.op.isnan(windows))
+    # 16-bit values compared as float32, the same order (TVM's bfloat16 argmax failed to build)
+    ordered = windows if x.ty.dtype.dtype in ("float32", "float64") else relax.op.astype(windows, "float32")
+    finite = bb.emit(relax.op.where(nan, relax.const(-np.inf, "float32" if ordered is not windows else x.ty.dtype.dtype),
+                                    ordered))
+    first_max = bb.emit(relax.op.argmax(finite, axis=window, keepdims=True))
+    positions = relax.const(np.arange(1, longest + 1).reshape([longest] + [1] * (len(shape) - window)), "int64")
+    nan_at = bb.emit(relax.op.multiply(relax.op.astype(nan, "int64"), positions))  # 0, or the position + 1
+    last_nan = bb.emit(relax.op.max(nan_at, axis=[window], keepdims=True))
+    picked = bb.emit(relax.op.where(relax.op.greater(last_nan, relax.const(0, "int64")),
+                                    relax.op.subtract(last_nan, relax.const(1, "int64")), first_max))
+    return bb.emit(relax.op.squeeze(relax.op.gather_elements(windows, picked, axis=window), [window]))
 
 
 def adaptive_max_pool(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """(values, int64 indices) of `adaptive_max_pool{2,3}d` (and `adaptive_max_pool1d`, which
     decomposes to the 2-D op). Windows that tile the plane are a max pooling; others are
-    separable: one axis at a time, whose gradient is shared among tied maxima of a window
-    (torch gives it to the indexed one)."""
+    separable: one axis at a time, the last axis first, so that a window's pick is the first
+    maximum in torch's row-major scan (or its last NaN) and gets the whole gradient."""
     bb = importer.block_builder
     rank = 3 if node.target.__name__.startswith("adaptive_max_pool3d") else 2
     x = importer.env[node.args[0]]
@@ -376,7 +390,7 @@ def adaptive_max_pool(node: torch.fx.Node, importer: ExportedProgramImporter) ->
         values = bb.emit(relax.op.squeeze(values, axis=[0]) if unbatched else values)
     else:
         values = x
-        for axis, out in enumerate(out_size):
+        for axis, out in reversed(list(enumerate(out_size))):
             values = _adaptive_max_along(bb, values, x.ty.ndim - rank + axis, out)
     indices = values
     if _output_used(node, 1):

@@ -211,6 +211,50 @@ def test_adaptive_max_pool_indices() -> None:
         assert_close(actual, expected)
 
 
+class _Pooled(nn.Module):
+    def __init__(self, x: torch.Tensor, fn: Callable):
+        super().__init__()
+        self.x, self.fn = nn.Parameter(x.clone()), fn
+
+    def forward(self, weights: torch.Tensor) -> torch.Tensor:
+        return (self.fn(self.x) * weights).sum()
+
+
+@pytest.mark.parametrize("fn, x", [
+    (lambda x: F.adaptive_max_pool1d(x, 4), torch.randint(0, 2, (2, 3, 9)).float()),
+    (lambda x: F.adaptive_max_pool2d(x, (3, 4)), torch.randint(0, 2, (2, 3, 7, 9)).float()),
+    (lambda x: F.adaptive_max_pool2d(torch.relu(x), (3, 5)), torch.randn(2, 3, 7, 8)),
+    (lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)), torch.randint(0, 2, (1, 2, 5, 7, 3)).float()),
+], ids=["1d-ties", "2d-ties", "2d-after-relu", "3d-ties"])
+def test_adaptive_max_pool_gives_a_window_s_gradient_to_its_first_maximum(fn: Callable, x: torch.Tensor) -> None:
+    """Windows that do not tile the plane, holding ties (zeros and ones, a ReLU's zeros): torch
+    gives each window's gradient to its first maximum in row-major order; a `max` over the
+    window shared it between the tied elements."""
+    weights = torch.randn_like(fn(x))
+    leaf = x.clone().requires_grad_()
+    (fn(leaf) * weights).sum().backward()
+    model = _Pooled(x, fn)
+    SGDStep(model)(weights)
+    assert_close(x - model.x.detach(), leaf.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_adaptive_max_pool_of_a_window_holding_nan_is_nan() -> None:
+    x = torch.randn(1, 2, 5, 7)
+    x[0, 0, 1, 2] = x[0, 0, 1, 4] = x[0, 1, 3, 0] = float("nan")
+    fn = lambda t: F.adaptive_max_pool2d(t, (2, 3), return_indices=True)  # noqa: E731
+    for actual, expected in zip(ModuleGraph(_Fn(fn))(x), fn(x)):
+        assert_close(actual, expected, equal_nan=True)
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def test_batch_norm_with_update() -> None:
     """aten._batch_norm_with_update: eager's output and saved statistics, and the running
     statistics updated in place as eager updates them."""
