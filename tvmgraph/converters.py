@@ -67,7 +67,8 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 
 from . import (advanced_indexing, converters_activation, converters_cholesky, converters_floor_division,
                converters_histogram, converters_integer_power, converters_linalg, converters_nn, converters_reduce,
-               converters_shift, converters_sort, converters_special, converters_xlogy, stop_gradient)
+               converters_shift, converters_sort, converters_special, converters_xlogy, stop_gradient,
+               symbolic_scalars)
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, as_dtype, isnan, operand,
                             result_dtype, stock_converter)
 
@@ -637,3 +638,4 @@ CONVERTERS.update(converters_linalg.CONVERTERS)
 CONVERTERS.update(converters_cholesky.CONVERTERS)
 CONVERTERS.update(converters_sort.CONVERTERS)
 CONVERTERS.update(stop_gradient.CONVERTERS)
+CONVERTERS.update(symbolic_scalars.CONVERTERS)

@@ -6,7 +6,8 @@ computed these in the integer dtype (3 / 2 gave 1, x * 0.5 gave 0, silently) and
 compile `bool + bool`. Here the tensor inputs of each op in `PROMOTING` are cast to torch's
 computation dtype first (the output's dtype; for comparisons `torch.result_type` of the inputs;
 int8 for arithmetic on bools), so the importer's constants take that dtype too, and the result
-is cast to the dtype torch gives where they still differ. `cumsum`, `cumprod` and `prod` of
+is cast to the dtype torch gives where they still differ. A dynamic batch's size among the inputs
+(a symbolic int) becomes a 0-d tensor of that dtype (symbolic_scalars.py). `cumsum`, `cumprod` and `prod` of
 int32, int8 or bool count in int64, as torch's do (they overflowed in int32, or failed).
 """
 
@@ -18,6 +19,7 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 
 from .converter_wrapping import Converter, converter_for, with_inputs, wrap_ops
 from .converters_nn import result_dtype
+from .symbolic_scalars import is_symbolic_scalar, scalar_tensor
 
 _COMPARISONS = {f"{op}.{kind}" for op in ("eq", "ne", "lt", "le", "gt", "ge") for kind in ("Tensor", "Scalar")}
 _ARITHMETIC = {
@@ -86,6 +88,8 @@ def promoting(key: str, inner: Converter | None) -> Converter:
                 if isinstance(expr, relax.Expr) and isinstance(expr.ty, relax.TensorType) \
                         and expr.ty.dtype.dtype != target:
                     cast[arg] = bb.emit(relax.op.astype(expr, target))
+                elif is_symbolic_scalar(expr):  # a dynamic batch's size (`loss / x.shape[0]`)
+                    cast[arg] = scalar_tensor(bb, expr, target)
         out = with_inputs(importer, cast, lambda: run(node, importer))
         want = result_dtype(node)
         if isinstance(out, relax.Expr) and isinstance(out.ty, relax.TensorType) and out.ty.dtype.dtype != want:

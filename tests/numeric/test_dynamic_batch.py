@@ -324,6 +324,28 @@ def test_fills_of_the_batch_shape_train_like_eager() -> None:
     assert graph.num_compiled == 1
 
 
+def test_arithmetic_on_the_batch_size_trains_like_eager() -> None:
+    """`loss / x.shape[0]`, `x * (n / 8.0)`, `/ (n * 5)`, `+ n`: the batch size is a symbolic int,
+    which reached a tensor op as an int64 scalar beside a float tensor (a CompileError), and
+    Python's float arithmetic on it (`torch.sym_float`, `/`) had no converter
+    (tvmgraph/symbolic_scalars.py)."""
+
+    class PerSample(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 4)
+
+        def forward(self, x):
+            n = x.shape[0]
+            h = self.lin(x) * (n / 8.0) + n
+            return h / (n * 5) + h.sum() / x.shape[0] + x.new_ones(n).sum() / n
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(n, 6), torch.randn(n, 4)) for n in (8, 3, 5)]
+    graph = run_dynamic_side_by_side(PerSample(), batches, loss_fn=nn.MSELoss())
+    assert graph.num_compiled == 1
+
+
 def test_causal_padding_and_amax_train_like_eager() -> None:
     """A WaveNet's causal `F.pad` of the time axis and a max over time (`amax`): their gradients
     read static shapes only, so the dynamic batch failed ("relax.nn.pad: tvmgraph.gradients
