@@ -193,5 +193,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handlers[command](args)
 
 
+def run(argv: Sequence[str] | None = None) -> int:
+    """The `tvmgraph` console script: `main`, with tvmgraph's own errors (a script without its
+    factory, an unsupported target, a failed tune) printed as one line and exit status 1 instead
+    of a traceback through this module; any other exception is a bug and keeps its traceback."""
+    from tvmgraph.errors import TvmGraphError
+
+    try:
+        return main(argv)
+    except TvmGraphError as error:
+        print(f"tvmgraph: error: {error}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

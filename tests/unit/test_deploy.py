@@ -313,6 +313,11 @@ def test_cli_export_for_the_host_runs_here(tmp_path: Path, capsys: pytest.Captur
     assert_close(tvmgraph.load(tmp_path / "out")(torch.ones(3, 6)), eager(torch.ones(3, 6)).detach())
     with pytest.raises(SaveError, match="has no function nothing"):
         cli.main(["export", f"{tmp_path / 'net.py'}:nothing", "-o", str(tmp_path / "x")])
+    # The console script prints the error as one line, no traceback, and exits with 1.
+    assert cli.run(["export", f"{tmp_path / 'net.py'}:nothing", "-o", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tvmgraph: error: tvmgraph export: {tmp_path / 'net.py'} has no function nothing()\n")
+    assert "Traceback" not in err and "docs/errors.md" in err
 
 
 @pytest.mark.slow
