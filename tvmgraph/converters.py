@@ -171,9 +171,19 @@ def matmul(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
 
 
 def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """x.select(dim, index) with a constant index: a one-wide strided_slice, squeezed."""
+    """x.select(dim, index) with a constant index: a one-wide strided_slice, squeezed. An index
+    read from a tensor (`x[i]` with a 0-d int tensor, which export writes as `select(x, 0,
+    i.item())`) is a `take` of that tensor, negative values counting from the end."""
     bb = importer.block_builder
-    x, dim, index = importer.env[node.args[0]], int(node.args[1]), int(node.args[2])
+    x, dim = importer.env[node.args[0]], int(node.args[1])
+    if isinstance(node.args[2], torch.fx.Node):
+        item = node.args[2]
+        taken = item.args[0] if item.target in _ITEMS else None
+        index = importer.env[taken] if taken is not None else symbolic_scalars.scalar_tensor(
+            bb, importer.env[item], "int64")
+        index = bb.emit(relax.op.astype(index, "int64"))
+        return bb.emit(relax.op.take(x, index, axis=dim % len(x.ty.shape), mode="wrap"))
+    index = int(node.args[2])
     rank = len(x.ty.shape)
     dim %= rank
     size = x.ty.shape[dim]
@@ -183,6 +193,19 @@ def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
         index += int(size)
     part = bb.emit(relax.op.strided_slice(x, axes=[dim], begin=[index], end=[index + 1]))
     return bb.emit(relax.op.squeeze(part, axis=[dim]))
+
+
+_ITEMS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+
+
+def item(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`t.item()`: read only by `select` as its index (`x[i]`), nothing: `select` takes `t`
+    itself. The importer's item makes the value a symbolic size (a shape read from the tensor),
+    which autodiff refuses in a training graph even where nothing reads it."""
+    if node.users and all(user.target == torch.ops.aten.select.int and user.args[2] is node
+                          and node not in user.args[:2] for user in node.users):
+        return importer.env[node.args[0]]
+    return stock_converter(importer, node.target.__name__)(node)
 
 
 def repeat(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -613,6 +636,8 @@ CONVERTERS: dict[str, Converter] = {
     "scatter.src": clamped_index("_scatter"),
     "scatter.value": clamped_index("_scatter_value"),
     "index_put.default": index_put,
+    "item.default": item,
+    "_local_scalar_dense.default": item,
     "add.Tensor": add_or_sub("add"),
     "add.Scalar": add_or_sub("add"),
     "sub.Tensor": add_or_sub("sub"),

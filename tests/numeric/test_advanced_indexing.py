@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tvmgraph
-from tests.conftest import Fn, ModuleGraph, TrainGraph, assert_steps_match_eager
+from tests.conftest import Fn, ModuleGraph, SGDStep, TrainGraph, assert_close, assert_steps_match_eager
 from tvmgraph.errors import CompileError, UnsupportedOpError
 
 _I = torch.tensor([0, 2, -1])
@@ -111,6 +111,36 @@ def test_accumulating_at_repeated_indices_sums_every_value(name: str) -> None:
         idx = torch.randint(-5, 5, (20000,))
         v = torch.randint(-3, 4, (20000, 3)).float()
         assert torch.equal(graph(x, idx, v), fn(x.clone(), idx, v))
+
+
+class PickedByScalars(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, i, j):
+        return (self.w[i] * 2).sum() + self.w[:, j].pow(2).sum() + self.w[i, j]
+
+
+def test_indexing_by_a_0d_tensor_argument_matches_eager_with_one_program() -> None:
+    """`w[i]` with `i` a 0-d int tensor: export writes `select(w, 0, i.item())`, whose index the
+    converter took for a constant (a CompileError); the item also made a shape of a value, which
+    autodiff refuses. Both ways, negative indices too, one program for every index."""
+    torch.manual_seed(0)
+    model = PickedByScalars()
+    reference, fixed = copy.deepcopy(model), copy.deepcopy(model)
+    inference, step = ModuleGraph(fixed), SGDStep(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=1.0, momentum=0.9)  # SGDStep's
+    for i, j in [(2, 1), (-1, 3), (0, -2)]:
+        i, j = torch.tensor(i), torch.tensor(j)
+        assert_close(inference(i, j), fixed(i, j).detach())
+        optimizer.zero_grad()
+        expected = reference(i, j)
+        expected.backward()
+        optimizer.step()
+        assert_close(step(i, j), expected.detach())
+        assert_close(model.w.detach(), reference.w.detach())
+    assert inference.num_compiled == step.num_compiled == 1
 
 
 class MaskedActivations(nn.Module):
