@@ -195,6 +195,15 @@ def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
     return bb.emit(relax.op.squeeze(part, axis=[dim]))
 
 
+def neg(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """-x; of an unsigned integer, `0 - x`, which wraps as torch's does (TVM's negative of a
+    uint8 multiplies by a uint8 -1, which its legalization refuses)."""
+    x = importer.env[node.args[0]]
+    if x.ty.dtype.dtype.startswith("uint"):
+        return importer.block_builder.emit(relax.op.subtract(relax.const(0, x.ty.dtype.dtype), x))
+    return stock_converter(importer, "neg.default")(node)
+
+
 _ITEMS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
 
 
@@ -637,6 +646,7 @@ CONVERTERS: dict[str, Converter] = {
     "scatter.value": clamped_index("_scatter_value"),
     "index_put.default": index_put,
     "item.default": item,
+    "neg.default": neg,
     "_local_scalar_dense.default": item,
     "add.Tensor": add_or_sub("add"),
     "add.Scalar": add_or_sub("add"),

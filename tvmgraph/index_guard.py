@@ -3,7 +3,7 @@
 An out-of-range index makes eager torch raise IndexError; a compiled kernel has no such check
 and reads (or writes) outside its buffer: wrong numbers at best, SIGSEGV at worst. So at
 trace time `IndexGuard.of` follows every index operand of an indexing op (embedding,
-index_select, gather, scatter, take, `x[idx]`, cross-entropy / nll-loss labels, one_hot's
+index_select, gather, scatter, take, `x[idx]`, `x[i]` with a 0-d `i`, cross-entropy / nll-loss labels, one_hot's
 classes, whose in-graph assertion lower.py drops) back through
 value-preserving ops (views, casts, `where(y != ignore_index, y, 0)`, ...) to the user inputs
 it comes from, and records the range the op accepts; each call then takes one `aminmax` of each
@@ -83,6 +83,11 @@ def _index_operands(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, int, i
             size = _size(args[0], dim) if index is not None else None
             if size is not None:
                 yield index, -size, size, None  # negative indices count from the end, as in Python
+    elif key == "select.int" and isinstance(args[2], torch.fx.Node) and args[2].op == "call_function" \
+            and op_key(args[2]) in ("item.default", "_local_scalar_dense.default"):
+        size = _size(args[0], args[1])  # `x[i]` with `i` a 0-d tensor: select(x, dim, i.item())
+        if size is not None:
+            yield args[2].args[0], -size, size, None
     elif key == "take.default":
         size = _size(args[0])
         if size is not None:

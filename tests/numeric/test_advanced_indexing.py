@@ -16,7 +16,7 @@ from torch import nn
 
 import tvmgraph
 from tests.conftest import Fn, ModuleGraph, SGDStep, TrainGraph, assert_close, assert_steps_match_eager
-from tvmgraph.errors import CompileError, UnsupportedOpError
+from tvmgraph.errors import CompileError, IndexOutOfRangeError, UnsupportedOpError
 
 _I = torch.tensor([0, 2, -1])
 _J = torch.tensor([1, 3, 0])
@@ -141,6 +141,10 @@ def test_indexing_by_a_0d_tensor_argument_matches_eager_with_one_program() -> No
         assert_close(step(i, j), expected.detach())
         assert_close(model.w.detach(), reference.w.detach())
     assert inference.num_compiled == step.num_compiled == 1
+    # Out of range: eager's IndexError, before the program runs (IndexGuard), not a wrapped row.
+    for i, j in [(5, 0), (-6, 0), (0, 4)]:
+        with pytest.raises(IndexOutOfRangeError, match="out of range for aten.select"):
+            inference(torch.tensor(i), torch.tensor(j))
 
 
 class MaskedActivations(nn.Module):

@@ -245,6 +245,9 @@ FORWARD = [
     pytest.param(lambda i, j: (i / j, i / 2, torch.true_divide(i, j), i * 0.5, i + 0.25, 0.5 - i, i.abs() ** 0.5,
                                torch.sqrt(i.abs()), torch.exp(i.clamp(max=3)), torch.sigmoid(i)),
                  lambda: (_ints(), _ints().flip(0) + 7), id="promotion-int_to_float"),
+    # TVM negated a uint8 by multiplying with a uint8 -1, which its legalization refused (a PassError)
+    pytest.param(lambda u: (-u, torch.neg(u), -(u.to(torch.int8))),
+                 lambda: (torch.tensor([[27, 143, 212, 0, 1, 255]], dtype=torch.uint8),), id="neg-unsigned"),
     pytest.param(lambda i, j: (i < 0.5, i == 2.0, torch.where(i > 0, i, 0.5), torch.maximum(i, j.double()),
                                i.to(torch.uint8) * 2, i.to(torch.int8) + 1.5, torch.arange(6) / 6),
                  lambda: (_ints(), _ints().flip(1) * 1.5), id="promotion-mixed"),
