@@ -20,6 +20,11 @@
   into x here, where sizes may be symbolic (a dynamic batch: the converter's relax ops could
   not, and such a graph failed to compile).
 
+- `relax.nn.instance_norm` of float64 (an `InstanceNorm`, and a `BatchNorm` with `momentum=None`
+  or without running statistics in training, which the importer writes as an instance norm, in a
+  `model.double()`): TOPI's kernel takes float32 and float16 only ("instance_norm: only support
+  float32 and float16"). Other dtypes are computed here in TE, in their own precision.
+
 Importing this module registers them (at a level above TVM's own).
 """
 
@@ -33,6 +38,7 @@ import tvm
 from tvm import relax, te, tirx, topi
 from tvm.relax.transform.legalize_ops.common import _try_convert_to_scalar_const
 from tvm.relax.transform.legalize_ops.manipulate import _index_put as tvm_index_put
+from tvm.relax.transform.legalize_ops.nn import _nn_instance_norm as tvm_instance_norm
 from tvm.relax.transform.legalize_ops.manipulate import _split as tvm_split
 
 _LEVEL = 11  # TVM registers its legalizations at level 10
@@ -158,3 +164,31 @@ def _index_put(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 tvm.ir.register_op_attr("relax.index_put", "FLegalize", _index_put, level=_LEVEL)
+
+
+def _instance_norm(data: te.Tensor, gamma: te.Tensor, beta: te.Tensor, channel_axis: int,
+                   axes: list[int], epsilon: float) -> te.Tensor:
+    """(x - mean) / sqrt(var + eps) * gamma + beta over `axes`, gamma and beta along the
+    channel axis, in x's own dtype."""
+    dtype = data.dtype
+    count = tirx.const(functools.reduce(operator.mul, [int(data.shape[a]) for a in axes], 1), dtype)
+    mean = topi.divide(topi.sum(data, axis=axes, keepdims=True), count)
+    centered = topi.subtract(data, mean)
+    var = topi.divide(topi.sum(topi.multiply(centered, centered), axis=axes, keepdims=True), count)
+    inverse = topi.divide(tirx.const(1.0, dtype), topi.sqrt(topi.add(var, tirx.const(epsilon, dtype))))
+    along = [int(d) if i == channel_axis else 1 for i, d in enumerate(data.shape)]
+    scaled = topi.multiply(topi.multiply(centered, inverse), topi.reshape(gamma, along))
+    return topi.add(scaled, topi.reshape(beta, along))
+
+
+def _nn_instance_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    data = call.args[0]
+    if str(data.ty.dtype.dtype) in ("float32", "float16") or data.ty.shape is None:
+        return tvm_instance_norm(bb, call)
+    channel_axis = int(call.attrs.channel_axis) % data.ty.ndim
+    axes = [int(a) % data.ty.ndim for a in call.attrs.axes]
+    return bb.call_te(_instance_norm, data, call.args[1], call.args[2], channel_axis, axes,
+                      float(call.attrs.epsilon), primfunc_name_hint="instance_norm")
+
+
+tvm.ir.register_op_attr("relax.nn.instance_norm", "FLegalize", _nn_instance_norm, level=_LEVEL)

@@ -10,6 +10,7 @@ are also checked in float64 against torch and central differences (tests/numeric
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 
@@ -21,7 +22,7 @@ from torch import nn
 from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
 from tvm import relax
 
-from tests.conftest import ModuleGraph, SGDStep, assert_close
+from tests.conftest import ModuleGraph, SGDStep, TrainGraph, assert_close, assert_steps_match_eager
 from tests.numeric.grad_check import OpCase, check_op, normal, spaced
 
 op = relax.op
@@ -253,6 +254,27 @@ class _Fn(nn.Module):
 
     def forward(self, *args):
         return self.fn(*args)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.InstanceNorm2d(3, affine=True),
+    lambda: nn.BatchNorm2d(3, momentum=None),
+    lambda: nn.BatchNorm2d(3, track_running_stats=False),
+], ids=["instance_norm", "batch_norm_cumulative", "batch_norm_no_running_stats"])
+def test_float64_norms_written_as_instance_norm_train_like_eager(make) -> None:
+    """In a model.double(): TVM's instance_norm kernel takes float32 and float16 only (the
+    importer writes these norms as one), and such graphs failed to compile; computed in float64
+    now (legalize_fixes.py). Inference, then three SGD steps with the running statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), make(), nn.ReLU(), nn.Flatten(), nn.Linear(27, 2)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    frozen = copy.deepcopy(model).eval()
+    assert_close(ModuleGraph(frozen)(x), frozen(x).detach())
+    graph = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert_steps_match_eager(graph, model, reference, nn.MSELoss(), x, y, steps=3)
+    for (name, buffer), (_, expected) in zip(model.named_buffers(), reference.named_buffers()):
+        assert torch.equal(buffer, expected) if not buffer.is_floating_point() else torch.allclose(buffer, expected), name
 
 
 def test_batch_norm_with_update() -> None:
