@@ -68,6 +68,17 @@ def test_outputs_are_fresh_tensors_each_call() -> None:
     assert a.data_ptr() != b.data_ptr()
 
 
+def test_an_inference_graph_call_is_not_recorded_by_autograd() -> None:
+    """A graph call is not an autograd op (as OneFlow's): an input that requires grad gives a
+    plain output, and an eager backward() through it is torch's own error."""
+    graph = ModuleGraph(nn.Linear(2, 2))
+    x = torch.ones(1, 2, requires_grad=True)
+    out = graph(x)
+    assert not out.requires_grad and out.grad_fn is None
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out.sum().backward()  # should reach x.grad, as eager's would!
+
+
 def test_in_place_change_of_an_input_is_written_back() -> None:
     class Bumps(tvmgraph.nn.Graph):
         def build(self, x):
