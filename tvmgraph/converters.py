@@ -69,6 +69,7 @@ from . import (advanced_indexing, converters_activation, converters_cholesky, co
                converters_histogram, converters_integer_power, converters_linalg, converters_nn, converters_reduce,
                converters_shift, converters_sort, converters_special, converters_xlogy, stop_gradient,
                symbolic_scalars)
+from .legalize_fixes import broadcast_shape
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, as_dtype, isnan, operand,
                             result_dtype, stock_converter)
 
@@ -173,7 +174,8 @@ def matmul(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
 def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """x.select(dim, index) with a constant index: a one-wide strided_slice, squeezed. An index
     read from a tensor (`x[i]` with a 0-d int tensor, which export writes as `select(x, 0,
-    i.item())`) is a `take` of that tensor, negative values counting from the end."""
+    i.item())`) is a `take` of that tensor, negative values counting from the end, clamped into
+    x (an input's range is checked before the call, index_guard.py)."""
     bb = importer.block_builder
     x, dim = importer.env[node.args[0]], int(node.args[1])
     if isinstance(node.args[2], torch.fx.Node):
@@ -181,8 +183,14 @@ def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
         taken = item.args[0] if item.target in _ITEMS else None
         index = importer.env[taken] if taken is not None else symbolic_scalars.scalar_tensor(
             bb, importer.env[item], "int64")
+        dim %= len(x.ty.shape)
         index = bb.emit(relax.op.astype(index, "int64"))
-        return bb.emit(relax.op.take(x, index, axis=dim % len(x.ty.shape), mode="wrap"))
+        size = x.ty.shape[dim]
+        if not isinstance(size, tvm.tirx.IntImm):  # symbolic size: take counts from the end
+            return bb.emit(relax.op.take(x, index, axis=dim, mode="wrap"))
+        index = bb.emit(relax.op.where(relax.op.less(index, relax.const(0, "int64")),
+                                       relax.op.add(index, relax.const(int(size), "int64")), index))
+        return bb.emit(relax.op.take(x, index, axis=dim, mode="clip"))
     index = int(node.args[2])
     rank = len(x.ty.shape)
     dim %= rank
@@ -441,7 +449,7 @@ def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
     accumulate = bool(_arg(node, 3, "accumulate", False))
     shape = list(x.ty.shape.values)
     given = [d for d, i in enumerate(indices) if i is not None]
-    batch = _index_batch([importer.env[indices[d]] for d in given]) if given else None
+    batch = broadcast_shape([list(importer.env[indices[d]].ty.shape.values) for d in given]) if given else None
     if batch is None or given != list(range(given[0], given[-1] + 1)):
         return importer._index_put(node)  # TVM's layout rules for the other cases
     indices += [None] * (len(shape) - len(indices))
@@ -464,19 +472,6 @@ def index_put(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
         summed = bb.emit(relax.op.index_put(x, relax.Tuple(full), values, True))
         return bb.emit(relax.op.not_equal(summed, relax.const(0, "int32")))
     return bb.emit(relax.op.index_put(x, relax.Tuple(full), values, accumulate))
-
-
-def _index_batch(tensors: list[relax.Expr]) -> list[tvm.tirx.PrimExpr] | None:
-    """The shape the index tensors broadcast to: numpy's rules where every size is known, their
-    common shape where some are symbolic and all are equal; None otherwise."""
-    shapes = [list(t.ty.shape.values) for t in tensors]
-    if all(isinstance(d, tvm.tirx.IntImm) for dims in shapes for d in dims):
-        return [tvm.tirx.IntImm("int64", d) for d in np.broadcast_shapes(*[tuple(int(d) for d in dims) for dims in shapes])]
-    analyzer = tvm.sym.Analyzer()
-    if all(len(dims) == len(shapes[0]) and all(analyzer.can_prove_equal(a, b) for a, b in zip(dims, shapes[0]))
-           for dims in shapes):
-        return shapes[0]
-    return None
 
 
 def add_or_sub(kind: str) -> Converter:

@@ -108,16 +108,17 @@ def _split(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 tvm.ir.register_op_attr("relax.split", "FLegalize", _split, level=_LEVEL)
 
 
-def _common_shape(tensors: list[te.Tensor]) -> list[tirx.PrimExpr] | None:
-    """The shape `tensors` broadcast to: numpy's rules where every size is known, their common
-    shape where some are symbolic (a dynamic batch) and all are equal; else None."""
-    shapes = [list(t.shape) for t in tensors]
+def broadcast_shape(shapes: list[list[tirx.PrimExpr]]) -> list[tirx.PrimExpr] | None:
+    """The shape `shapes` broadcast to (index tensors'): numpy's rules where every size is
+    known (as int64 constants), their common shape where some are symbolic (a dynamic batch)
+    and all are equal; else None."""
     if all(isinstance(d, tirx.IntImm) for dims in shapes for d in dims):
-        return [int(d) for d in np.broadcast_shapes(*[tuple(int(d) for d in dims) for dims in shapes])]
+        known = np.broadcast_shapes(*[tuple(int(d) for d in dims) for dims in shapes])
+        return [tirx.IntImm("int64", int(d)) for d in known]
     analyzer = tvm.sym.Analyzer()
     if all(len(dims) == len(shapes[0]) and all(analyzer.can_prove_equal(a, b) for a, b in zip(dims, shapes[0]))
            for dims in shapes):
-        return shapes[0]
+        return list(shapes[0])
     return None
 
 
@@ -129,7 +130,10 @@ def _put(data: te.Tensor, *rest: te.Tensor, accumulate: bool) -> te.Tensor:
     after the other (the last wins, where torch leaves it unspecified)."""
     *indices, values = rest
     shape = list(data.shape)
-    common = _common_shape(indices)
+    common = broadcast_shape([list(i.shape) for i in indices])
+    static = all(isinstance(d, tirx.IntImm) for d in common)
+    if static:
+        common = [int(d) for d in common]
     count = functools.reduce(operator.mul, common, 1)
     indices = [topi.reshape(topi.broadcast_to(i, common), (count,)) for i in indices]
     values = topi.reshape(topi.broadcast_to(values, common), (count,))
@@ -142,7 +146,7 @@ def _put(data: te.Tensor, *rest: te.Tensor, accumulate: bool) -> te.Tensor:
         return te.compute((count,), at, name="index_inside")
 
     indices = [inside(i, size) for i, size in zip(indices, shape)]
-    if not accumulate and isinstance(count, int):  # TOPI's writes in parallel (its checks need sizes)
+    if not accumulate and static:  # TOPI's writes in parallel (its checks need sizes)
         return topi.index_put(data, indices, values, accumulate=False)
     flat = te.compute((count,), lambda k: functools.reduce(
         lambda f, pair: f * tirx.Cast("int64", pair[1]) + pair[0][k], zip(indices, shape), tirx.const(0, "int64")),
@@ -157,7 +161,7 @@ def _index_put(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     indices = call.args[1]
     fields = list(indices.fields) if isinstance(indices, relax.Tuple) else [indices]
     shapes = [f.ty.shape for f in fields]
-    if any(s is None for s in shapes) or _common_shape([te.placeholder(s.values) for s in shapes]) is None:
+    if any(s is None for s in shapes) or broadcast_shape([list(s.values) for s in shapes]) is None:
         return tvm_index_put(bb, call)
     return bb.call_te(_put, call.args[0], *fields, call.args[2], accumulate=bool(call.attrs.accumulate),
                       primfunc_name_hint="index_put_add" if call.attrs.accumulate else "index_put")
