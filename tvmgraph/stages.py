@@ -83,11 +83,12 @@ class TracedGraph:
         except TvmGraphError:
             raise
         except Exception as e:  # noqa: BLE001  (torch raises any type from a decomposition)
+            cause = self.result.aliasing or (
+                "A torch.autograd.Function or a legacy module (nn.CrossMapLRN2d) is the usual cause: "
+                "rewrite it with torch ops, or run it eagerly outside the graph.")
             raise TraceError(
                 f"{self.graph_name}: torch could not decompose build()'s program into core ATen ops "
-                f"({type(e).__name__}: {reason_of(e, lines=2)}). A torch.autograd.Function or a legacy "
-                f"module (nn.CrossMapLRN2d) is the usual cause: rewrite it with torch ops, or run it "
-                f"eagerly outside the graph.") from e
+                f"({type(e).__name__}: {reason_of(e, lines=2)}). {cause}") from e
         lowering.check_no_parameter_mutations(exported, self.graph_name)
         lowering.check_supported(exported, self.graph_name)
         lowering.check_dtypes(exported, self.graph_name)

@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -266,6 +266,8 @@ class TraceResult:
     attributes: AttributeGuard = field(default_factory=AttributeGuard)  # plain values build() read
     # The parameters (by path) that loss.backward() gives a gradient (training/reached.py).
     reached: frozenset[str] = frozenset()
+    # What to say when a later stage fails and two tensor arguments share memory (aliasing_hint).
+    aliasing: str = ""
 
 
 def trace_build(
@@ -307,8 +309,10 @@ def trace_build(
     except TvmGraphError:
         raise
     except Exception as e:  # torch raises many types here; all mean "could not trace"
+        aliasing = aliasing_hint(flat_inputs, arg_names)
+        hint = f"\n{aliasing}" if aliasing else f"{running.hint()}{_trace_hint(str(e), dynamic_batch)}"
         raise TraceError(f"{graph_name}: torch.export could not trace build(): {type(e).__name__}: {e}"
-                         f"{running.hint()}{_trace_hint(str(e), dynamic_batch)}") from e
+                         f"{hint}") from e
     finally:
         _state.graph_name = None
         running.remove()
@@ -319,7 +323,8 @@ def trace_build(
     trained = frozenset()
     if record.backward is not None:
         trained = reached.from_program(exported) if autocast is not None else record.backward.reached
-    return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0], trained)
+    return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0], trained,
+                       aliasing_hint(flat_inputs, arg_names))
 
 
 @contextlib.contextmanager
@@ -366,6 +371,23 @@ def math_attention(devices: Iterable[torch.device]) -> contextlib.AbstractContex
 
         return sdpa_kernel([SDPBackend.MATH])
     return contextlib.nullcontext()
+
+
+def aliasing_hint(inputs: Sequence[object], names: Sequence[str]) -> str:
+    """The likely cause of a failed trace or decomposition when two tensor arguments share
+    memory (one tensor passed twice, or views of one): export takes them for separate tensors,
+    and an in-place update of one in build() fails deep inside torch, in an error that names
+    another cause. "" when no two share memory."""
+    seen: dict[int, str] = {}
+    for name, value in zip(names, inputs):
+        if isinstance(value, torch.Tensor) and value.numel():
+            storage = value.untyped_storage().data_ptr()
+            if storage in seen:
+                return (f"Arguments '{seen[storage]}' and '{name}' share memory (one tensor, or views of "
+                        f"one), which torch cannot trace with an in-place update in build(): pass a copy, "
+                        f"`{name}.clone()`.")
+            seen[storage] = name
+    return ""
 
 
 def _trace_hint(message: str, dynamic_batch: bool) -> str:

@@ -259,3 +259,25 @@ def test_every_error_class_has_a_docs_section() -> None:
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.TvmGraphError)]
     for cls in classes:
         assert f'<a id="{cls.__name__.lower()}"></a>' in docs, cls.__name__
+
+
+def test_one_tensor_passed_twice_and_updated_in_place_names_the_arguments() -> None:
+    """torch fails deep inside its decomposition ("expected compiled_fn to be GraphModule"),
+    which read as an autograd.Function problem; the error names the two arguments that share
+    memory and the fix. Without an in-place update the same call runs."""
+
+    class Bumps(tvmgraph.nn.Graph):
+        def build(self, a, b):
+            a.add_(1)
+            return a + b
+
+    class Adds(tvmgraph.nn.Graph):
+        def build(self, a, b):
+            return a + b
+
+    x = torch.zeros(3)
+    with pytest.raises(errors.TraceError, match=r"Arguments 'a' and 'b' share memory .* `b\.clone\(\)`"):
+        Bumps()(x, x)
+    assert torch.equal(Adds()(x + 1, x + 1), torch.full((3,), 2.0))
+    y = torch.ones(3)
+    assert torch.equal(Adds()(y, y), torch.full((3,), 2.0))
