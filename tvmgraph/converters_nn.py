@@ -355,12 +355,12 @@ def _adaptive_max_along(bb: relax.BlockBuilder, x: relax.Expr, axis: int, out: i
     taken = bb.emit(relax.op.take(extended, relax.const(rows.reshape(-1), "int64"), axis=axis))
     windows = bb.emit(relax.op.reshape(taken, [*shape[:axis], out, longest, *shape[axis + 1:]]))
     window = axis + 1
+    from .converters_reduce import _first_extremum_index  # (it imports this module)
+
     nan = bb.emit(relax.op.isnan(windows))
-    # 16-bit values compared as float32, the same order (TVM's bfloat16 argmax failed to build)
-    ordered = windows if x.ty.dtype.dtype in ("float32", "float64") else relax.op.astype(windows, "float32")
-    finite = bb.emit(relax.op.where(nan, relax.const(-np.inf, "float32" if ordered is not windows else x.ty.dtype.dtype),
-                                    ordered))
-    first_max = bb.emit(relax.op.argmax(finite, axis=window, keepdims=True))
+    finite = bb.emit(relax.op.where(nan, relax.const(-np.inf, x.ty.dtype.dtype), windows))
+    # the first maximum; an all -inf window's first element (TVM's argmax gave -1 there)
+    first_max = _first_extremum_index(bb, finite, window, True)
     positions = relax.const(np.arange(1, longest + 1).reshape([longest] + [1] * (len(shape) - window)), "int64")
     nan_at = bb.emit(relax.op.multiply(relax.op.astype(nan, "int64"), positions))  # 0, or the position + 1
     last_nan = bb.emit(relax.op.max(nan_at, axis=[window], keepdims=True))

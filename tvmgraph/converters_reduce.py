@@ -765,9 +765,7 @@ def embedding_bag(node: torch.fx.Node, importer: ExportedProgramImporter) -> rel
         # gradient goes to that row alone; a `max` would share it between tied rows.
         candidates = bb.emit(op.where(op.expand_dims(member, 2), op.expand_dims(rows, 0),
                                       relax.const(-math.inf, dtype)))
-        # (16-bit values compared as float32, the same order: TVM's argmax of bfloat16 failed to build)
-        ordered = candidates if dtype in ("float32", "float64") else op.astype(candidates, "float32")
-        first = bb.emit(op.argmax(ordered, axis=1, keepdims=True))
+        first = _first_extremum_index(bb, candidates, 1, True)  # TVM's argmax: -1 for an all -inf bag
         best = bb.emit(op.squeeze(op.gather_elements(candidates, first, axis=1), [1]))
         out = bb.emit(op.where(op.greater(count, relax.const(0, dtype)), best, relax.const(0, dtype)))
     else:

@@ -364,3 +364,11 @@ def test_a_dilated_conv_input_gradient_multiplies_the_taps_only(dilation, conv: 
     else:
         assert "conv2d_transpose" not in text and "R.flip" in text
         assert ("R.nn.conv1d(" if one_d else "R.nn.conv2d(") in text.split("R.flip", 1)[1]
+
+
+def test_adaptive_max_pool_of_a_window_of_minus_infinity_is_minus_infinity() -> None:
+    """TVM's argmax gives -1 for an all -inf window, and the gather then read outside it."""
+    x = torch.randn(1, 1, 5, 7)
+    x[0, 0, :3, :3] = float("-inf")
+    fn = lambda t: F.adaptive_max_pool2d(t, (2, 3))  # noqa: E731
+    assert torch.equal(ModuleGraph(_Fn(fn))(x), fn(x))

@@ -433,3 +433,11 @@ def test_x_to_the_zero_is_one_with_a_zero_gradient() -> None:
     model = LossOfParameters(lambda x: (x.pow(0) * 3.0 + x,), (finite,), [0])
     SGDStep(model)(torch.ones(4))
     assert_close(finite - model.params[0].detach(), torch.ones(4))  # d(x ** 0 * 3 + x) = 1
+
+
+def test_embedding_bag_max_of_a_bag_of_minus_infinity_is_minus_infinity() -> None:
+    """TVM's argmax gives -1 for an all -inf row, and the gather then read outside the bag."""
+    inf = float("inf")
+    table, ids, offsets = torch.tensor([[-inf, -inf], [-inf, 1.0], [2.0, 3.0]]), torch.tensor([0, 1, 2]), torch.tensor([0, 2])
+    fn = lambda w: (F.embedding_bag(ids, w, offsets, mode="max"),)  # noqa: E731
+    assert torch.equal(ModuleGraph(Fn(fn))(table)[0], fn(table)[0])
