@@ -195,13 +195,19 @@ def _chunks(param_types: list[relax.TensorType]) -> list[list[int]]:
 
 
 def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
-                        target: tvm.target.Target, skippable: bool = False) -> tuple[tirx.PrimFunc, list[int]]:
+                        target: tvm.target.Target, skippable: bool = False,
+                        positions: list[int] | None = None, group_size: int | None = None,
+                        ) -> tuple[tirx.PrimFunc, list[int]]:
     """The in-place TIR kernel for one group, and for each of its results (the element-wise
     state and the parameter, per parameter in formula order) the index of the argument it
     overwrites. Scalar state is read, not written (see TEUpdateOps.output). `skippable`: a
-    second and third input, `skip` and `unscale` (train_step.update_function)."""
+    second and third input, `skip` and `unscale` (train_step.update_function). A kernel for
+    some of a group's parameters (see `_chunks`) reads the group's whole hyperparameter vector:
+    `positions` are its parameters' places in the group of `group_size`."""
     keys = rule.state_keys(flags)
-    hyper = te.placeholder((len(rule.hyper_keys),), SCALAR_DTYPE, name="hyper")
+    positions = list(range(len(param_types))) if positions is None else positions
+    group_size = len(param_types) if group_size is None else group_size
+    hyper = te.placeholder((rule.hyper_length(group_size),), SCALAR_DTYPE, name="hyper")
     scalars = [te.placeholder((), "float32", name=name) for name in SKIP_INPUTS] if skippable else []
     skip, unscale = scalars or (None, None)
     inputs, outputs, inplace, chains = [hyper, *scalars], [], [], []
@@ -216,7 +222,7 @@ def build_update_kernel(rule: UpdateRule, flags: dict[str, bool], param_types: l
         inputs += [p, g, *states.values()]
         ops = TEUpdateOps(shape, dtype, {PARAM: dtype, **{k: s.dtype for k, s in states.items()}}, f"u{j}",
                           frozenset(k for k in keys if rule.scalar_state(k)), skip, unscale)
-        h = {k: ops.value(lambda i, n=n: hyper(n), True) for n, k in enumerate(rule.hyper_keys)}
+        h = {k: ops.value(lambda i, n=n: hyper(n), True) for k, n in rule.hyper_slots(positions[j]).items()}
         rule.update(ops, ops.read_state(PARAM, p, False), ops.read_grad(g),
                     {k: ops.read_state(k, s, rule.scalar_state(k)) for k, s in states.items()}, h, flags)
         order = list(ops.outputs)  # stored in formula order
@@ -322,7 +328,7 @@ class _Rewriter(PyExprMutator):
         kernel_results: dict[int, dict[str, relax.Expr]] = {}
         for c, chunk in enumerate(chunks):
             kernel, inplace = build_update_kernel(rule, flags, [param_types[j] for j in chunk], self.target,
-                                                  skippable)
+                                                  skippable, positions=list(chunk), group_size=len(param_types))
             gv = self.builder_.add_func(kernel, f"{call.op.name_hint}_kernel" + (str(c) if len(chunks) > 1 else ""))
             args = [*call.args[:lead]] + [a for j in chunk
                                           for a in call.args[lead + j * per_param: lead + (j + 1) * per_param]]
@@ -354,9 +360,10 @@ class _Rewriter(PyExprMutator):
         keys = rule.state_keys(flags)
         bb = self.builder_
         hyper = args[0]
-        h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip")) for i, k in enumerate(rule.hyper_keys)}
         out = []
         for j in range(len(args[lead:]) // per_param):
+            h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
+                 for k, i in rule.hyper_slots(j).items()}
             p, g, *states = args[lead + j * per_param: lead + (j + 1) * per_param]
             dtype = p.ty.dtype.dtype
             ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: s.ty.dtype.dtype for k, s in zip(keys, states)}})

@@ -63,11 +63,11 @@ def train_step_program(graph: Graph, example_args: tuple | None
     lowered = traced.lower(plan)
     states, groups = {}, []
     for g_index, group in enumerate(plan.groups):
-        fresh = False
+        fresh = []
         for target, param in zip(group.targets, group.params):
             # Not put into the optimizer: its next graph step must still find them missing (fresh).
             missing = lazy_state(group, param)
-            fresh = fresh or bool(missing)
+            fresh.append(bool(missing))
             current = {**group.optimizer.state.get(param, {}), **missing}
             for key in group.state_keys:
                 value = current[key] if kept(group, param, key) else placeholder(param.device)
@@ -75,7 +75,7 @@ def train_step_program(graph: Graph, example_args: tuple | None
         groups.append({"optimizer": type(group.optimizer).__name__, "rule": group.rule.name,
                        "index": g_index, "params": list(group.targets), "state_keys": list(group.state_keys),
                        "hyper_keys": list(group.rule.hyper_keys),
-                       "first_call": group.rule.hyper_values(group.group, fresh),
-                       "later_calls": group.rule.hyper_values(group.group, False)})
+                       "first_call": group.rule.hyper_vector(group.group, fresh),
+                       "later_calls": group.rule.hyper_vector(group.group, [False] * len(fresh))})
     training = {"params": plan.targets, "states": list(states), "groups": groups}
     return traced, lowered, states, training

@@ -97,6 +97,28 @@ def test_param_group_added_mid_run_recompiles() -> None:
     assert graph.num_compiled == 2
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_parameter_unfrozen_mid_run_takes_its_own_first_step(name: str) -> None:
+    """model[2].weight frozen (requires_grad False) for two steps, then trained in the same
+    group: its state starts at its own first step while the others' go on. SGD with dampening
+    skips the dampening on a first step only: flagged per group, the other parameters skipped it
+    too (0.9e-2 off eager at the third step)."""
+    make_opt, loss_fn, data = OPTIMIZERS[name], nn.MSELoss(), batches(4)
+    model = mlp((8, 16, 4))
+    reference = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    graph = TrainGraph(model, loss_fn, opt)
+    for net in (model, reference):
+        net[2].weight.requires_grad_(False)
+    for step, (x, y) in enumerate(data):
+        if step == 2:
+            for net in (model, reference):
+                net[2].weight.requires_grad_(True)
+        torch.testing.assert_close(graph(x, y), eager_step(reference, loss_fn, [ref_opt], x, y), **STEP_TOL)
+        assert_same_state(model, reference)
+    assert_same_optimizer_state(opt, ref_opt)
+
+
 class Lion(torch.optim.Optimizer):
     """A custom optimizer (sign of an interpolated momentum)."""
 

@@ -91,7 +91,7 @@ def test_kernel_matches_torch_sgd_and_writes_in_place(options: dict, shape: tupl
     run = tvm.compile(tvm.IRModule({"k": kernel.with_attr("global_symbol", "k")}), target=CPU)["k"]
     p, g, buf = torch.randn(shape), torch.randn(shape), torch.randn(shape)
     expected_p, expected_buf = torch_sgd_step(p, g, buf, **options)
-    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float64)
+    hyper = torch.tensor(rule.hyper_vector(group, [False]), dtype=torch.float64)
     run(hyper, p, g, buf)  # p and buf are updated in their own memory
     torch.testing.assert_close(buf, expected_buf, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(p, expected_p, atol=1e-6, rtol=1e-5)
@@ -153,7 +153,7 @@ def test_adam_kernel_and_relax_step_match_torch(options: dict) -> None:
     if flags["amsgrad"]:
         state["max_exp_avg_sq"] = state["exp_avg_sq"] + 0.05
     expected_p, expected_state = torch_adam_step(p, g, state, adamw=adamw, **torch_options)
-    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float64)
+    hyper = torch.tensor(rule.hyper_vector(group, [False]), dtype=torch.float64)
     args = [p.clone(), g] + [state[k].clone() for k in rule.state_keys(flags)]
     results = run(hyper, *args)
     keys = [*rule.state_keys(flags), "param"]
@@ -180,7 +180,7 @@ def test_a_skipped_step_keeps_every_value(fused: bool) -> None:
         kernel = next(f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
         assert [p.name for p in kernel.params][:3] == ["hyper", "skip", "unscale"]
     run = relax.VirtualMachine(tvm.compile(mod, target=CPU), tvm.cpu())["main"]
-    hyper = torch.tensor(rule.hyper_values(group, fresh=False), dtype=torch.float64)
+    hyper = torch.tensor(rule.hyper_vector(group, [False]), dtype=torch.float64)
     p, g = torch.randn(shape), torch.randn(shape)
     state = {"step": torch.tensor(3.0), "exp_avg": torch.randn(shape) * 0.1, "exp_avg_sq": torch.rand(shape) * 0.1}
     keys = [*rule.state_keys(flags), "param"]

@@ -26,6 +26,7 @@ parameters and state, against eager.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -41,6 +42,10 @@ class UpdateRule:
     name: str
     optimizer_class: type[torch.optim.Optimizer]
     hyper_keys: tuple[str, ...] = ()
+    # Values given per parameter, after the group's `hyper_keys` in the same vector (SGD's
+    # `first`: this parameter's momentum buffer was just created). One parameter of a group can
+    # take its first step later than the others (unfrozen by `requires_grad_(True)`).
+    param_hyper_keys: tuple[str, ...] = ()
     # `fused`, `foreach` and `capturable` choose torch's kernels, with the same arithmetic: the
     # compiled update replaces them all. `differentiable` asks for a gradient through the step.
     unsupported: tuple[str, ...] = ("differentiable",)
@@ -78,9 +83,29 @@ class UpdateRule:
         placeholder and passes through unchanged."""
         return () if self.scalar_state(key) else shape
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
-        """Runtime inputs in `hyper_keys` order; `fresh` says the group's state was just created."""
+    def hyper_values(self, group: dict) -> list[float]:
+        """The group's runtime inputs, in `hyper_keys` order."""
         raise NotImplementedError
+
+    def param_hyper_values(self, fresh: bool) -> list[float]:
+        """One parameter's runtime inputs, in `param_hyper_keys` order; `fresh` says its state
+        was just created."""
+        return []
+
+    def hyper_vector(self, group: dict, fresh: Sequence[bool]) -> list[float]:
+        """The group's hyperparameter vector: `hyper_values`, then each parameter's
+        `param_hyper_values` (`fresh` has one entry per parameter, in group order)."""
+        return [*self.hyper_values(group), *(v for f in fresh for v in self.param_hyper_values(f))]
+
+    def hyper_length(self, params: int) -> int:
+        """The length of the hyperparameter vector of a group of `params` parameters."""
+        return len(self.hyper_keys) + params * len(self.param_hyper_keys)
+
+    def hyper_slots(self, param: int) -> dict[str, int]:
+        """Where each hyperparameter parameter number `param` of its group reads sits in the vector."""
+        slots = {k: i for i, k in enumerate(self.hyper_keys)}
+        base = len(self.hyper_keys) + param * len(self.param_hyper_keys)
+        return {**slots, **{k: base + n for n, k in enumerate(self.param_hyper_keys)}}
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
         """State tensors as torch creates them lazily before the first step."""
@@ -114,7 +139,8 @@ class SGD(UpdateRule):
 
     name = "sgd"
     optimizer_class = torch.optim.SGD
-    hyper_keys = ("lr", "momentum", "dampening", "weight_decay", "first")
+    hyper_keys = ("lr", "momentum", "dampening", "weight_decay")
+    param_hyper_keys = ("first",)
 
     def flags(self, group: dict) -> dict[str, bool]:
         return {"nesterov": bool(group["nesterov"]), "maximize": bool(group["maximize"]),
@@ -124,9 +150,11 @@ class SGD(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("momentum_buffer",) if flags["momentum"] else ()
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
-        return [_lr(group), float(group["momentum"]), float(group["dampening"]),
-                float(group["weight_decay"]), 1.0 if fresh else 0.0]
+    def hyper_values(self, group: dict) -> list[float]:
+        return [_lr(group), float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"])]
+
+    def param_hyper_values(self, fresh: bool) -> list[float]:
+        return [1.0 if fresh else 0.0]
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
         return {"momentum_buffer": torch.zeros_like(param)} if flags["momentum"] else {}
@@ -163,7 +191,7 @@ class Adam(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if flags["amsgrad"] else ())
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         return _adam_hypers(group)
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
@@ -240,7 +268,7 @@ class RMSprop(UpdateRule):
         return (("step", "square_avg") + (("grad_avg",) if flags["centered"] else ())
                 + (("momentum_buffer",) if flags["momentum"] else ()))
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         return [_lr(group), float(group["alpha"]), float(group["eps"]), float(group["weight_decay"]),
                 float(group["momentum"])]
 
@@ -282,7 +310,7 @@ class Adagrad(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "sum")
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         return [_lr(group), float(group["lr_decay"]), float(group["weight_decay"]), float(group["eps"])]
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
@@ -316,7 +344,7 @@ class Adamax(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "exp_avg", "exp_inf")
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         return _adam_hypers(group)
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
@@ -350,7 +378,7 @@ class NAdam(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "mu_product", "exp_avg", "exp_avg_sq")
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         return [*_adam_hypers(group), float(group["momentum_decay"])]
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
@@ -394,7 +422,7 @@ class RAdam(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "exp_avg", "exp_avg_sq")
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         return _adam_hypers(group)
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
@@ -438,7 +466,7 @@ class Adadelta(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "square_avg", "acc_delta")
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         return [_lr(group), float(group["rho"]), float(group["eps"]), float(group["weight_decay"])]
 
     def init_state(self, param: torch.Tensor, flags: dict[str, bool], group: dict) -> dict[str, torch.Tensor]:
@@ -475,7 +503,7 @@ class Rprop(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "step_size", "prev")  # the order the formula stores them in
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         (etaminus, etaplus), (low, high) = group["etas"], group["step_sizes"]
         return [float(etaminus), float(etaplus), float(low), float(high)]
 
@@ -514,7 +542,7 @@ class ASGD(UpdateRule):
     def state_keys(self, flags: dict[str, bool]) -> tuple[str, ...]:
         return ("step", "ax", "eta", "mu")
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         return [_lr(group), float(group["lambd"]), float(group["alpha"]), float(group["t0"]),
                 float(group["weight_decay"])]
 
@@ -569,7 +597,7 @@ class Adafactor(UpdateRule):
             return None if factored else shape
         return super().state_shape(key, shape)
 
-    def hyper_values(self, group: dict, fresh: bool) -> list[float]:
+    def hyper_values(self, group: dict) -> list[float]:
         eps1, eps2 = group["eps"]
         return [_lr(group), float(group["beta2_decay"]), 0.0 if eps1 is None else float(eps1), float(eps2),
                 float(group["d"]), float(group["weight_decay"])]

@@ -55,14 +55,13 @@ class TrainingBinding:
         scaling the GradScaler's scale, growth tracker and factors (training/loss_scale.py)."""
         states, hypers = [], []
         for group in self.plan.groups:
-            fresh = False
+            fresh = []
             keys = group.state_keys
             for param in group.params:
                 missing = lazy_state(group, param)
                 state = group.optimizer.state[param]
-                if missing:
-                    state.update(missing)
-                    fresh = True
+                state.update(missing)
+                fresh.append(bool(missing))
                 for key in keys:
                     if not kept(group, param, key):
                         states.append(placeholder(self.device))
@@ -71,7 +70,7 @@ class TrainingBinding:
                     if value.device != self.device:  # e.g. torch keeps Adam's step on the CPU
                         value = state[key] = value.to(self.device)
                     states.append(value)
-            values = group.rule.hyper_values(group.group, fresh)
+            values = group.rule.hyper_vector(group.group, fresh)
             hypers.append(torch.tensor(values, dtype=torch.float64, device=self.device))
         if self.layout.loss_scaling:
             scaler = self.plan.grad_scaler

@@ -24,7 +24,8 @@ Output: the module with `main` replaced by
         return (new_s..., new_p, new_s..., new_p, ...)
 
 `states` are one tensor per (trained parameter, state key) in plan order and `hypers` one
-float64 vector per param group (its `UpdateRule.hyper_keys`). `main_adjoint` comes from
+float64 vector per param group (its `UpdateRule.hyper_keys`, then each parameter's
+`param_hyper_keys`: SGD's `first`). `main_adjoint` comes from
 `relax.transform.Gradient` and is inlined, so the update can fuse with the backward pass. The
 update functions are inlined by the pipeline, or replaced by one in-place kernel each by
 relay_passes/fuse_model_update.py. All updates come after all gradients, so an in-place update
@@ -102,7 +103,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
     and `unscale`, which each gradient is multiplied by first (1 / the loss scale)."""
     keys = rule.state_keys(flags)
     bb = relax.BlockBuilder()
-    hyper = relax.Var("hyper", relax.TensorType((len(rule.hyper_keys),), SCALAR_DTYPE))
+    hyper = relax.Var("hyper", relax.TensorType((rule.hyper_length(len(param_types)),), SCALAR_DTYPE))
     scalars = [relax.Var(name, relax.TensorType((), "float32")) for name in SKIP_INPUTS] if skippable else []
     skip, unscale = scalars or (None, None)
     params, per_param = [hyper, *scalars], []
@@ -114,10 +115,10 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
     # Public while the adjoint is inlined (see append_train_step), private afterwards.
     with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags, SKIP_ATTR: skippable}):
         with bb.dataflow():
-            h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
-                 for i, k in enumerate(rule.hyper_keys)}
             results = []
-            for p, g, states in per_param:
+            for j, (p, g, states) in enumerate(per_param):
+                h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
+                     for k, i in rule.hyper_slots(j).items()}
                 dtype = p.ty.dtype.dtype
                 ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: v.ty.dtype.dtype for k, v in states.items()}})
                 grad = loss_scale.unscaled(bb, g, unscale) if unscale is not None else g
@@ -271,7 +272,7 @@ def declare_updates(bb: relax.BlockBuilder, plan: TrainingPlan, param_types: lis
                 shape, dtype = tuple(int(d) for d in state_ty.shape.values), state_ty.dtype.dtype
                 state_vars.append(relax.Var(f"{target.replace('.', '_')}__{key}", relax.TensorType(shape, dtype)))
                 state_shapes.append((target, key, shape, dtype))
-    hyper_vars = [relax.Var(f"hyper_{i}", relax.TensorType((len(g.rule.hyper_keys),), SCALAR_DTYPE))
+    hyper_vars = [relax.Var(f"hyper_{i}", relax.TensorType((g.rule.hyper_length(len(g.targets)),), SCALAR_DTYPE))
                   for i, g in enumerate(plan.groups)]
     return GroupUpdates(plan, update_gvs, state_vars, state_shapes, hyper_vars)
 
