@@ -130,10 +130,32 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         devices = [n.meta["val"].device for n in exported.graph.nodes
                    if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         with math_attention(devices):
-            decomposed = exported.run_decompositions(table)
+            try:
+                decomposed = exported.run_decompositions(table)
+            except Exception as error:
+                if "Cannot view a tensor" not in str(error) or not _views_as_reshapes(exported):
+                    raise
+                decomposed = exported.run_decompositions(table)
     _drop_runtime_asserts(decomposed)
     _drop_linalg_checks(decomposed)
     return decomposed
+
+
+def _views_as_reshapes(exported: torch.export.ExportedProgram) -> bool:
+    """Turn every `aten.view` of `exported` into `aten.reshape`; False when it has none.
+
+    Traced below autocast (AMP), a reshape after a fused kernel is recorded as a view, valid
+    for the strides of that kernel's result; the kernel's decomposition can leave other strides
+    (CPU flash attention's output, then `transpose(1, 2).reshape(B, T, D)`), and the view then
+    fails to decompose. The program is functional (nothing writes through a view), so a
+    reshape, a copy where the strides need one, computes the same values."""
+    graph = exported.graph_module.graph
+    views = [n for n in graph.nodes if n.op == "call_function" and n.target is _aten.view.default]
+    for node in views:
+        node.target = _aten.reshape.default
+    if views:
+        exported.graph_module.recompile()
+    return bool(views)
 
 
 def _drop_linalg_checks(exported: torch.export.ExportedProgram) -> None:

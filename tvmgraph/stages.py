@@ -30,7 +30,7 @@ from .compiled_program import CompiledProgram, entry_name
 from .vm_results import releasing
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .errors import (ConfigError, DeviceMismatchError, StaleGraphError, TraceError, TvmGraphError,
-                     UnsupportedOptionError, reason_of)
+                     UnsupportedOptionError)
 from .frozen_weights import PackedWeights, mark_frozen_state
 from .index_guard import IndexGuard
 from .inputs import runnable_all
@@ -86,9 +86,11 @@ class TracedGraph:
             cause = self.result.aliasing or (
                 "A torch.autograd.Function or a legacy module (nn.CrossMapLRN2d) is the usual cause: "
                 "rewrite it with torch ops, or run it eagerly outside the graph.")
+            # torch's errors give the reason first, then the FX node and a traceback.
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
             raise TraceError(
                 f"{self.graph_name}: torch could not decompose build()'s program into core ATen ops "
-                f"({type(e).__name__}: {reason_of(e, lines=2)}). {cause}") from e
+                f"({type(e).__name__}: {reason[:400]}). {cause}") from e
         lowering.check_no_parameter_mutations(exported, self.graph_name)
         lowering.check_supported(exported, self.graph_name)
         lowering.check_dtypes(exported, self.graph_name)

@@ -221,6 +221,42 @@ def test_group_norm_model_trains_under_amp_like_eager() -> None:
     _assert_rows_match(rows)
 
 
+class _HeadsAttention(nn.Module):
+    """q, k, v as views of one projection (permuted, not contiguous) into SDPA, then the heads
+    merged by transpose(1, 2).reshape and projected: a GPT's attention."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv, self.out, self.head = heads, nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, 10)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(self.out(a.transpose(1, 2).reshape(b, t, d)).mean(1))
+
+
+def test_attention_on_views_under_amp_compiles_and_matches_eager() -> None:
+    """Traced below autocast, the reshape after SDPA became a view valid for CPU flash
+    attention's strides, not for its decomposition's: the compile failed ("Cannot view a
+    tensor with shape [2, 8, 32] and strides (32, 64, 1)"). Inference and training steps."""
+    torch.manual_seed(0)
+    model = _HeadsAttention()
+    x = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model(x)
+    torch.testing.assert_close(_amp_graph(model)(x), expected, **BF16_OUT_TOL)
+    rows, *_ = _side_by_side(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                             [(torch.randn(2, 8, 32), torch.randint(0, 10, (2,))) for _ in range(2)], 4)
+    _assert_rows_match(rows)
+
+
+def _amp_graph(model: nn.Module) -> ModuleGraph:
+    graph = ModuleGraph(model)
+    graph.config.enable_amp(True)
+    return graph
+
+
 def _zoo_case(name: str):
     from examples.zoo import GPT, RNNClassifier, UNet, ViT
 
