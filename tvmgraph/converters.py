@@ -101,17 +101,20 @@ def batch_norm_train(node: torch.fx.Node, importer: ExportedProgramImporter) -> 
     def ones_or(v: relax.Expr | None, fill: float) -> relax.Expr:
         return v if v is not None else relax.const(np.full(channels, fill, dtype=dtype), dtype)
 
-    normalized = bb.emit(
-        relax.op.nn.batch_norm(
-            x, ones_or(weight, 1.0), ones_or(bias, 0.0), running_mean, running_var,
-            axis=1, epsilon=eps, center=bias is not None, scale=weight is not None,
-            momentum=momentum, training=True,
+    axes = [0, *range(2, len(shape))]
+    if isinstance(channels, int):
+        normalized = bb.emit(
+            relax.op.nn.batch_norm(
+                x, ones_or(weight, 1.0), ones_or(bias, 0.0), running_mean, running_var,
+                axis=1, epsilon=eps, center=bias is not None, scale=weight is not None,
+                momentum=momentum, training=True,
+            )
         )
-    )
-    out = bb.emit(relax.TupleGetItem(normalized, 0))
+        out = bb.emit(relax.TupleGetItem(normalized, 0))
+    else:  # n * C channels: an instance norm with running statistics under a dynamic batch
+        out = _normalized(bb, x, weight, bias, axes, eps)
     if x_dtype != dtype:
         out = bb.emit(relax.op.astype(out, x_dtype))
-    axes = [0, *range(2, len(shape))]
     count = math.prod(shape[a] for a in axes)
     mean = bb.emit(relax.op.mean(x, axis=axes))
     var = bb.emit(relax.op.variance(x, axis=axes))
@@ -138,13 +141,30 @@ def batch_norm_no_stats(node: torch.fx.Node, importer: ExportedProgramImporter) 
     alone, so outputs 1 and 2 were `out` again (x's shape where torch has one per channel).
     They are computed only when read (an instance norm reads output 0 alone)."""
     bb = importer.block_builder
-    out = stock_converter(importer, "_native_batch_norm_legit.no_stats")(node)
+    x = importer.env[node.args[0]]
+    axes, eps = [0, *range(2, len(x.ty.shape))], float(_arg(node, 5, "eps", 1e-5))
+    if isinstance(x.ty.shape[1], tvm.tirx.IntImm):
+        out = stock_converter(importer, "_native_batch_norm_legit.no_stats")(node)
+    else:  # n * C channels: an instance norm under a dynamic batch
+        weight, bias = (importer.env[a] if a is not None else None for a in node.args[1:3])
+        out = _normalized(bb, x, weight, bias, axes, eps)
     if not (_output_used(node, 1) or _output_used(node, 2)):
         return bb.emit(relax.Tuple([out, out, out]))
-    x = importer.env[node.args[0]]
-    mean, invstd = _mean_rstd(bb, x, [0, *range(2, len(x.ty.shape))], float(_arg(node, 5, "eps", 1e-5)),
-                              keepdims=False)
+    mean, invstd = _mean_rstd(bb, x, axes, eps, keepdims=False)
     return bb.emit(relax.Tuple([out, mean, invstd]))
+
+
+def _normalized(bb: relax.BlockBuilder, x: relax.Expr, weight: relax.Expr | None, bias: relax.Expr | None,
+                axes: list[int], eps: float) -> relax.Expr:
+    """A batch norm's output written out: an instance norm normalizes (1, n * C, ...), whose
+    channel count is symbolic under a dynamic batch, and TVM's batch_norm needs it static."""
+    mean, invstd = _mean_rstd(bb, x, axes, eps)
+    out = bb.emit(relax.op.multiply(relax.op.subtract(x, mean), invstd))
+    per_channel = [1, -1] + [1] * (x.ty.ndim - 2)
+    for value, combine in ((weight, relax.op.multiply), (bias, relax.op.add)):
+        if value is not None:
+            out = bb.emit(combine(out, relax.op.reshape(value, per_channel)))
+    return out
 
 
 def _unbiased_scale(bb: relax.BlockBuilder, count: tvm.tirx.PrimExpr, dtype: str) -> relax.Expr:
@@ -604,7 +624,27 @@ def power_of_scalar(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     return stock_converter(importer, "pow.Tensor_Scalar")(node)
 
 
+def reshape(key: str) -> Converter:
+    """view / _unsafe_view / reshape. The stock converter first tests for an identity reshape
+    with `==` between the shapes, which raises on a symbolic size it cannot decide (an instance
+    norm's n * C under a dynamic batch): then the reshape is emitted as it is."""
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        try:
+            return stock_converter(importer, key)(node)
+        except ValueError as error:
+            if "Cannot use and / or / not operator to Expr" not in str(error):
+                raise
+        x, *dims = importer.retrieve_args(node)
+        if len(dims) == 1 and isinstance(dims[0], (torch.Size, tuple, list)):
+            dims = dims[0]
+        return importer._emit_torch_reshape(x, dims)
+
+    return convert
+
+
 CONVERTERS: dict[str, Converter] = {
+    **{key: reshape(key) for key in ("view.default", "_unsafe_view.default", "reshape.default")},
     "pow.Tensor_Scalar": converters_integer_power.integer_power("pow.Tensor_Scalar", power_of_scalar),
     "pow.Tensor_Tensor": converters_integer_power.integer_power("pow.Tensor_Tensor"),
     "pow.Scalar": converters_integer_power.integer_power("pow.Scalar"),

@@ -748,6 +748,8 @@ def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     bb = importer.block_builder
     x = importer.env[node.args[0]]
     dtype = x.ty.dtype.dtype
+    if not isinstance(x.ty.shape[1], tvm.tirx.IntImm):
+        return _batch_norm_eval_written_out(bb, x, node, importer)
     if dtype not in _HALF:
         return importer._batch_norm_legit_no_training(node)
     channels = _static_dim(x, "half-precision batch norm", 1)
@@ -764,6 +766,31 @@ def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
         bb.emit(relax.op.astype(x, "float32")), weight, bias, mean, var, axis=1, epsilon=eps,
         center=node.args[2] is not None, scale=node.args[1] is not None, training=False))
     return bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(normalized, 0)), dtype))
+
+
+def _batch_norm_eval_written_out(bb: relax.BlockBuilder, x: relax.Expr, node: torch.fx.Node,
+                                 importer: ExportedProgramImporter) -> relax.Expr:
+    """An eval-mode instance norm under a dynamic batch normalizes (1, n * C, ...) by its
+    running statistics repeated n times: a symbolic channel count, which TVM's batch_norm
+    refuses. Written out, in float32 for 16-bit inputs."""
+    dtype = x.ty.dtype.dtype
+    compute = "float32" if dtype in _HALF else dtype
+    per_channel = [1, -1] + [1] * (x.ty.ndim - 2)
+
+    def channel_values(arg: object) -> relax.Expr | None:
+        if arg is None:
+            return None
+        return bb.emit(relax.op.reshape(bb.emit(relax.op.astype(importer.env[arg], compute)), per_channel))
+
+    weight, bias, mean, var = (channel_values(a) for a in node.args[1:5])
+    eps = relax.const(float(_arg(node, 6, "eps", 1e-5)), compute)
+    out = bb.emit(relax.op.multiply(relax.op.subtract(relax.op.astype(x, compute), mean),
+                                    relax.op.rsqrt(relax.op.add(var, eps))))
+    if weight is not None:
+        out = bb.emit(relax.op.multiply(out, weight))
+    if bias is not None:
+        out = bb.emit(relax.op.add(out, bias))
+    return bb.emit(relax.op.astype(out, dtype)) if compute != dtype else out
 
 
 def _linear_cross_entropy(bb: relax.BlockBuilder, x: relax.Expr, linear_weight: relax.Expr, target: relax.Expr,

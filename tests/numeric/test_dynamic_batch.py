@@ -84,6 +84,24 @@ def test_group_norm_with_a_varying_batch_matches_eager() -> None:
     assert graph.num_compiled == 1
 
 
+@pytest.mark.parametrize("running_stats", [False, True], ids=["batch_stats", "running_stats"])
+def test_instance_norm_with_a_varying_batch_matches_eager(running_stats: bool) -> None:
+    """InstanceNorm normalizes (1, n * C, H, W), a symbolic channel count with a dynamic batch:
+    TVM's batch_norm and the stock reshape converter refused it (a CompileError called a
+    tvmgraph bug). Training (its running statistics too), then inference in eval mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True, track_running_stats=running_stats),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 10))
+    graph = run_dynamic_side_by_side(model, batches_of((4, 1, 3), (3, 6, 6)))
+    assert graph.num_compiled == 1
+    model.eval()
+    graph = dynamic(ModuleGraph(model))
+    for batch in (2, 5):
+        x = torch.randn(batch, 3, 6, 6)
+        with torch.no_grad():
+            assert_close(graph(x), model(x), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["bilinear", "nearest"])
 def test_upsampling_and_adaptive_pooling_train_with_a_varying_batch(mode: str) -> None:
     """The gradients of resize2d (F.interpolate) and adaptive_avg_pool2d are products with
