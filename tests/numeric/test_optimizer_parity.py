@@ -119,6 +119,26 @@ def test_a_parameter_unfrozen_mid_run_takes_its_own_first_step(name: str) -> Non
     assert_same_optimizer_state(opt, ref_opt)
 
 
+def test_model_double_mid_run_casts_the_state_and_trains_on() -> None:
+    """model.double() after two steps: the next call compiles a float64 program, whose state is
+    in its parameters' dtype; the float32 momentum buffers are cast (as torch's
+    Optimizer.load_state_dict casts state). It failed with an ExecutionError (a float32 buffer
+    where the program expects float64). Eager keeps its float32 buffers: losses agree to 1e-6."""
+    model, loss_fn, data = mlp((8, 16, 4)), nn.MSELoss(), batches(4)
+    reference = copy.deepcopy(model)
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    opt, ref_opt = make(model.parameters()), make(reference.parameters())
+    graph = TrainGraph(model, loss_fn, opt)
+    for step, (x, y) in enumerate(data):
+        if step == 2:
+            model.double(), reference.double()
+        if step >= 2:
+            x, y = x.double(), y.double()
+        torch.testing.assert_close(graph(x, y), eager_step(reference, loss_fn, [ref_opt], x, y), atol=1e-6, rtol=1e-6)
+    assert all(s["momentum_buffer"].dtype == torch.float64 for s in opt.state.values())
+    assert graph.num_compiled == 2
+
+
 class Lion(torch.optim.Optimizer):
     """A custom optimizer (sign of an interpolated momentum)."""
 

@@ -69,6 +69,11 @@ class TrainingBinding:
                     value = state[key]
                     if value.device != self.device:  # e.g. torch keeps Adam's step on the CPU
                         value = state[key] = value.to(self.device)
+                    if value.dtype != param.dtype and not group.rule.scalar_state(key) and value.is_floating_point():
+                        # The program keeps state in its parameter's dtype (train_step.state_type);
+                        # after `model.double()` mid-run the state is cast as torch's
+                        # Optimizer.load_state_dict casts it.
+                        value = state[key] = value.to(param.dtype)
                     states.append(value)
             values = group.rule.hyper_vector(group.group, fresh)
             hypers.append(torch.tensor(values, dtype=torch.float64, device=self.device))
