@@ -148,9 +148,17 @@ class FoldConstantTables:
             tables = _Tables(func)
             if not tables.folded:
                 continue
+            try:
+                values = _values(tables.function())
+            except tvm.error.InternalError as error:
+                # TVM's simplifier refuses some constant arithmetic that runs fine as a kernel:
+                # a float divided by a constant 0 (a T5 bucket's log(n / m) / log(1.0)) is
+                # "Divide by zero" here, inf in the program. Those tables stay in the program.
+                self.report(f"FoldConstantTables: {gv.name_hint}'s tables left to run time "
+                            f"({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})")
+                continue
             # Each read of a folded variable reads its constant; its binding, left unread, goes.
-            constants = {var: relax.const(value, var.ty.dtype)
-                         for var, value in zip(tables.folded, _values(tables.function()))}
+            constants = {var: relax.const(value, var.ty.dtype) for var, value in zip(tables.folded, values)}
             updates[gv] = drop_unread(Substitute(constants).visit_expr(func))
             folded += len(constants)
         if folded:

@@ -168,3 +168,25 @@ def test_models_equal_eager(model_class: type, caplog: pytest.LogCaptureFixture)
     model.train(), reference.train()
     train = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     assert_steps_match_eager(train, model, reference, nn.functional.mse_loss, x, y)
+
+
+class BucketsOverLogOfOne(nn.Module):
+    """T5-style relative buckets with max_distance == max_exact: log(n / 4) / log(4 / 4), a
+    constant float divided by 0 (inf, then a saturated cast, in eager)."""
+
+    def forward(self, x):
+        n = torch.arange(8)
+        large = (torch.log(n.float() / 4) / math.log(4 / 4)).to(torch.long)
+        return x + torch.where(n < 4, n, large).float()
+
+
+def test_a_table_tvm_cannot_fold_stays_in_the_program(caplog: pytest.LogCaptureFixture) -> None:
+    """TVM's simplifier refuses the constant division by 0 ("Divide by zero", an InternalError):
+    the pass raised, and the graph compiled without it after a warning to report a tvmgraph bug.
+    The table now stays to run time; the result is eager's."""
+    x = torch.zeros(8)
+    graph = ModuleGraph(BucketsOverLogOfOne())
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        out = graph(x)
+    torch.testing.assert_close(out, BucketsOverLogOfOne()(x))
+    assert "please report" not in caplog.text
