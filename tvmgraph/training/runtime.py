@@ -43,17 +43,22 @@ def lazy_state(group: GroupPlan, param: torch.nn.Parameter) -> dict[str, torch.T
 class TrainingBinding:
     """Extra inputs and outputs of `train_step` for one compiled entry."""
 
-    __slots__ = ("plan", "layout", "device")
+    __slots__ = ("plan", "layout", "device", "created", "scale_before")
 
     def __init__(self, plan: TrainingPlan, layout: TrainStepLayout, device: torch.device):
         self.plan = plan
         self.layout = layout
         self.device = device
+        # The state entries `inputs` created for this call, and the loss scale it started from
+        # (see `_forget_state_of_a_skipped_step`).
+        self.created: list[tuple[torch.optim.Optimizer, torch.nn.Parameter, list[str]]] = []
+        self.scale_before: float | None = None
 
     def inputs(self) -> list[torch.Tensor]:
         """State tensors in layout order, one hyperparameter vector per group, then with loss
         scaling the GradScaler's scale, growth tracker and factors (training/loss_scale.py)."""
         states, hypers = [], []
+        self.created = []
         for group in self.plan.groups:
             fresh = []
             keys = group.state_keys
@@ -62,6 +67,8 @@ class TrainingBinding:
                 state = group.optimizer.state[param]
                 state.update(missing)
                 fresh.append(bool(missing))
+                if missing:
+                    self.created.append((group.optimizer, param, list(missing)))
                 for key in keys:
                     if not kept(group, param, key):
                         states.append(placeholder(self.device))
@@ -80,6 +87,7 @@ class TrainingBinding:
         if self.layout.loss_scaling:
             scaler = self.plan.grad_scaler
             hypers += [*scaler_tensors(scaler, self.device), scaler_hypers(scaler, self.device)]
+            self.scale_before = float(scaler._scale) if self.created else None
         return states + hypers
 
     def scale_input(self) -> list[torch.Tensor]:
@@ -116,6 +124,29 @@ class TrainingBinding:
                     if kept(group, param, key):
                         state[key] = new_states[cursor]
                     cursor += 1
+        if self.layout.loss_scaling:
+            self._forget_state_of_a_skipped_step()
         for group in self.plan.groups:
             # Tell torch's lr schedulers that the optimizer did step (else they warn).
             group.optimizer._opt_called = True
+
+    def _forget_state_of_a_skipped_step(self) -> None:
+        """After a step the GradScaler skipped (non-finite gradients: the scale backed off, and
+        GradScaler's backoff factor is below 1), drop the state this call created: eager's
+        optimizer never stepped, so it has none, and its next step starts it (SGD's momentum
+        buffer as a copy of the gradient, undamped; Rprop's step sizes and ASGD's eta from the
+        lr of then). Exact with one optimizer; with several the program does not say which
+        overflowed, and their state is kept (docs/training.md)."""
+        if not self.created or self.scale_before is None:
+            return
+        if float(self.plan.grad_scaler._scale) >= self.scale_before:
+            return
+        if len({id(optimizer) for optimizer, _, _ in self.created}
+               | {id(group.optimizer) for group in self.plan.groups}) != 1:
+            return
+        for optimizer, param, keys in self.created:
+            state = optimizer.state[param]
+            for key in keys:
+                state.pop(key, None)
+            if not state:
+                del optimizer.state[param]
