@@ -1,6 +1,6 @@
 """Kernel benchmark: torch eager vs TVM's default build vs TVM with ApplyCPUSchedules.
 
-    python -m benchmarks.kernels [--cases mlp,train,cnn,transformer,mlp_large] [--only NAME,...]
+    python -m benchmarks.kernels [--cases mlp,train,cnn,transformer,transformer_train,mlp_large] [--only NAME,...]
                                  [--rounds 7] [--seconds 0.05] [--no-default]
 
 One line per kernel of the reference workloads (MLP 784-1024-1024-10, MobileNetV2-style CNN
@@ -173,6 +173,20 @@ KERNELS = [
     Kernel("gelu 1024x1024", "transformer", ((1024, 1024),), relax.op.nn.gelu, F.gelu),
     Kernel("transpose 1024x1024 (weight)", "transformer", ((1024, 1024),),
            relax.op.permute_dims, lambda w: w.T.contiguous()),
+    # ---- transformer training step: the feed-forward's gradients over 1024 tokens -------------
+    Kernel("dW1 = dH^T X 1024x256 (K=1024)", "transformer_train", ((1024, 1024), (1024, 256)),
+           lambda dh, x: relax.op.matmul(relax.op.permute_dims(dh), x),
+           lambda dh, x: dh.T @ x, _mm(1024, 256, 1024)),
+    Kernel("dX1 = dH W1 1024x256 (K=1024)", "transformer_train", ((1024, 1024), (1024, 256)),
+           lambda dh, w: relax.op.matmul(dh, w), lambda dh, w: dh @ w, _mm(1024, 256, 1024)),
+    Kernel("dW2 = dY^T H 256x1024 (K=1024)", "transformer_train", ((1024, 256), (1024, 1024)),
+           lambda dy, h: relax.op.matmul(relax.op.permute_dims(dy), h),
+           lambda dy, h: dy.T @ h, _mm(256, 1024, 1024)),
+    Kernel("dH = dY W2 1024x1024 (K=256)", "transformer_train", ((1024, 256), (256, 1024)),
+           lambda dy, w: relax.op.matmul(dy, w), lambda dy, w: dy @ w, _mm(1024, 1024, 256)),
+    Kernel("dWqkv = dQKV^T X 768x256 (K=1024)", "transformer_train", ((1024, 768), (1024, 256)),
+           lambda d, x: relax.op.matmul(relax.op.permute_dims(d), x),
+           lambda d, x: d.T @ x, _mm(768, 256, 1024)),
 ]
 
 
