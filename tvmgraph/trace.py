@@ -40,7 +40,9 @@ _SPECIALIZED_MARKER = "Constraints violated"
 _DATA_DEPENDENT_HINT = (
     "\nTracing runs build() once with symbolic tensors: data-dependent Python control flow "
     "(`if x.sum() > 0:`) and .item()/.tolist() cannot be traced. Rewrite them with torch.where / "
-    "torch.cond, or compute them outside the graph."
+    "torch.cond, or compute them outside the graph. A slice at a position read from a tensor "
+    "(`cache[:, p:p + n] = k` with `p = pos[0]`) is one too: index with tensors instead "
+    "(`cache.index_copy_(1, pos + torch.arange(n), k)`, `x.index_select`, `torch.gather`)."
 )
 # What torch.export says when build() reads `tensor.data`.
 _DOT_DATA_MARKER = "fake tensor in the exported program constant"

@@ -281,3 +281,23 @@ def test_one_tensor_passed_twice_and_updated_in_place_names_the_arguments() -> N
     assert torch.equal(Adds()(x + 1, x + 1), torch.full((3,), 2.0))
     y = torch.ones(3)
     assert torch.equal(Adds()(y, y), torch.full((3,), 2.0))
+
+
+def test_a_slice_at_a_tensor_position_suggests_indexing_with_tensors() -> None:
+    """A KV cache written at a position read from a tensor (`kc[:, p:p + n] = k`, p = pos[0]) is a
+    data-dependent size that torch.export cannot trace; the hint spoke of `if x.sum() > 0` and
+    .item() only. It names the slice and index_copy_ (which traces)."""
+
+    class Cache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("kc", torch.zeros(1, 16, 4))
+
+        def forward(self, k, pos):
+            p = pos[0]
+            self.kc[:, p:p + k.shape[1]] = k
+            return self.kc.sum(1)
+
+    graph = ModuleGraph(Cache())
+    with pytest.raises(errors.TraceError, match=r"A slice at a position read from a tensor .*index_copy_"):
+        graph(torch.randn(1, 1, 4), torch.tensor([3]))
