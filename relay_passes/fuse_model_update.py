@@ -40,7 +40,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvmgraph.debug import logger
 from tvmgraph.training.optimizers import PARAM, RULES, UpdateRule
 from tvmgraph.training.loss_scale import keep_if_found
-from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR, SKIP_ATTR, SKIP_INPUTS
+from tvmgraph.training.train_step import FLAGS_ATTR, MODEL_UPDATE_ATTR, SKIP_ATTR, SKIP_INPUTS, hyper_reads
 from tvmgraph.training.update_ops import SCALAR_DTYPE, RelaxUpdateOps
 
 LANES = 16  # elements per vector on AVX-512 float32; 8 on AVX2 is handled by LLVM splitting
@@ -359,11 +359,9 @@ class _Rewriter(PyExprMutator):
         `args[:lead]` are hyper and, under loss scaling, skip and unscale."""
         keys = rule.state_keys(flags)
         bb = self.builder_
-        hyper = args[0]
+        count = len(args[lead:]) // per_param
         out = []
-        for j in range(len(args[lead:]) // per_param):
-            h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
-                 for k, i in rule.hyper_slots(j).items()}
+        for j, h in enumerate(hyper_reads(bb, rule, args[0], count)):
             p, g, *states = args[lead + j * per_param: lead + (j + 1) * per_param]
             dtype = p.ty.dtype.dtype
             ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: s.ty.dtype.dtype for k, s in zip(keys, states)}})

@@ -71,7 +71,7 @@ from . import (advanced_indexing, converters_activation, converters_cholesky, co
                symbolic_scalars)
 from .legalize_fixes import broadcast_shape
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, as_dtype, isnan, operand,
-                            result_dtype, stock_converter)
+                            per_channel_affine, result_dtype, stock_converter)
 
 Converter = Callable[[torch.fx.Node, ExportedProgramImporter], relax.Expr]
 
@@ -159,12 +159,7 @@ def _normalized(bb: relax.BlockBuilder, x: relax.Expr, weight: relax.Expr | None
     """A batch norm's output written out: an instance norm normalizes (1, n * C, ...), whose
     channel count is symbolic under a dynamic batch, and TVM's batch_norm needs it static."""
     mean, invstd = _mean_rstd(bb, x, axes, eps)
-    out = bb.emit(relax.op.multiply(relax.op.subtract(x, mean), invstd))
-    per_channel = [1, -1] + [1] * (x.ty.ndim - 2)
-    for value, combine in ((weight, relax.op.multiply), (bias, relax.op.add)):
-        if value is not None:
-            out = bb.emit(combine(out, relax.op.reshape(value, per_channel)))
-    return out
+    return per_channel_affine(bb, bb.emit(relax.op.multiply(relax.op.subtract(x, mean), invstd)), weight, bias)
 
 
 def _unbiased_scale(bb: relax.BlockBuilder, count: tvm.tirx.PrimExpr, dtype: str) -> relax.Expr:

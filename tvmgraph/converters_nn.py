@@ -768,6 +768,16 @@ def batch_norm_eval(node: torch.fx.Node, importer: ExportedProgramImporter) -> r
     return bb.emit(relax.op.astype(bb.emit(relax.TupleGetItem(normalized, 0)), dtype))
 
 
+def per_channel_affine(bb: relax.BlockBuilder, out: relax.Expr, weight: relax.Expr | None,
+                       bias: relax.Expr | None) -> relax.Expr:
+    """`out * weight + bias` with weight and bias along dim 1 (either may be None)."""
+    per_channel = [1, -1] + [1] * (out.ty.ndim - 2)
+    for value, combine in ((weight, relax.op.multiply), (bias, relax.op.add)):
+        if value is not None:
+            out = bb.emit(combine(out, relax.op.reshape(value, per_channel)))
+    return out
+
+
 def _batch_norm_eval_written_out(bb: relax.BlockBuilder, x: relax.Expr, node: torch.fx.Node,
                                  importer: ExportedProgramImporter) -> relax.Expr:
     """An eval-mode instance norm under a dynamic batch normalizes (1, n * C, ...) by its
@@ -778,18 +788,13 @@ def _batch_norm_eval_written_out(bb: relax.BlockBuilder, x: relax.Expr, node: to
     per_channel = [1, -1] + [1] * (x.ty.ndim - 2)
 
     def channel_values(arg: object) -> relax.Expr | None:
-        if arg is None:
-            return None
-        return bb.emit(relax.op.reshape(bb.emit(relax.op.astype(importer.env[arg], compute)), per_channel))
+        return bb.emit(relax.op.astype(importer.env[arg], compute)) if arg is not None else None
 
     weight, bias, mean, var = (channel_values(a) for a in node.args[1:5])
     eps = relax.const(float(_arg(node, 6, "eps", 1e-5)), compute)
-    out = bb.emit(relax.op.multiply(relax.op.subtract(relax.op.astype(x, compute), mean),
-                                    relax.op.rsqrt(relax.op.add(var, eps))))
-    if weight is not None:
-        out = bb.emit(relax.op.multiply(out, weight))
-    if bias is not None:
-        out = bb.emit(relax.op.add(out, bias))
+    out = bb.emit(relax.op.multiply(relax.op.subtract(relax.op.astype(x, compute), relax.op.reshape(mean, per_channel)),
+                                    relax.op.rsqrt(relax.op.add(relax.op.reshape(var, per_channel), eps))))
+    out = per_channel_affine(bb, out, weight, bias)
     return bb.emit(relax.op.astype(out, dtype)) if compute != dtype else out
 
 

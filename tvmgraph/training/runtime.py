@@ -141,8 +141,7 @@ class TrainingBinding:
             return
         if float(self.plan.grad_scaler._scale) >= self.scale_before:
             return
-        if len({id(optimizer) for optimizer, _, _ in self.created}
-               | {id(group.optimizer) for group in self.plan.groups}) != 1:
+        if len({id(group.optimizer) for group in self.plan.groups}) != 1:
             return
         for optimizer, param, keys in self.created:
             state = optimizer.state[param]

@@ -95,6 +95,19 @@ def state_type(rule: UpdateRule, key: str, param: relax.TensorType) -> relax.Ten
     return relax.TensorType(shape, param.dtype.dtype)
 
 
+def hyper_reads(bb: relax.BlockBuilder, rule: UpdateRule, hyper: relax.Expr,
+                params: int) -> list[dict[str, relax.Expr]]:
+    """Each parameter's hyperparameters read out of its group's vector (`UpdateRule.hyper_slots`):
+    the group's keys emitted once, shared, and each parameter's own keys per parameter."""
+
+    def read(i: int) -> relax.Expr:
+        return bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
+
+    shared = {k: read(i) for i, k in enumerate(rule.hyper_keys)}
+    return [{**shared, **{k: read(i) for k, i in rule.hyper_slots(j).items() if k not in shared}}
+            for j in range(params)]
+
+
 def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[relax.TensorType],
                     name: str, skippable: bool = False) -> relax.Function:
     """The Relax function updating every parameter of one group (see the module docstring).
@@ -116,9 +129,7 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
     with bb.function(name, params, attrs={MODEL_UPDATE_ATTR: rule.name, FLAGS_ATTR: flags, SKIP_ATTR: skippable}):
         with bb.dataflow():
             results = []
-            for j, (p, g, states) in enumerate(per_param):
-                h = {k: bb.emit(relax.op.take(hyper, relax.const(i, "int64"), axis=0, mode="clip"))
-                     for k, i in rule.hyper_slots(j).items()}
+            for h, (p, g, states) in zip(hyper_reads(bb, rule, hyper, len(per_param)), per_param):
                 dtype = p.ty.dtype.dtype
                 ops = RelaxUpdateOps(bb, dtype, {PARAM: dtype, **{k: v.ty.dtype.dtype for k, v in states.items()}})
                 grad = loss_scale.unscaled(bb, g, unscale) if unscale is not None else g
