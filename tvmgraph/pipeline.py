@@ -224,6 +224,7 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
     from .schedules.bitwise_isnan import BitwiseIsNaN
     from .schedules.bool_order import BoolOrder
     from .schedules.division_free_bounds import DivisionFreeBounds
+    from .schedules.float_division_by_zero import FloatDivisionByZero
     from .schedules.minus_infinity_pool import MinusInfinityPool
     from .schedules.offset_floordiv import OffsetFloorDiv
     from .schedules.propagate_nan import PropagateNaN, has_one_instruction_maximum
@@ -333,6 +334,9 @@ def default_pipeline(target: tvm.target.Target, config: CompileOptions, report: 
         *([MarkPackedWeights(report)] if frozen_weights else []),
         *default_schedules(target, config),
         *([LiftFrozenComputation(report)] if frozen_weights else []),
+        #    A float division by a constant zero (a mean over zero rows, once the schedules
+        #    inlined its count) as IEEE's inf or NaN: TVM's constant folder refuses it.
+        FloatDivisionByZero(),
         #    Max, min and comparisons of booleans as logic (LLVM's code generator compares
         #    bools as floats).
         BoolOrder(),
