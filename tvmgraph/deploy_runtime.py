@@ -15,7 +15,9 @@ import collections
 import logging
 import os
 import platform
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -177,6 +179,22 @@ class TreeSpec:
         return items if self.kind == "list" else tuple(items)
 
 
+def _load_by_content(library: Path, sha256: str) -> Any:
+    """`load_library(library)` under a name made of its content, so native code runs from here on.
+
+    The dynamic loader hands back a library already loaded under the same path: a graph saved
+    over an earlier one at `path` and loaded in the same process ran the earlier graph's code
+    with the new weights. A link named by the content's hash is loaded instead, then removed
+    (the loaded code stays mapped)."""
+    with tempfile.TemporaryDirectory(prefix="tvmgraph-load-") as work:
+        alias = Path(work) / f"graph-{sha256[:16]}{library.suffix}"
+        try:
+            os.link(library, alias)
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(library, alias)
+        return load_library(alias)
+
+
 class SavedGraph:
     """A graph loaded by `tvmgraph.load`: call it with the arguments of the original `build()`.
 
@@ -219,7 +237,7 @@ class SavedGraph:
         missing = [t for k, t in self._sources if k in ("parameter", "buffer", "constant") and t not in self._state]
         if missing:
             raise _refuse(path, manifest["parameters"], f"has no tensor {missing[0]!r}", "Save the graph again.")
-        lib = load_library(path / manifest["library"])  # native code runs from here on
+        lib = _load_by_content(path / manifest["library"], manifest["files"][manifest["library"]]["sha256"])
         self._vm = VirtualMachine(lib, self._dev)
         self._entry = releasing(self._vm, manifest["entry"])
         self._packed = self._pack_weights()

@@ -70,6 +70,22 @@ def test_sees_every_change_torch_counts() -> None:
     _check(graph, model, x)
 
 
+def test_sees_the_steps_of_a_training_graph_on_the_same_model() -> None:
+    """A training graph's kernels update the parameters in place, out of torch's sight: the
+    frozen graph kept the weights it packed before the step (0.15 off eager). The step now
+    counts its writes in torch's version counter, as eager's optimizer step does; autograd
+    then refuses a backward through a forward made before the step, as in eager."""
+    model, x = _mlp(), torch.randn(64, 256)
+    graph = _frozen(model)
+    train = TrainGraph(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.5))
+    _check(graph, model, x)
+    before = model(x).square().sum()  # saves the weights for its backward
+    train(torch.randn(64, 256), torch.randn(64, 10))
+    _check(graph, model, x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        before.backward()
+
+
 def test_a_transposed_weight_shared_by_steps_is_computed_once() -> None:
     """One layer applied three times: ShareTransposes computes W.T once per call, which the
     frozen program computes once per weight version (and packs for the products)."""

@@ -213,6 +213,19 @@ def test_save_is_atomic_and_replaces_an_older_save(tmp_path: Path, monkeypatch: 
         tvmgraph.save(graph, tmp_path / "other")
 
 
+def test_a_graph_saved_over_a_loaded_one_runs_its_own_code(tmp_path: Path) -> None:
+    """Saved, loaded, then another graph saved at the same path and loaded in the same process:
+    the dynamic loader handed back the library already loaded from that path, and the second
+    load ran the first graph's kernels (ReLU) on the second graph's weights (Tanh's model)."""
+    x = torch.randn(3, 8)
+    relu, tanh = (torch.nn.Sequential(torch.nn.Linear(8, 4), act).eval() for act in (torch.nn.ReLU(), torch.nn.Tanh()))
+    for model in (relu, tanh):
+        graph = ModuleGraph(model)
+        graph(x)
+        tvmgraph.save(graph, tmp_path / "g")
+        assert_close(tvmgraph.load(tmp_path / "g")(x), model(x).detach())
+
+
 def test_pickling_a_graph_points_at_tvmgraph_save() -> None:
     """pickle.dumps and torch.save of a graph raise GraphPickleError (a TypeError) naming tvmgraph.save."""
     graph = ModuleGraph(mlp((8, 4)))

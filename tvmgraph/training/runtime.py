@@ -115,6 +115,10 @@ class TrainingBinding:
                     param.copy_(value)
             elif value.data_ptr() != param.data_ptr():  # not updated in place
                 param.data = value
+        # The kernels wrote the parameters in place, out of torch's sight: count it, as eager's
+        # in-place step does, so that what reads the version (frozen weights packed by an
+        # inference graph of the same model, autograd's saved tensors) sees the change.
+        torch.autograd.graph.increment_version(params)
         cursor = 0
         for group in self.plan.groups:
             keys = group.state_keys
