@@ -34,14 +34,23 @@ def _plain(value: object) -> bool:
 
 
 def _same(now: object, then: object) -> bool:
-    """Equal as a program constant: 1 and True and 1.0 are different constants."""
+    """Equal as a program constant: 1 and True and 1.0 are different constants. Tensors are
+    read by the program at each call (binding.py): another tensor of the same kind serves."""
     if now is then:
         return True
     if type(now) is not type(then):
         return False
+    if isinstance(now, torch.Tensor):
+        return (now.shape, now.dtype, now.device, now.layout) == (then.shape, then.dtype, then.device, then.layout)
     if isinstance(now, tuple):
         return len(now) == len(then) and all(map(_same, now, then))
     return now == then
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)} on {value.device}"
+    return repr(value)
 
 
 class AttributeGuard:
@@ -73,9 +82,12 @@ class AttributeGuard:
         out = []
         for attrs, where, name, value in self.reads:
             now = attrs.get(name, _MISSING)
-            if now is not value and not _same(now, value):
-                shown = "deleted" if now is _MISSING else repr(now)
-                out.append(f"attribute {where}.{name} was {value!r}, now {shown}")
+            if name == "forward" and value is None:
+                if now is not _MISSING:
+                    out.append(f"{where or 'the graph'}.forward was replaced on the instance")
+            elif now is not value and not _same(now, value):
+                out.append(f"attribute {where}.{name} was {_shown(value)}, now "
+                           f"{'deleted' if now is _MISSING else _shown(now)}")
         return out
 
     def __len__(self) -> int:
@@ -97,8 +109,11 @@ def recording(owners: list[tuple[str, object]]) -> Iterator[list[AttributeGuard]
         owner = watched.get(id(obj))
         if owner is not None and owner[1] is obj and name not in _SKIPPED and (id(obj), name) not in reads:
             attrs = object.__getattribute__(obj, "__dict__")
-            if attrs.get(name, _MISSING) is value and _plain(value):
+            here = attrs.get(name, _MISSING)
+            if here is value and (_plain(value) or isinstance(value, torch.Tensor) or name == "forward"):
                 reads[(id(obj), name)] = (attrs, owner[0], name, value)
+            elif name == "forward" and here is _MISSING:  # the class's: guard that none replaces it
+                reads[(id(obj), name)] = (attrs, owner[0], name, None)
         return value
 
     classes = {torch.nn.Module} | {type(o) for _, o in owners if not isinstance(o, torch.nn.Module)}
@@ -113,5 +128,6 @@ def recording(owners: list[tuple[str, object]]) -> Iterator[list[AttributeGuard]
             del cls.__getattribute__
         # A value the traced code changed itself (`self.calls += 1`) is a side effect, not a
         # constant: guarding it would fail on every call.
-        kept = tuple(r for r in reads.values() if _same(r[0].get(r[2], _MISSING), r[3]))
+        kept = tuple(r for r in reads.values() if _same(r[0].get(r[2], _MISSING), r[3])
+                     or (r[2] == "forward" and r[3] is None and "forward" not in r[0]))
         result.append(AttributeGuard(kept))

@@ -30,7 +30,7 @@ class TensorBinder:
 
     def _slot(self, source: InputSource, modules: Mapping[str, torch.nn.Module]) -> tuple[dict, str]:
         if source.kind == "constant":
-            return self._constants, source.target
+            return self._attribute_slot(source.target, modules) or (self._constants, source.target)
         top, _, rest = source.target.partition(".")
         owner_path, _, leaf = rest.rpartition(".")
         owner = modules[top].get_submodule(owner_path) if owner_path else modules[top]
@@ -38,6 +38,23 @@ class TensorBinder:
         if leaf not in table:
             raise KeyError(f"{source.kind} '{source.target}' is no longer registered on its module")
         return table, leaf
+
+    @staticmethod
+    def _attribute_slot(target: str, modules: Mapping[str, torch.nn.Module]) -> tuple[dict, str] | None:
+        """A constant that is a module's plain tensor attribute (`self.mask = torch.ones(4)`),
+        read from the module like a buffer: an in-place change is seen, also by a program
+        loaded from the compiled cache, whose stored constants are copies (a reassignment
+        recompiles: attribute_guard.py). None for a constant build() made itself."""
+        top, _, rest = target.partition(".")
+        owner_path, _, leaf = rest.rpartition(".")
+        if top not in modules or not leaf:
+            return None
+        try:
+            owner = modules[top].get_submodule(owner_path) if owner_path else modules[top]
+        except AttributeError:
+            return None
+        attrs = owner.__dict__
+        return (attrs, leaf) if isinstance(attrs.get(leaf), torch.Tensor) else None
 
     def tensors(self) -> list[torch.Tensor]:
         """The current tensors, in the program's argument order."""

@@ -11,8 +11,12 @@ per call:
   * the number of children, parameters and buffers of every module is compared, which covers
     removal (`del model[2]`, `del layer.bias`), for which torch has no hook.
 
+  * forward hooks and pre-hooks (the module's and torch's global ones) change what a trace
+    records: an addition moves torch's hook-handle counter (`RemovableHandle.next_id`, one
+    attribute read), a removal the size of a hook table that held any at the last walk.
+
 Only when one of them moved is the fingerprint walked again. A fingerprint names every module
-(path, class, identity) and every parameter and buffer (path, shape, dtype), so equal
+(path, class, identity, forward hooks) and every parameter and buffer (path, shape, dtype), so equal
 fingerprints mean the compiled program still addresses tensors that fit it. A parameter replaced
 by another of the same shape is read live by an inference program (no recompile); a training
 graph's fingerprint also holds the parameters' identities, since its optimizers name them by
@@ -24,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
+from torch.nn.modules import module as _module
+from torch.utils.hooks import RemovableHandle
 
 _epoch = 0
 _hooks_installed = False
@@ -53,7 +59,7 @@ class ModuleStructure:
     __slots__ = ("entries", "_hash")
 
     def __init__(self, entries: tuple):
-        self.entries = entries  # ((path, class, id, params, buffers), ...)
+        self.entries = entries  # ((path, class, id, params, buffers, forward hooks), ...)
         self._hash = hash(entries)
 
     def __hash__(self) -> int:
@@ -76,6 +82,9 @@ class ModuleStructure:
             if new[2] != old_entry[2]:
                 diffs.append(f"module '{path}' was replaced ({old_entry[1]} -> {new[1]})")
                 continue
+            if new[5] != old_entry[5]:
+                diffs.append(f"the forward hooks of {f'module {path!r}' if path != GLOBAL else 'every module'} "
+                             f"changed")
             for kind, i in (("parameter", 3), ("buffer", 4)):
                 diffs += _tensor_changes(kind, path, old_entry[i], new[i])
         return sorted(diffs) or ["the modules changed"]
@@ -99,6 +108,22 @@ def _tensor_entry(name: str, t: torch.Tensor, identity: bool) -> tuple:
     return (name, id(t) if identity else 0, tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
+GLOBAL = "*"  # the entry of torch's global forward hooks (no module path is "*")
+
+
+def _hook_tables(m: torch.nn.Module) -> tuple[dict, dict]:
+    return m._forward_pre_hooks, m._forward_hooks
+
+
+def _global_hook_tables() -> tuple[dict, dict]:
+    return _module._global_forward_pre_hooks, _module._global_forward_hooks
+
+
+def _hooks(tables: tuple[dict, dict]) -> tuple:
+    """The hooks' handle ids: each registration makes a new one."""
+    return tuple(map(tuple, tables))
+
+
 def fingerprint(named_modules: list[tuple[str, torch.nn.Module]], identities: bool = False) -> ModuleStructure:
     """The structure of `named_modules` (paths in the graph, module objects), walked now;
     with `identities`, which parameter objects they hold too."""
@@ -106,14 +131,16 @@ def fingerprint(named_modules: list[tuple[str, torch.nn.Module]], identities: bo
     for path, m in named_modules:
         params = tuple(_tensor_entry(n, p, identities) for n, p in m._parameters.items() if p is not None)
         buffers = tuple(_tensor_entry(n, b, False) for n, b in m._buffers.items() if b is not None)
-        entries.append((path, type(m).__qualname__, id(m), params, buffers))
+        entries.append((path, type(m).__qualname__, id(m), params, buffers, _hooks(_hook_tables(m))))
+    entries.append((GLOBAL, "", 0, (), (), _hooks(_global_hook_tables())))
     return ModuleStructure(tuple(entries))
 
 
 class StructureGuard:
     """Per graph: the current `ModuleStructure` and module list, re-walked only when they moved."""
 
-    __slots__ = ("_walk", "_epoch", "_count", "_tables", "_modules", "_named", "_identities", "structure")
+    __slots__ = ("_walk", "_epoch", "_count", "_tables", "_modules", "_named", "_identities", "structure",
+                 "_hook_id", "_hook_tables", "_hook_count")
 
     def __init__(self, walk: Callable[[], list[tuple[str, torch.nn.Module]]]):
         _install_hooks()
@@ -124,6 +151,9 @@ class StructureGuard:
         self._modules: list[torch.nn.Module] = []
         self._named: list[tuple[str, torch.nn.Module]] = []
         self._identities = False
+        self._hook_id = -1
+        self._hook_tables: list[dict] = []  # the hook tables that held hooks at the last walk
+        self._hook_count = 0
         self.structure: ModuleStructure | None = None
 
     def invalidate(self) -> None:
@@ -135,15 +165,20 @@ class StructureGuard:
         nothing was registered or removed since the last call.
 
         One total of entries suffices for removals: an addition that could hide one in the
-        total bumps the epoch."""
+        total bumps the epoch (or, for hooks, the handle counter)."""
         if (self._epoch != _epoch or sum(map(len, self._tables)) != self._count
-                or identities is not self._identities):
+                or identities is not self._identities or RemovableHandle.next_id != self._hook_id
+                or sum(map(len, self._hook_tables)) != self._hook_count):
             self._epoch = _epoch
             self._identities = identities
+            self._hook_id = RemovableHandle.next_id
             self._named = self._walk()
             self._modules = [m for _, m in self._named]
             self._tables = [t for m in self._modules for t in (m._modules, m._parameters, m._buffers)]
             self._count = sum(map(len, self._tables))
+            hooks = [t for m in self._modules for t in _hook_tables(m)] + list(_global_hook_tables())
+            self._hook_tables = [t for t in hooks if t]
+            self._hook_count = sum(map(len, self._hook_tables))
             new = fingerprint(self._named, identities)
             if new != self.structure:
                 self.structure = new

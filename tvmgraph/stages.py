@@ -300,7 +300,11 @@ class CompiledGraph:
         state = self.binder.tensors()
         rng = [_draw_seed(self.device)] if self._has_rng else []
         inputs, _ = runnable_all(flat_inputs)
-        passed_state, copied = runnable_all(state, thorough=False)
+        try:
+            passed_state, copied = runnable_all(state, thorough=False)
+        except AttributeError:  # not a tensor: a parameter or buffer set to None since the trace
+            self._diagnose(state)
+            raise
         passed_extra = runnable_all(extra, thorough=False)[0] if extra else ()
         if self.packed_weights is not None:
             passed_extra = (*passed_extra, *self.packed_weights.get(state, passed_state))
@@ -332,6 +336,9 @@ class CompiledGraph:
         types = [t for t, s in zip(self.signature.input_types, self.signature.inputs)
                  if s.kind in ("parameter", "buffer", "constant")]
         for source, t, (shape, dtype) in zip(self.binder.sources, state, types):
+            if t is None:  # `layer.bias = None`: torch calls no registration hook for it
+                raise StaleGraphError(f"{graph}: {source.kind} '{source.target}' is now None; the graph was "
+                                      f"compiled with it")
             if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
                 raise StaleGraphError(
                     f"{graph}: {source.kind} '{source.target}' is now {TensorSpec.of(t).describe()} but the "

@@ -225,6 +225,94 @@ def test_attribute_changed_mid_training_matches_eager() -> None:
         assert_close(got.detach(), want.detach())
 
 
+def test_forward_hooks_added_or_removed_recompile(caplog: pytest.LogCaptureFixture) -> None:
+    """A forward hook, a pre-hook or a global hook registered after the first call changes
+    eager's numbers; the graph ran on with its program (0.24-0.93 off). Removing one goes back
+    to the program compiled without it."""
+    torch.manual_seed(0)
+    model, x = mlp(), torch.randn(5, 4)
+    graph = ModuleGraph(model)
+    graph(x)
+    hook = model[0].register_forward_hook(lambda mod, args, out: out * 2)
+    with caplog.at_level(logging.INFO, logger="tvmgraph"):
+        assert_close(graph(x), model(x))
+    assert "the forward hooks of module 'model.0' changed" in caplog.text
+    pre = model[2].register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
+    assert_close(graph(x), model(x))
+    hook.remove()
+    pre.remove()
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 3
+    every = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out - 1 if isinstance(mod, nn.ReLU) else None)
+    try:
+        assert_close(graph(x), model(x))
+    finally:
+        every.remove()
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 4
+
+
+def test_forward_replaced_on_the_instance_recompiles() -> None:
+    model, x = mlp(), torch.randn(5, 4)
+    graph = ModuleGraph(model)
+    graph(x)
+    model[1].forward = torch.tanh
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 2
+
+
+class Masked(nn.Module):
+    """A plain tensor attribute (not a buffer) read by forward()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.mask = torch.ones(4)
+
+    def forward(self, x):
+        return self.fc(x) * self.mask
+
+
+def test_a_plain_tensor_attribute_is_read_live_and_guarded(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`module.mask` changed in place, or replaced by another tensor, is what the next call
+    reads: a program from the compiled cache used the copy stored with it (1.77 off), and a
+    replacement was not seen at all. A tensor of another shape recompiles."""
+    monkeypatch.setenv("TVMGRAPH_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    for run in ("compiled", "from the cache"):
+        model = Masked()
+        graph = ModuleGraph(model)
+        assert_close(graph(x), model(x))
+        model.mask.mul_(3.0)
+        assert_close(graph(x), model(x))
+        model.mask = torch.full((4,), 5.0)
+        assert_close(graph(x), model(x))
+        assert graph.num_compiled == 1, run
+    model.mask = torch.arange(3.0).reshape(3, 1)  # broadcasts to (3, 4) rows
+    assert_close(graph(x[:1].expand(3, 4)), model(x[:1].expand(3, 4)))
+    assert graph.num_compiled == 2
+
+
+def test_a_parameter_set_to_none_recompiles() -> None:
+    """`layer.bias = None` (torch calls no registration hook for it) ended in an
+    ExecutionError ('NoneType' object has no attribute 'is_contiguous'). A training graph
+    whose optimizer still holds the dropped parameter says so, as for a replaced one."""
+    torch.manual_seed(0)
+    model, x = mlp(), torch.randn(5, 4)
+    graph = ModuleGraph(model)
+    graph(x)
+    model[0].bias = None
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 2
+    train = TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    train(x, torch.randn(5, 3))
+    model[2].bias = None
+    with pytest.raises(errors.OptimizerError, match="belongs to no module of the graph"):
+        train(x, torch.randn(5, 3))
+
+
 def test_config_change_after_first_call_recompiles(caplog: pytest.LogCaptureFixture) -> None:
     """A changed option takes effect at the next call, and repr shows what runs."""
     model = mlp()
