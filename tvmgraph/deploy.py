@@ -125,11 +125,10 @@ def _traced(graph: Graph, example_args: tuple | None) -> tuple[TracedGraph, dict
                         f"save; call it once, or pass inputs: tvmgraph.save(graph, path, example_args=(x,))")
     if example_args is not None and not isinstance(example_args, tuple):
         example_args = (example_args,)
-    if example_args is None and not graph.training:
+    if example_args is None and not graph.training and last_call_holds(graph):
         return compiled.traced, modules
-    if example_args is None:  # zeros of the last call's signature
-        leaves = [torch.zeros(s.shape, dtype=s.dtype, device=s.device) for s in compiled.traced.signature.leaves]
-        example_args = tuple(compiled.traced.args_tree.unflatten(leaves))
+    if example_args is None:
+        example_args = last_call_zeros(graph)
     if not graph.training:
         return graph.trace(*example_args), modules
     modes = [(m, m.training) for top in modules.values() for m in top.modules()]
@@ -140,6 +139,20 @@ def _traced(graph: Graph, example_args: tuple | None) -> tuple[TracedGraph, dict
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+def last_call_zeros(graph: Graph) -> tuple:
+    """Zeros in the shapes, dtypes and nesting of the graph's last call."""
+    traced = graph.compiled.traced
+    leaves = [torch.zeros(s.shape, dtype=s.dtype, device=s.device) for s in traced.signature.leaves]
+    return tuple(traced.args_tree.unflatten(leaves))
+
+
+def last_call_holds(graph: Graph) -> bool:
+    """True while every guard of the last call's program holds for the model as it is now:
+    a call now would run it. A save after `model.eval()`, a changed attribute, a replaced
+    layer or a frozen parameter saved the program of before (silently, or failing at load)."""
+    return graph._last_entry_again(graph._state("saving the graph"), last_call_zeros(graph)) is graph.compiled
 
 
 def resolve_target(name: str, target: Any, arch: str | None, device: torch.device,

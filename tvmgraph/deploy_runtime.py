@@ -330,15 +330,24 @@ class SavedGraph:
         if group is not None and not 0 <= group < len(groups):
             raise SavedGraphInputError(f"{self.name}: group={group}; the saved train step has {len(groups)} "
                                        f"param group(s), 0 to {len(groups) - 1}")
-        for i, (g, h) in enumerate(zip(groups, self._hypers)):
+        for i, g in enumerate(groups):
             if group is not None and i != group:
                 continue
             if key not in g["hyper_keys"] or key == "first":
                 names = ", ".join(k for k in g["hyper_keys"] if k != "first")
                 raise SavedGraphInputError(f"{self.name}: param group {i} ({g['optimizer']}) has no "
                                            f"hyperparameter {key!r}; it has {names}")
-            slot = g["hyper_keys"].index(key)
-            h["first_call"][slot] = h["later_calls"][slot] = float(value)
+            was_zero = g.get("compiled_zero", {}).get(key)
+            if was_zero is not None and was_zero != (float(value) == 0):
+                raise SavedGraphInputError(
+                    f"{self.name}: param group {i} ({g['optimizer']}) was saved with {key} "
+                    f"{'0' if was_zero else 'non-zero'}, and its program "
+                    f"{'leaves that term out' if was_zero else 'keeps that term'}; {key}={value} needs another "
+                    f"program: set it on the optimizer, call the graph, and save the train step again")
+        for i, (g, h) in enumerate(zip(groups, self._hypers)):
+            if group is None or i == group:
+                slot = g["hyper_keys"].index(key)
+                h["first_call"][slot] = h["later_calls"][slot] = float(value)
 
     def _check(self, index: int, value: Any, use_torch: bool) -> Any:
         spec = self.inputs[index]

@@ -46,6 +46,11 @@ def train_step_program(graph: Graph, example_args: tuple | None
             raise SaveError(f"{graph.name}: the graph has not been called, so there is no compiled train step to "
                             f"save; call it once, or pass inputs: tvmgraph.save(graph, path, example_args=(x, y), "
                             f"program='train_step')")
+        from .deploy import last_call_holds, last_call_zeros  # deploy imports this module
+
+        if not last_call_holds(graph):  # the model or optimizer changed since: trace it as it is now
+            example_args = last_call_zeros(graph)
+    if example_args is None:
         traced, plan = compiled.traced, compiled.plan
     else:
         traced = graph.trace(*(example_args if isinstance(example_args, tuple) else (example_args,)))
@@ -76,6 +81,21 @@ def train_step_program(graph: Graph, example_args: tuple | None
                        "index": g_index, "params": list(group.targets), "state_keys": list(group.state_keys),
                        "hyper_keys": list(group.rule.hyper_keys),
                        "first_call": group.rule.hyper_vector(group.group, fresh),
-                       "later_calls": group.rule.hyper_vector(group.group, [False] * len(fresh))})
+                       "later_calls": group.rule.hyper_vector(group.group, [False] * len(fresh)),
+                       "compiled_zero": _compiled_zero(group.rule, group.group)})
     training = {"params": plan.targets, "states": list(states), "groups": groups}
     return traced, lowered, states, training
+
+
+def _compiled_zero(rule: Any, group: dict) -> dict[str, bool]:
+    """For each hyperparameter whose being zero shapes the program (SGD's momentum, dampening,
+    weight decay: the terms left out at zero), whether it was zero when compiled: the loaded
+    step refuses a value on the other side of zero, which its program would ignore."""
+    out = {}
+    for key in rule.hyper_keys:
+        value = group.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if rule.flags({**group, key: 0.0}) != rule.flags({**group, key: 1.0}):
+            out[key] = value == 0
+    return out
