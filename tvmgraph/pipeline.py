@@ -26,6 +26,7 @@ from . import take_backward  # noqa: F401  (registers a parallel embedding gradi
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .debug import logger
 from .errors import PassError, reason_of
+from .native_output import to_debug_log
 
 if TYPE_CHECKING:
     from autotune.log import AppliedLog
@@ -132,12 +133,11 @@ def run_pass(p: tvm.transform.Pass, mod: tvm.IRModule, graph: str, check: bool) 
     an optional pass (OPTIONAL_PASSES) is left out with one warning (`mod` is returned as it
     was) and any other raises PassError. Without, `p` runs plain (a failing compile is rerun
     with checks, see LoweredGraph.build, so that nothing is warned twice)."""
-    # NOTE: through Sequential, which honours the PassContext (opt_level, disabled passes).
     if not check:
-        return tvm.transform.Sequential([p])(mod)
+        return _apply(p, mod)
     name = p.info.name
     try:
-        out = tvm.transform.Sequential([p])(mod)
+        out = _apply(p, mod)
     except Exception as e:  # a pass may raise anything; TVM's errors come as several types
         problem, cause = f"raised {type(e).__name__}: {reason_of(e)}", e
     else:
@@ -152,6 +152,17 @@ def run_pass(p: tvm.transform.Pass, mod: tvm.IRModule, graph: str, check: bool) 
     logger.warning("%s: pass %s %s; compiling this graph without it (%s; please report this).",
                    graph, name, problem, fix)
     return mod
+
+
+def _apply(p: tvm.transform.Pass, mod: tvm.IRModule) -> tvm.IRModule:
+    """`p(mod)` through Sequential, which honours the PassContext (opt_level, disabled passes).
+    TVM's own passes print their warnings on fd 2 (FuseOps: "There are dead codes in the
+    current IRModule, please run the DeadCodeElimination Pass"), which go to the debug log;
+    tvmgraph's (Python classes, `transform_module`) report through logging, left as it is."""
+    if hasattr(p, "transform_module"):
+        return tvm.transform.Sequential([p])(mod)
+    with to_debug_log(p.info.name):
+        return tvm.transform.Sequential([p])(mod)
 
 
 def _ill_formed(mod: tvm.IRModule) -> str | None:

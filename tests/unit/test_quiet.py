@@ -70,3 +70,14 @@ def test_failed_import_prints_nothing(capfd):
         graph(torch.randn(1, 2, 4, 4), torch.rand(1, 3, 3, 2) * 2 - 1)
     gc.collect()
     assert capfd.readouterr() == ("", "")
+
+
+def test_a_pass_pipeline_warning_goes_to_the_debug_log(capfd, caplog):
+    """TVM's FuseOps warns on stderr about dead code ("please run the DeadCodeElimination Pass
+    before FuseOps"), which a training step on zero rows leaves: the debug log takes it."""
+    model = nn.Linear(4, 3)
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    with caplog.at_level(logging.DEBUG, logger="tvmgraph"):
+        graph(torch.randn(0, 4), torch.zeros(0, dtype=torch.long))
+    assert capfd.readouterr() == ("", "")
+    assert any("TVM (FuseOps)" in r.getMessage() and "dead codes" in r.getMessage() for r in caplog.records)
