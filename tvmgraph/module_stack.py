@@ -22,14 +22,16 @@ class Call:
     path: str
     module: torch.nn.Module
     inputs: tuple[TensorSpec, ...]
+    others: tuple[str, ...] = ()  # the type names of its other arguments (not None)
 
     def describe(self) -> str:
         module = f"{type(self.module).__name__}({self.module.extra_repr()})"
-        if not self.inputs:
+        shown = [spec.describe() for spec in self.inputs[:4]]
+        more = f" and {len(self.inputs) - 4} more tensors" if len(self.inputs) > 4 else ""
+        shown += [f"a {name}" for name in self.others[:2]]
+        if not shown:
             return f"'{self.path}', {module}, called with no tensor"
-        shown = ", ".join(spec.describe() for spec in self.inputs[:4])
-        more = f" and {len(self.inputs) - 4} more" if len(self.inputs) > 4 else ""
-        return f"'{self.path}', {module}, called with {shown}{more}"
+        return f"'{self.path}', {module}, called with {', '.join(shown)}{more}"
 
 
 class ModuleStack:
@@ -45,8 +47,10 @@ class ModuleStack:
 
     def _enter(self, path: str):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            self.calls.append(Call(path, module, tuple(TensorSpec.of(t) for t in tensors)))
+            values = (*args, *kwargs.values())
+            tensors = [a for a in values if isinstance(a, torch.Tensor)]
+            others = tuple(type(a).__name__ for a in values if a is not None and not isinstance(a, torch.Tensor))
+            self.calls.append(Call(path, module, tuple(TensorSpec.of(t) for t in tensors), others))
 
         return hook
 
@@ -65,5 +69,10 @@ class ModuleStack:
         """The TraceError's line for the module the error left running, or ""."""
         if not self.calls:
             return ""
+        if any("PackedSequence" in call.others for call in self.calls):
+            return (f"\nRaised inside {self.calls[-1].describe()}. A PackedSequence cannot go through a graph: "
+                    f"the RNN reads its batch_sizes, which are data, as shapes. Pass the padded batch "
+                    f"(nn.utils.rnn.pad_sequence) and mask the padded steps, or run the RNN eagerly "
+                    f"outside the graph.")
         return (f"\nRaised inside {self.calls[-1].describe()}. If eager torch raises the same, these "
                 f"inputs do not fit that module: compare their shapes and dtypes with its sizes.")

@@ -137,6 +137,25 @@ def test_an_input_that_does_not_fit_a_module_names_the_module_and_the_input(capl
     assert "failed while attempting to run meta" not in caplog.text
 
 
+def test_a_packed_sequence_given_to_an_rnn_says_what_to_pass_instead() -> None:
+    """An RNN given a PackedSequence: the hint said "called with no tensor ... compare their
+    shapes", where eager runs it and the cause is the sequence's data-dependent batch sizes."""
+    class Packed(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(4, 6, batch_first=True)
+
+        def build(self, x, lengths):
+            packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            return nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0]
+
+    with pytest.raises(errors.TraceError) as info:
+        Packed()(torch.randn(3, 5, 4), torch.tensor([5, 3, 4]))
+    assert ("Raised inside 'rnn', GRU(4, 6, batch_first=True), called with a PackedSequence. A PackedSequence "
+            "cannot go through a graph") in str(info.value)
+    assert "pad_sequence" in str(info.value)
+
+
 def test_an_error_in_build_outside_any_module_names_no_module() -> None:
     class Reshaping(tvmgraph.nn.Graph):
         def __init__(self):
