@@ -55,7 +55,7 @@ def train_step_program(graph: Graph, example_args: tuple | None
     else:
         traced = graph.trace(*(example_args if isinstance(example_args, tuple) else (example_args,)))
         plan = entry.training_plan(graph.name, st.optimizers, traced, graph.named_parameters,
-                                   traced.signature.options)
+                                   traced.signature.options, named_modules=graph.named_modules)
     options = traced.signature.options
     if options.gradient_accumulation_steps > 1 or options.data_parallel > 1:
         raise UnsupportedOptionError(

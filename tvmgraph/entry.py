@@ -20,7 +20,8 @@ from . import lower as lowering
 from .compiled_program import CompiledProgram
 from .config import CompileOptions
 from .debug import GraphLog, logger
-from .errors import BackwardError, CompileError, OptimizerError, TvmGraphError, UnsupportedOpError, reason_of
+from .errors import (BackwardError, CompileError, OptimizerError, TvmGraphError, UnsupportedOpError,
+                     UnsupportedOptionError, reason_of)
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .target import target_for
 from .training import gradient_check
@@ -31,7 +32,8 @@ PIPELINE = "default"
 
 def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                   named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]],
-                  options: CompileOptions, grad_scaler: Any = None) -> TrainingPlan | None:
+                  options: CompileOptions, grad_scaler: Any = None,
+                  named_modules: Callable[[], list[tuple[str, torch.nn.Module]]] | None = None) -> TrainingPlan | None:
     """The plan of what the graph updates, None for inference; loss.backward() and optimizers
     must come together. `grad_scaler`: an enabled torch.amp.GradScaler, or None."""
     if traced.result.has_backward and not optimizers:
@@ -46,6 +48,7 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                                  f"loss scaling is for training graphs: add_optimizer() too, or "
                                  f"set_grad_scaler(None)")
         return None
+    refuse_backward_hooks(graph_name, named_modules() if named_modules is not None else [], named_parameters())
     plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), options.recompute_attention,
                               options.activation_checkpointing, grad_scaler, reached=traced.result.reached)
     if not plan.targets:
@@ -56,6 +59,26 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                 f"outside torch.no_grad() and without .detach()")
         raise OptimizerError(f"{graph_name}: the optimizers have no parameter that requires grad")
     return plan
+
+
+def refuse_backward_hooks(graph_name: str, named_modules: list[tuple[str, torch.nn.Module]],
+                          named_parameters: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """A backward hook (a module's full backward hook or pre-hook, torch's global ones, a
+    parameter's `register_hook` or post-accumulate hook) changes eager's gradients; the graph's
+    autodiff never runs it, and trained silently without it (3.3 off eager): refuse it."""
+    from torch.nn.modules import module as module_mod
+
+    found = [f"module '{path}'" for path, m in named_modules if m._backward_hooks or m._backward_pre_hooks]
+    found += [f"parameter '{name}'" for name, p in named_parameters
+              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
+        found.append("every module (torch.nn.modules.module.register_module_full_backward_hook)")
+    if found:
+        raise UnsupportedOptionError(
+            f"{graph_name}: {found[0]}{f' (and {len(found) - 1} more)' if len(found) > 1 else ''} has a backward "
+            f"hook; a training graph computes its gradients with its own autodiff, which runs no hook. Remove "
+            f"the hook (handle.remove()) and write what it does in build() (scale the loss, or clip with a param "
+            f"group's clip_grad_max_norm), or train that model eagerly")
 
 
 def module_device(modules: Mapping[str, torch.nn.Module]) -> torch.device:

@@ -657,7 +657,7 @@ class Graph:
         traced = self._trace(st, signature, args_tree, flat)
         options = signature.options
         plan = entry.training_plan(st.name, st.optimizers, traced, self.named_parameters, options,
-                                   _enabled(st.grad_scaler))
+                                   _enabled(st.grad_scaler), self.named_modules)
         device = flat[0].device if flat else entry.module_device(st.modules)
         if options.pipeline_stages:
             compiled = st.pipeline = compile_pipeline(type(self).__name__, traced, flat, st.optimizers, st.modules,

@@ -12,7 +12,7 @@ per call:
     removal (`del model[2]`, `del layer.bias`), for which torch has no hook.
 
   * forward hooks and pre-hooks (the module's and torch's global ones) change what a trace
-    records: an addition moves torch's hook-handle counter (`RemovableHandle.next_id`, one
+    records, and backward hooks what a training graph must refuse (also a parameter's): an addition moves torch's hook-handle counter (`RemovableHandle.next_id`, one
     attribute read), a removal the size of a hook table that held any at the last walk.
 
 Only when one of them moved is the fingerprint walked again. A fingerprint names every module
@@ -83,7 +83,7 @@ class ModuleStructure:
                 diffs.append(f"module '{path}' was replaced ({old_entry[1]} -> {new[1]})")
                 continue
             if new[5] != old_entry[5]:
-                diffs.append(f"the forward hooks of {f'module {path!r}' if path != GLOBAL else 'every module'} "
+                diffs.append(f"the hooks of {f'module {path!r}' if path != GLOBAL else 'every module'} "
                              f"changed")
             for kind, i in (("parameter", 3), ("buffer", 4)):
                 diffs += _tensor_changes(kind, path, old_entry[i], new[i])
@@ -98,25 +98,31 @@ def _tensor_changes(kind: str, owner: str, old: tuple, new: tuple) -> list[str]:
     diffs += [f"{kind} '{where(n)}' was removed" for n in before if n not in now]
     for name in now.keys() & before.keys():
         if now[name] != before[name]:
-            (_, _, shape0, dtype0), (_, _, shape1, dtype1) = before[name], now[name]
+            (_, _, shape0, dtype0, hooks0), (_, _, shape1, dtype1, hooks1) = before[name], now[name]
+            if hooks0 != hooks1:
+                diffs.append(f"{kind} '{where(name)}' {'got' if hooks1 else 'lost'} a gradient hook")
+                continue
             detail = f" ({dtype0}{list(shape0)} -> {dtype1}{list(shape1)})" if (shape0, dtype0) != (shape1, dtype1) else ""
             diffs.append(f"{kind} '{where(name)}' was replaced{detail}")
     return diffs
 
 
 def _tensor_entry(name: str, t: torch.Tensor, identity: bool) -> tuple:
-    return (name, id(t) if identity else 0, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+    return (name, id(t) if identity else 0, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+            bool(t._backward_hooks) or bool(getattr(t, "_post_accumulate_grad_hooks", None)))
 
 
 GLOBAL = "*"  # the entry of torch's global forward hooks (no module path is "*")
 
 
-def _hook_tables(m: torch.nn.Module) -> tuple[dict, dict]:
-    return m._forward_pre_hooks, m._forward_hooks
+def _hook_tables(m: torch.nn.Module) -> tuple[dict, ...]:
+    # Backward hooks too: a training graph refuses them (entry.refuse_backward_hooks).
+    return m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks
 
 
-def _global_hook_tables() -> tuple[dict, dict]:
-    return _module._global_forward_pre_hooks, _module._global_forward_hooks
+def _global_hook_tables() -> tuple[dict, ...]:
+    return (_module._global_forward_pre_hooks, _module._global_forward_hooks,
+            _module._global_backward_pre_hooks, _module._global_backward_hooks)
 
 
 def _hooks(tables: tuple[dict, dict]) -> tuple:
