@@ -20,6 +20,13 @@
   into x here, where sizes may be symbolic (a dynamic batch: the converter's relax ops could
   not, and such a graph failed to compile).
 
+- `relax.scatter_elements` whose index is smaller than x in a dimension other than the
+  scattered one (`x.scatter_add(2, idx, src)` with x (3, 4, 5) and idx (3, 3, 5), allowed by
+  torch; the gradient of such a `gather`): TOPI's kernel numbers the index's rows as if they were
+  x's, and wrote to the wrong elements (3.6 off eager, silently). Here the index and the updates
+  are widened to x's shape, the extra entries pointing at one more slot along the axis, which
+  is cut off after the scatter.
+
 - `relax.nn.instance_norm` of float64 (an `InstanceNorm`, and a `BatchNorm` with `momentum=None`
   or without running statistics in training, which the importer writes as an instance norm, in a
   `model.double()`): TOPI's kernel takes float32 and float16 only ("instance_norm: only support
@@ -36,6 +43,7 @@ import operator
 import numpy as np
 import tvm
 from tvm import relax, te, tirx, topi
+from tvm.sym import Analyzer
 from tvm.relax.transform.legalize_ops.common import _try_convert_to_scalar_const
 from tvm.relax.transform.legalize_ops.manipulate import _index_put as tvm_index_put
 from tvm.relax.transform.legalize_ops.nn import _nn_instance_norm as tvm_instance_norm
@@ -168,6 +176,54 @@ def _index_put(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 tvm.ir.register_op_attr("relax.index_put", "FLegalize", _index_put, level=_LEVEL)
+
+
+def _widened_scatter(data: te.Tensor, indices: te.Tensor, updates: te.Tensor, axis: int, reduction: str,
+                     scatter) -> te.Tensor:
+    """`scatter(data, indices, updates, axis, reduction)` with the index and updates widened to
+    data's shape in every dimension but `axis`: the entries added point at a slot after the
+    last along `axis`, appended to data here and cut off after the scatter."""
+    ndim, size = len(data.shape), data.shape[axis]
+    small = indices.shape
+
+    def inside(i: tuple) -> tirx.PrimExpr:
+        return functools.reduce(tirx.And, [i[d] < small[d] for d in range(ndim) if d != axis], tirx.const(True))
+
+    def at(tensor: te.Tensor, i: tuple) -> tirx.PrimExpr:  # clamped, read only where inside
+        return tensor(*[tirx.min(i[d], small[d] - 1) if d != axis else i[d] for d in range(ndim)])
+
+    def index(*i) -> tirx.PrimExpr:
+        k, n = at(indices, i), tirx.Cast(indices.dtype, size)
+        return tirx.Select(inside(i), tirx.Select(k < 0, k + n, k), n)
+
+    wide = [small[axis] if d == axis else data.shape[d] for d in range(ndim)]
+    longer = [size + 1 if d == axis else data.shape[d] for d in range(ndim)]
+    slot = te.compute(longer, lambda *i: tirx.Select(
+        i[axis] < size, data(*[tirx.min(i[d], size - 1) if d == axis else i[d] for d in range(ndim)]),
+        tirx.const(0, data.dtype)), name="with_slot")
+    out = scatter(slot, te.compute(wide, index, name="wide_index"),
+                  te.compute(wide, lambda *i: tirx.Select(inside(i), at(updates, i), tirx.const(0, updates.dtype)),
+                             name="wide_updates"),
+                  axis, reduction)
+    return te.compute(data.shape, lambda *i: out(*i), name="scattered")
+
+
+def _scatter_elements(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    data, indices = call.args[0], call.args[1]
+    ndim = data.ty.ndim
+    target = tvm.target.Target.current(allow_none=True)
+    scatter = topi.gpu.scatter_elements if target is not None and "gpu" in target.keys else topi.scatter_elements
+    axis = int(call.attrs.axis) % ndim
+    analyzer = Analyzer()
+    if data.ty.shape is None or indices.ty.shape is None or all(
+            analyzer.can_prove_equal(a, b) for d, (a, b) in enumerate(zip(data.ty.shape.values, indices.ty.shape.values))
+            if d != axis):
+        return bb.call_te(scatter, data, indices, call.args[2], axis, call.attrs.reduction)
+    widened = functools.partial(_widened_scatter, axis=axis, reduction=str(call.attrs.reduction), scatter=scatter)
+    return bb.call_te(widened, data, indices, call.args[2], primfunc_name_hint="scatter_elements")
+
+
+tvm.ir.register_op_attr("relax.scatter_elements", "FLegalize", _scatter_elements, level=_LEVEL)
 
 
 def _instance_norm(data: te.Tensor, gamma: te.Tensor, beta: te.Tensor, channel_axis: int,

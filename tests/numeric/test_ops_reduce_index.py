@@ -164,6 +164,21 @@ def larger_sources(x, src, index):
             torch.masked_scatter(x, x > 0, src))
 
 
+def narrow_indices(x, src, index):
+    """An index narrower than x in a dimension other than the scattered one (x [3, 4, 5], index
+    [3, 3, 5] on dim 2, [2, 4, 5] on dim 1): TOPI's scatter numbered the index's rows as x's
+    and wrote elsewhere (3.6 off), and gather's gradient, a scatter, too (3.1 off)."""
+    wide = index[:, :, :4].clone()  # [3, 3, 4] on dim 0: narrower in both other dimensions
+    return (torch.scatter_add(x, 2, index, src), torch.scatter(x, 2, index, src),
+            torch.scatter_reduce(x, 2, index, src, "amax"), torch.scatter_reduce(x, 1, index[:2] % 4, src[:2], "mean"),
+            torch.gather(x, 2, index), torch.gather(x, 0, wide % 3), torch.scatter_add(x, 0, wide % 3, src[:, :, :4]))
+
+
+def _narrow_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    index = torch.stack([torch.randperm(5) for _ in range(9)]).reshape(3, 3, 5)
+    return torch.randn(3, 4, 5), torch.randn(3, 3, 5), index
+
+
 def odd_scatters(x, b, scalar, empty_index, empty_wide):
     """What OpInfo's all-dtype samples found: empty indices of any integer type and rank (a
     TVM error before), 0-d scatter and gather (TVM's kernels need an axis), mode and scatters
@@ -219,6 +234,7 @@ BATCHES = {
     "odd_scatters": (odd_scatters, lambda: (torch.randn(3, 6), torch.rand(3, 8) > 0.5, torch.tensor(1.5),
                                             torch.zeros(0, dtype=torch.uint8), torch.zeros(2, 0, dtype=torch.uint8))),
     "larger_sources": (larger_sources, lambda: (torch.randn(3, 6), torch.randn(4, 7), _index())),
+    "narrow_indices": (narrow_indices, _narrow_inputs),
     "scatter_into_view": (scatter_into_view, lambda: (torch.randn(4, 6), torch.randn(2, 3))),
     "views": (views, lambda: (torch.randn(4, 6), torch.randn(2, 4))),
     "products": (products, _product_inputs),
@@ -275,6 +291,7 @@ GRADIENT_BATCHES = {
     "products": [0, 1, 2, 3, 4],
     "searches": [3, 6],
     "takes": [0, 1],
+    "narrow_indices": [0, 1],
 }
 
 
