@@ -213,7 +213,7 @@ def _matmul_of_broadcast(s: _Simplifier, call: relax.Call) -> relax.Expr | None:
     candidate = relax.op.matmul(*args, out_dtype=call.attrs.out_dtype)
     try:
         ty = s.builder_.normalize(candidate).ty
-    except tvm.error.TVMError:  # the operands no longer broadcast
+    except (ValueError, tvm.error.InternalError):  # the operands no longer broadcast
         return None
     old = _shape(call)
     if not isinstance(ty.shape, relax.ShapeExpr) or old is None:

@@ -130,6 +130,24 @@ def test_broadcast_that_stretches_an_axis_is_left_alone() -> None:
     tvm.ir.assert_structural_equal(SimplifyBroadcastMatmul()(Stretch), Stretch)
 
 
+def test_a_broadcast_whose_operand_would_no_longer_multiply_is_left_alone() -> None:
+    """The gradient of `(W @ x).sum()`: ones broadcast from a scalar to (3, 5), times x.T. Without
+    the broadcast the product has a 0-d operand, which Relax refuses: the pass itself raised
+    (AttributeError on tvm.error.TVMError, which TVM 0.27 lacks) and the pipeline dropped it."""
+
+    @I.ir_module
+    class ScalarOnes:
+        @R.function
+        def main(x: R.Tensor((4, 5), "float32")):
+            with R.dataflow():
+                ones = R.broadcast_to(R.const(1.0, "float32"), R.shape([3, 5]))
+                dw = R.matmul(ones, R.permute_dims(x, axes=[1, 0]))
+                R.output(dw)
+            return dw
+
+    tvm.ir.assert_structural_equal(SimplifyBroadcastMatmul()(ScalarOnes), ScalarOnes)
+
+
 def test_reports_what_it_rewrote() -> None:
     messages: list[str] = []
     SimplifyBroadcastMatmul(messages.append)(Forward)
