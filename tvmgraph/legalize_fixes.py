@@ -14,8 +14,10 @@
   accumulate=True)`, `x[idx] += v` as torch.export writes it): TOPI's kernel adds each value in a
   parallel loop over the values, `out[index[k]] += values[k]`, so two threads adding at one
   repeated index raced and one sum was lost (a graph neural net's `index_add_` over an edge
-  list: 1 call in 8 wrong by up to 2.5, a different call each time). Here the adds run as
-  TOPI's `scatter_elements` does them, serially along the indexed axis, on x flattened. Every
+  list: 1 call in 8 wrong by up to 2.5, a different call each time); its plain writes too, so
+  that of values written at one index the first could win (eager's CPU kernel: the last). Here
+  the adds and writes run as TOPI's `scatter_elements` does them, serially along the indexed
+  axis, on x flattened. Every
   `index_put` (accumulating or not) also counts negative indices from the end and clamps them
   into x here, where sizes may be symbolic (a dynamic batch: the converter's relax ops could
   not, and such a graph failed to compile).
@@ -134,8 +136,9 @@ def _put(data: te.Tensor, *rest: te.Tensor, accumulate: bool) -> te.Tensor:
     """`data` with `values` written (or added) at `indices`, one index tensor per dim of data,
     broadcast together, flattened to one position per value; negative indices count from the
     end and every index is clamped into data (as `take`'s). Added values at a repeated index
-    are summed one after the other; without `accumulate`, under symbolic sizes, written one
-    after the other (the last wins, where torch leaves it unspecified)."""
+    are summed one after the other; without `accumulate`, written one after the other: the
+    last wins, as in eager on the CPU (TOPI's index_put wrote them in parallel, and `h[idx] =
+    v` with a repeated index kept the first of them in a graph where eager keeps the last)."""
     *indices, values = rest
     shape = list(data.shape)
     common = broadcast_shape([list(i.shape) for i in indices])
@@ -154,8 +157,6 @@ def _put(data: te.Tensor, *rest: te.Tensor, accumulate: bool) -> te.Tensor:
         return te.compute((count,), at, name="index_inside")
 
     indices = [inside(i, size) for i, size in zip(indices, shape)]
-    if not accumulate and static:  # TOPI's writes in parallel (its checks need sizes)
-        return topi.index_put(data, indices, values, accumulate=False)
     flat = te.compute((count,), lambda k: functools.reduce(
         lambda f, pair: f * tirx.Cast("int64", pair[1]) + pair[0][k], zip(indices, shape), tirx.const(0, "int64")),
         name="flat_index")

@@ -113,6 +113,32 @@ def test_accumulating_at_repeated_indices_sums_every_value(name: str) -> None:
         assert torch.equal(graph(x, idx, v), fn(x.clone(), idx, v))
 
 
+def test_writing_at_repeated_indices_keeps_the_last_value_as_eager() -> None:
+    """`h[idx] = v` and `h[idx] += v` with a repeated index: eager on the CPU writes in order, the
+    last value wins; TOPI's index_put wrote in parallel and the graph kept the first (h[2] = 3
+    where eager has 4), and a loss over h trained another way (found by a sweep)."""
+    def assign(h, idx, v):
+        h = h.clone()
+        h[idx] = v
+        return h
+
+    def add(h, idx, v):
+        h = h.clone()
+        h[idx] += v
+        return h
+
+    idx, v = torch.tensor([0, 5, 2, 2, 1]), torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0]])
+    for fn in (assign, add):
+        assert torch.equal(ModuleGraph(Fn(fn))(torch.zeros(6, 1), idx, v), fn(torch.zeros(6, 1), idx, v))
+    # Past torch's grain size eager writes in parallel too, and which value wins is open; the
+    # graph keeps the last, whatever its threads.
+    many = torch.randint(0, 7, (5000,))
+    values = torch.arange(5000.0).unsqueeze(1).expand(5000, 3)
+    last = {int(i): float(k) for k, i in enumerate(many)}
+    expected = torch.tensor([last[r] for r in range(7)]).unsqueeze(1).expand(7, 3)
+    assert torch.equal(ModuleGraph(Fn(assign))(torch.zeros(7, 3), many, values), expected)
+
+
 class PickedByScalars(nn.Module):
     def __init__(self):
         super().__init__()
