@@ -177,6 +177,8 @@ class TuningLog:
                 workload = workloads[index] if isinstance(index, int) and 0 <= index < len(workloads) else None
                 if workload is None:
                     raise ValueError("record of an unknown workload")
+                if not sound_trace(body):
+                    raise ValueError("a trace TVM would read out of bounds")
                 records.append((index, ms.database.TuningRecord.from_json(body, workload)))
             except Exception:  # noqa: BLE001
                 dropped += 1
@@ -218,6 +220,9 @@ class TuningLog:
                 workload = workload_docs[index]
                 shash, seconds = workload[0], mean_seconds(body[1])
             except Exception:  # noqa: BLE001  (any damage: the line is dropped)
+                bad += 1
+                continue
+            if not sound_trace(body):
                 bad += 1
                 continue
             if shash in chosen and math.isfinite(seconds):
@@ -296,12 +301,56 @@ def best_record(records: list[Any]) -> Any | None:
     return best if best is not None and math.isfinite(_seconds(best)) else None
 
 
+_VARIABLE = re.compile(r"[a-z]\d+")  # a trace's random variables: b0 (block), l4 (loop), v7 (value)
+
+
+def sound_trace(body: Any) -> bool:
+    """Whether a record's trace is shaped as TVM reads it: instructions `[kind, inputs, attrs,
+    outputs]` whose inputs name variables earlier outputs made, and decisions `[index,
+    decision]` at instructions that sample, a tile as long as its outputs, a category among its
+    candidates. TVM checks none of it: a trace cut short, or a decision at index 999, made
+    TuningRecord.from_json read out of bounds and kill the process (SIGSEGV, or glibc's abort)
+    on every compile of the graph, and the tuner's repair with it."""
+    try:
+        insts, decisions = body[0]
+        defined: set[str] = set()
+        for inst in insts:
+            kind, inputs, attrs, outputs = inst
+            if not (isinstance(kind, str) and isinstance(inputs, list) and isinstance(attrs, list)
+                    and isinstance(outputs, list) and all(isinstance(o, str) for o in outputs)):
+                return False
+            if any(isinstance(i, str) and _VARIABLE.fullmatch(i) and i not in defined for i in inputs):
+                return False
+            defined.update(outputs)
+        seen = set()
+        for index, decision in decisions:
+            if type(index) is not int or not 0 <= index < len(insts) or index in seen:
+                return False
+            seen.add(index)
+            kind, _, attrs, outputs = insts[index]
+            if not kind.startswith("Sample"):
+                return False
+            if kind == "SamplePerfectTile" and not (
+                    isinstance(decision, list) and len(decision) == len(outputs)
+                    and all(type(d) is int and d >= 1 for d in decision)):
+                return False
+            if kind == "SampleCategorical" and not (type(decision) is int and 0 <= decision < len(attrs[0])):
+                return False
+    except (TypeError, ValueError, IndexError):
+        return False
+    return True
+
+
 def _json_lines(path: Path) -> tuple[list[Any], int]:
     """The JSON documents of a file, one per line, and how many lines were not JSON."""
     if not path.exists():
         return [], 0
     docs, bad = [], 0
-    for line in path.read_bytes().splitlines():
+    try:
+        text = path.read_bytes()
+    except OSError:  # a directory in its place, unreadable: nothing in it is trusted
+        return [], 1
+    for line in text.splitlines():
         if line.strip():
             try:
                 docs.append(json.loads(line))

@@ -189,6 +189,50 @@ def test_a_truncated_or_corrupt_log_keeps_its_good_records(tmp_path: Path,
     assert len(ms.database.JSONDatabase(str(log.workloads_path), str(log.records_path))) == 2
 
 
+def test_a_record_whose_trace_tvm_would_read_out_of_bounds_is_dropped(tmp_path: Path) -> None:
+    """Valid JSON, damaged trace: its instructions cut short (decisions kept), a decision at
+    instruction 999, a tile decision one factor short. TVM's TuningRecord.from_json reads such a
+    trace out of bounds: every compile of the graph died of SIGSEGV, the tuner's repair of
+    glibc's abort. Checked in a child process, so that a crash fails this test only."""
+    graph, args = mlp()
+    log = write_log(graph, args, "TunedMLP", CPU, tmp_path)
+    records = [json.loads(line) for line in log.records_path.read_text().splitlines()]
+    damaged = []
+    for damage in ("cut", "index", "tile"):
+        record = json.loads(json.dumps(records[0]))
+        insts, decisions = record[1][0]
+        if damage == "cut":
+            record[1][0] = [insts[:2], decisions]
+        elif damage == "index":
+            decisions[0][0] = 999
+        else:
+            tile = next(d for d in decisions if insts[d[0]][0] == "SamplePerfectTile")
+            tile[1] = tile[1][:-1]
+        record[1][1] = [1e-9]  # faster than the good record: it would be applied first
+        damaged.append(record)
+    with log.records_path.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in damaged))
+    script = ("import sys; from pathlib import Path; from autotune.log import TuningLog\n"
+              "log = TuningLog(Path(sys.argv[1])); applied = log.applied(); _, records, dropped = log.read(warn=False)\n"
+              "print(applied.kernels, len(records), dropped)")
+    run = subprocess.run([sys.executable, "-c", script, str(log.directory)], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["2", str(len(records)), "3"]
+
+
+def test_a_directory_in_place_of_a_log_file_means_default_schedules(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """IsADirectoryError ended every compile of the graph in 'CompileError ... a tvmgraph bug'."""
+    graph, args = mlp()
+    log = write_log(graph, args, "TunedMLP", CPU, tmp_path)
+    log.records_path.unlink()
+    log.records_path.mkdir()
+    with caplog.at_level(logging.WARNING, logger="tvmgraph.autotune"):
+        assert log.applied() is None
+    assert "dropped 1 unreadable line(s)" in _messages(caplog)
+
+
 def test_a_damaged_choices_file_means_default_schedules(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     graph, args = mlp()
     log = write_log(graph, args, "TunedMLP", CPU, tmp_path)
