@@ -62,6 +62,15 @@ def tune(graph: Any, *example_args: Any, trials: int | None = None, minutes: flo
     `check_graph`: time the whole program with and without the tuned kernels (local targets).
     `eager`: also time build() in eager PyTorch.
     """
+    from tvmgraph.nn import Graph
+
+    if not isinstance(graph, Graph):
+        raise TuningError(f"tune: the graph is a {type(graph).__name__}, not a tvmgraph.nn.Graph; wrap the module "
+                          f"in a Graph subclass (its build() calls the module) and tune that")
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
+                                or not math.isfinite(minutes) or minutes <= 0):
+        raise ConfigError(f"tune({graph.name}): minutes={minutes!r}; pass a number of minutes > 0, or None "
+                          f"for no time limit")
     started = time.monotonic()
     lowered, options, device, args = _lowered(graph, example_args)
     graph_class = type(graph).__name__

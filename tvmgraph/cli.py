@@ -138,10 +138,14 @@ def _tune(args: argparse.Namespace) -> int:
 
     from autotune import RPCTarget, tune
     from tvmgraph.errors import TuningError
+    from tvmgraph.target import valid_cuda_arch
 
     graph, example_args = _from_factory("tune", args.factory, TuningError)
     target = None
     if args.target == "cuda":
+        if args.arch is not None and not valid_cuda_arch(args.arch):
+            raise TuningError(f"tvmgraph tune: --arch {args.arch} is not a CUDA architecture; give one as "
+                              f"sm_<version>, such as sm_80 or sm_90")
         target = tvm.target.Target({"kind": "cuda", "arch": args.arch or "sm_90"})
     elif args.arch is not None:
         raise TuningError(f"tvmgraph tune: --arch {args.arch} is for --target cuda")

@@ -43,7 +43,7 @@ from .errors import SaveError, UnsupportedOptionError
 from .graph import Graph
 from .spec import TreeDef
 from .stages import LoweredGraph, TracedGraph
-from .target import target_for
+from .target import target_for, valid_cuda_arch
 
 logger = logging.getLogger("tvmgraph.deploy")
 
@@ -171,6 +171,9 @@ def resolve_target(name: str, target: Any, arch: str | None, device: torch.devic
     elif isinstance(target, tvm.target.Target):
         tvm_target = target
     elif kind == "cuda":
+        if arch is not None and not valid_cuda_arch(arch):
+            raise SaveError(f"{name}: arch={arch!r} is not a CUDA architecture; give one as sm_<version>, "
+                            f"such as sm_80 or sm_90 (nvidia-smi --query-gpu=compute_cap shows a GPU's)")
         tvm_target = tvm.target.Target({"kind": "cuda", "arch": arch or "sm_90"},
                                        host={"kind": "llvm", "mtriple": TRIPLE_OF[host_machine()]})
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 import tvm
@@ -40,3 +41,10 @@ def tvm_device(device: torch.device) -> tvm.runtime.Device:
         return tvm.cuda(device.index if device.index is not None else torch.cuda.current_device())
     raise UnsupportedDeviceError(f"tvmgraph runs on CPU and CUDA devices, not on {device}; move the "
                                  f"inputs and modules with .to('cpu') or .to('cuda').")
+
+
+def valid_cuda_arch(arch: str) -> bool:
+    """Whether `arch` names a CUDA architecture as TVM's CUDA target takes it: sm_<version>,
+    with an optional feature letter (sm_80, sm_90a, sm_100a). TVM's own checks fail deep in
+    target parsing, with a traceback ("Compute version parsing error")."""
+    return isinstance(arch, str) and re.fullmatch(r"sm_\d{2,3}[a-z]?", arch) is not None

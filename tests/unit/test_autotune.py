@@ -337,7 +337,8 @@ def test_kernels_are_listed_with_default_schedules(tmp_path: Path) -> None:
 
 def test_tune_command_refuses_what_it_cannot_do(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Bad arguments are clear errors before any tuning: a missing factory, --arch without
-    --target cuda, CUDA with no GPU to measure on and no --rpc."""
+    --target cuda or not an architecture, CUDA with no GPU to measure on and no --rpc, a factory
+    returning a module, a time budget that is not one."""
     from tvmgraph.cli import main
 
     script = tmp_path / "model.py"
@@ -353,6 +354,15 @@ def test_tune_command_refuses_what_it_cannot_do(tmp_path: Path, capsys: pytest.C
             main(["tune", f"{script}:factory", "--target", "cuda"])
     with pytest.raises(ConfigError, match="--rpc takes HOST:PORT"):
         main(["tune", f"{script}:factory", "--rpc", "nohost"])
+    # Each of these ended in a traceback (TVM's target parser; AttributeError on .config).
+    with pytest.raises(TuningError, match="--arch sm_xx is not a CUDA architecture"):
+        main(["tune", f"{script}:factory", "--target", "cuda", "--arch", "sm_xx"])
+    script.write_text(script.read_text() + "\ndef module():\n    return torch.nn.Linear(4, 2), (torch.randn(2, 4),)\n")
+    with pytest.raises(TuningError, match="the graph is a Linear, not a tvmgraph.nn.Graph; wrap the module"):
+        main(["tune", f"{script}:module"])
+    for minutes in ("0", "-1", "nan"):
+        with pytest.raises(ConfigError, match=f"minutes={float(minutes)!r}; pass a number of minutes > 0"):
+            main(["tune", f"{script}:factory", "--minutes", minutes])
 
 
 def test_kernels_with_symbolic_shapes_are_not_tuned() -> None:

@@ -376,6 +376,10 @@ def test_save_rejects_unknown_targets(tmp_path: Path) -> None:
         tvmgraph.save(graph, tmp_path / "g", example_args=(torch.randn(2, 8),), target="riscv")
     with pytest.raises(SaveError, match="arch='sm_90' is for target='cuda'"):
         tvmgraph.save(graph, tmp_path / "g", example_args=(torch.randn(2, 8),), target="x86_64", arch="sm_90")
+    for arch in ("sm_xx", "banana"):  # TVM's target parser failed with a traceback on them
+        with pytest.raises(SaveError, match=f"arch='{arch}' is not a CUDA architecture; give one as sm_<version>"):
+            tvmgraph.save(graph, tmp_path / "g", example_args=(torch.randn(2, 8),), target="cuda", arch=arch)
+    assert not (tmp_path / "g").exists()
 
 
 def test_a_runtime_only_process_never_imports_torch_even_when_installed(saved_mlp, tmp_path: Path) -> None:
