@@ -9,15 +9,17 @@ per call:
   * torch's global registration hooks bump a process-wide epoch whenever any module, parameter
     or buffer is assigned (that covers replacement, which keeps every count the same);
   * the number of children, parameters and buffers of every module is compared, which covers
-    removal (`del model[2]`, `del layer.bias`), for which torch has no hook.
-
+    removal (`del model[2]`, `del layer.bias`), for which torch has no hook (`layer.bias = None`
+    keeps the count: the runner finds the None and the call looks again, stages.py);
   * forward hooks and pre-hooks (the module's and torch's global ones) change what a trace
-    records, and backward hooks what a training graph must refuse (also a parameter's): an addition moves torch's hook-handle counter (`RemovableHandle.next_id`, one
-    attribute read), a removal the size of a hook table that held any at the last walk.
+    records, and backward hooks (also a parameter's) are what a training graph refuses: an
+    addition moves torch's hook-handle counter (`RemovableHandle.next_id`, one attribute
+    read), a removal the size of a hook table that held any at the last walk.
 
 Only when one of them moved is the fingerprint walked again. A fingerprint names every module
-(path, class, identity, forward hooks) and every parameter and buffer (path, shape, dtype), so equal
-fingerprints mean the compiled program still addresses tensors that fit it. A parameter replaced
+(path, class, identity, hooks) and every parameter and buffer (path, shape, dtype, whether it
+has a gradient hook), so equal fingerprints mean the compiled program still addresses tensors
+that fit it. A parameter replaced
 by another of the same shape is read live by an inference program (no recompile); a training
 graph's fingerprint also holds the parameters' identities, since its optimizers name them by
 identity.
@@ -59,7 +61,7 @@ class ModuleStructure:
     __slots__ = ("entries", "_hash")
 
     def __init__(self, entries: tuple):
-        self.entries = entries  # ((path, class, id, params, buffers, forward hooks), ...)
+        self.entries = entries  # ((path, class, id, params, buffers, hooks), ...)
         self._hash = hash(entries)
 
     def __hash__(self) -> int:
@@ -112,7 +114,7 @@ def _tensor_entry(name: str, t: torch.Tensor, identity: bool) -> tuple:
             bool(t._backward_hooks) or bool(getattr(t, "_post_accumulate_grad_hooks", None)))
 
 
-GLOBAL = "*"  # the entry of torch's global forward hooks (no module path is "*")
+GLOBAL = "*"  # the entry of torch's global module hooks (no module path is "*")
 
 
 def _hook_tables(m: torch.nn.Module) -> tuple[dict, ...]:
@@ -125,7 +127,7 @@ def _global_hook_tables() -> tuple[dict, ...]:
             _module._global_backward_pre_hooks, _module._global_backward_hooks)
 
 
-def _hooks(tables: tuple[dict, dict]) -> tuple:
+def _hooks(tables: tuple[dict, ...]) -> tuple:
     """The hooks' handle ids: each registration makes a new one."""
     return tuple(map(tuple, tables))
 
