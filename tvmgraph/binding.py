@@ -1,4 +1,5 @@
-"""How a compiled program finds the live parameters and buffers of the user's modules.
+"""How a compiled program finds the live parameters, buffers and tensor attributes of the
+user's modules.
 
 The program takes every parameter and buffer as an argument. At each call `TensorBinder` reads
 them from the modules' own `_parameters`/`_buffers` dicts, so the program always sees what
@@ -42,9 +43,10 @@ class TensorBinder:
     @staticmethod
     def _attribute_slot(target: str, modules: Mapping[str, torch.nn.Module]) -> tuple[dict, str] | None:
         """A constant that is a module's plain tensor attribute (`self.mask = torch.ones(4)`),
-        read from the module like a buffer: an in-place change is seen, also by a program
-        loaded from the compiled cache, whose stored constants are copies (a reassignment
-        recompiles: attribute_guard.py). None for a constant build() made itself."""
+        read from the module like a buffer: an in-place change, or another tensor of the same
+        shape and dtype put in its place, is seen, also by a program loaded from the compiled
+        cache, whose stored constants are copies (one of another shape recompiles:
+        attribute_guard.py). None for a constant build() made itself."""
         top, _, rest = target.partition(".")
         owner_path, _, leaf = rest.rpartition(".")
         if top not in modules or not leaf:
