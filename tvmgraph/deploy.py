@@ -82,6 +82,9 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
         raise SaveError(f"{obj.name}: the graph trains in pipeline stages, and this rank holds only its own "
                         f"stage's trained parameters; call graph.state_dict() on every rank first (a collective "
                         f"that brings every stage's parameters here), then save")
+    last = obj.compiled
+    if example_args is None and last is not None and last.traced.signature.options.dynamic_batch:
+        raise _dynamic_batch_refused(obj)  # before tracing again: the last call's shapes have no batch
     if program == "train_step":
         traced, lowered, optimizer_state, training = train_step_program(obj, example_args)
         modules = dict(obj.named_modules())
@@ -89,10 +92,7 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
         traced, modules = _traced(obj, example_args)
         lowered, optimizer_state, training = traced.lower(None), {}, None
     if traced.signature.options.dynamic_batch:
-        raise UnsupportedOptionError(f"{obj.name}: tvmgraph.save of a graph with a dynamic batch is not "
-                                     f"implemented yet (a saved graph runs fixed shapes); turn it off first, "
-                                     f"graph.config.enable_dynamic_batch(False), then call the graph or pass "
-                                     f"example_args")
+        raise _dynamic_batch_refused(obj)
     device = traced.signature.leaves[0].device if traced.signature.leaves else torch.device("cpu")
     tvm_target, needs = resolve_target(obj.name, target, arch, device, traced.signature.options)
     tuning = tuning_log_for(type(obj).__name__, traced.signature.options, tvm_target)
@@ -141,6 +141,13 @@ def _traced(graph: Graph, example_args: tuple | None) -> tuple[TracedGraph, dict
             m.training = mode
 
 
+def _dynamic_batch_refused(graph: Graph) -> UnsupportedOptionError:
+    return UnsupportedOptionError(f"{graph.name}: tvmgraph.save of a graph with a dynamic batch is not "
+                                  f"implemented yet (a saved graph runs fixed shapes); turn it off first, "
+                                  f"graph.config.enable_dynamic_batch(False), then call the graph or pass "
+                                  f"example_args")
+
+
 def last_call_zeros(graph: Graph) -> tuple:
     """Zeros in the shapes, dtypes and nesting of the graph's last call."""
     traced = graph.compiled.traced
@@ -151,7 +158,8 @@ def last_call_zeros(graph: Graph) -> tuple:
 def last_call_holds(graph: Graph) -> bool:
     """True while every guard of the last call's program holds for the model as it is now:
     a call now would run it. A save after `model.eval()`, a changed attribute, a replaced
-    layer or a frozen parameter saved the program of before (silently, or failing at load)."""
+    layer or a frozen parameter saved the program of before (silently, or failing at load).
+    """
     return graph._last_entry_again(graph._state("saving the graph"), last_call_zeros(graph)) is graph.compiled
 
 

@@ -443,6 +443,12 @@ def test_saving_a_dynamic_batch_graph_is_a_clear_error(tmp_path) -> None:
     graph(torch.randn(3, 32))
     with pytest.raises(UnsupportedOptionError, match=r"dynamic batch .*enable_dynamic_batch\(False\)"):
         tvmgraph.save(graph, tmp_path / "mlp")
+    model = mlp()  # a training graph's save traced zeros of the last call's shapes: a TypeError on the batch
+    train = dynamic(TrainGraph(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1)))
+    train(torch.randn(3, 32), torch.randn(3, 10))
+    for program in ("inference", "train_step"):
+        with pytest.raises(UnsupportedOptionError, match=r"dynamic batch .*enable_dynamic_batch\(False\)"):
+            tvmgraph.save(train, tmp_path / program, program=program)
 
 
 def test_raw_audio_conv1d_net_trains_like_eager_with_a_dynamic_batch() -> None:
