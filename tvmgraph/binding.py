@@ -32,9 +32,7 @@ class TensorBinder:
     def _slot(self, source: InputSource, modules: Mapping[str, torch.nn.Module]) -> tuple[dict, str]:
         if source.kind == "constant":
             return self._attribute_slot(source.target, modules) or (self._constants, source.target)
-        top, _, rest = source.target.partition(".")
-        owner_path, _, leaf = rest.rpartition(".")
-        owner = modules[top].get_submodule(owner_path) if owner_path else modules[top]
+        owner, leaf = _owner(source.target, modules)
         table = owner._parameters if source.kind == "parameter" else owner._buffers
         if leaf not in table:
             raise KeyError(f"{source.kind} '{source.target}' is no longer registered on its module")
@@ -47,13 +45,9 @@ class TensorBinder:
         shape and dtype put in its place, is seen, also by a program loaded from the compiled
         cache, whose stored constants are copies (one of another shape recompiles:
         attribute_guard.py). None for a constant build() made itself."""
-        top, _, rest = target.partition(".")
-        owner_path, _, leaf = rest.rpartition(".")
-        if top not in modules or not leaf:
-            return None
         try:
-            owner = modules[top].get_submodule(owner_path) if owner_path else modules[top]
-        except AttributeError:
+            owner, leaf = _owner(target, modules)
+        except (KeyError, AttributeError):  # no module of the graph on that path
             return None
         attrs = owner.__dict__
         return (attrs, leaf) if isinstance(attrs.get(leaf), torch.Tensor) else None
@@ -64,3 +58,11 @@ class TensorBinder:
 
     def named(self) -> dict[str, torch.Tensor]:
         return {s.target: t for s, t in zip(self.sources, self.tensors())}
+
+
+def _owner(target: str, modules: Mapping[str, torch.nn.Module]) -> tuple[torch.nn.Module, str]:
+    """The module that `target` (`model.0.weight`: a graph attribute, then a path) names a
+    tensor of, and the tensor's name on it."""
+    top, _, rest = target.partition(".")
+    owner_path, _, leaf = rest.rpartition(".")
+    return (modules[top].get_submodule(owner_path) if owner_path else modules[top]), leaf

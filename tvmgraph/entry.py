@@ -48,8 +48,9 @@ def training_plan(graph_name: str, optimizers: list, traced: TracedGraph,
                                  f"loss scaling is for training graphs: add_optimizer() too, or "
                                  f"set_grad_scaler(None)")
         return None
-    refuse_backward_hooks(graph_name, named_modules() if named_modules is not None else [], named_parameters())
-    plan = TrainingPlan.build(graph_name, optimizers, named_parameters(), options.recompute_attention,
+    parameters = named_parameters()
+    refuse_backward_hooks(graph_name, named_modules() if named_modules is not None else [], parameters)
+    plan = TrainingPlan.build(graph_name, optimizers, parameters, options.recompute_attention,
                               options.activation_checkpointing, grad_scaler, reached=traced.result.reached)
     if not plan.targets:
         if any(p.requires_grad for optimizer, _ in optimizers for g in optimizer.param_groups for p in g["params"]):

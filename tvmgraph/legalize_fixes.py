@@ -48,6 +48,8 @@ from tvm import relax, te, tirx, topi
 from tvm.sym import Analyzer
 from tvm.relax.transform.legalize_ops.common import _try_convert_to_scalar_const
 from tvm.relax.transform.legalize_ops.manipulate import _index_put as tvm_index_put
+from tvm.relax.transform.legalize_ops.manipulate import _is_gpu_target
+from tvm.relax.transform.legalize_ops.manipulate import _scatter_elements as tvm_scatter_elements
 from tvm.relax.transform.legalize_ops.nn import _nn_instance_norm as tvm_instance_norm
 from tvm.relax.transform.legalize_ops.manipulate import _split as tvm_split
 
@@ -212,14 +214,13 @@ def _widened_scatter(data: te.Tensor, indices: te.Tensor, updates: te.Tensor, ax
 def _scatter_elements(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     data, indices = call.args[0], call.args[1]
     ndim = data.ty.ndim
-    target = tvm.target.Target.current(allow_none=True)
-    scatter = topi.gpu.scatter_elements if target is not None and "gpu" in target.keys else topi.scatter_elements
     axis = int(call.attrs.axis) % ndim
     analyzer = Analyzer()
     if data.ty.shape is None or indices.ty.shape is None or all(
             analyzer.can_prove_equal(a, b) for d, (a, b) in enumerate(zip(data.ty.shape.values, indices.ty.shape.values))
             if d != axis):
-        return bb.call_te(scatter, data, indices, call.args[2], axis, call.attrs.reduction)
+        return tvm_scatter_elements(bb, call)
+    scatter = topi.gpu.scatter_elements if _is_gpu_target() else topi.scatter_elements
     widened = functools.partial(_widened_scatter, axis=axis, reduction=str(call.attrs.reduction), scatter=scatter)
     return bb.call_te(widened, data, indices, call.args[2], primfunc_name_hint="scatter_elements")
 
