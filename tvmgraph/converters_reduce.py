@@ -687,7 +687,8 @@ def trilinear(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.E
 
 
 def _p_norm(bb: relax.BlockBuilder, diff: relax.Expr, p: float) -> relax.Expr:
-    """The p-norm over the last axis, with torch's zero gradient where the norm is 0."""
+    """The p-norm over the last axis, with torch's zero gradient where the norm is 0 (and, for
+    p < 1, where a difference is 0)."""
     dtype = _dtype(diff)
     if p == 0:
         return bb.emit(op.sum(op.astype(op.not_equal(diff, relax.const(0, dtype)), dtype), [-1]))
@@ -696,7 +697,12 @@ def _p_norm(bb: relax.BlockBuilder, diff: relax.Expr, p: float) -> relax.Expr:
         return bb.emit(op.sum(magnitude, [-1]))
     if math.isinf(p):
         return bb.emit(op.max(magnitude, [-1]))
-    powered = bb.emit(op.multiply(diff, diff) if p == 2 else op.power(magnitude, relax.const(p, dtype)))
+    if p == 2:
+        powered = bb.emit(op.multiply(diff, diff))
+    elif p < 1:  # |d| ** p has an infinite slope at d == 0, where torch's gradient is 0
+        powered = bb.emit(_power_of_nonnegative(magnitude, p))
+    else:
+        powered = bb.emit(op.power(magnitude, relax.const(p, dtype)))
     total = bb.emit(op.sum(powered, [-1]))
     return bb.emit(_root_zero_at_zero(
         total, lambda safe: op.sqrt(safe) if p == 2 else op.power(safe, relax.const(1.0 / p, dtype))))

@@ -14,6 +14,10 @@ derivative by zero.
   `stop_gradient` (value `loss + (p - stop(p)) * stop(dp)`, exactly the loss).
 - `std`, `std_mean` of a constant slice: eager's gradient is 0 there; `sqrt(var)` gave NaN.
 - `sinc` at 0: eager's gradient is 0; `sin(pi x) / (pi x)` gave NaN.
+- `_euclidean_dist` (`torch.cdist` with p=2 over more than 25 rows, or `compute_mode=
+  "use_mm_for_euclid_dist"`) at a distance of 0 (`cdist(e, e)`'s diagonal): eager's gradient
+  is `(x1 - x2) / d`, masked to 0 there; the square root of the product form gave NaN, and a
+  triplet loss over a batch of 30 embeddings trained on NaN.
 
 And one gives eager's values but another gradient:
 - `index_fill` with a tensor value: torch's decomposition copies the value into every slice
@@ -110,12 +114,28 @@ def index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tens
     return torch.where(listed.reshape(shape), value, x)
 
 
+def euclidean_dist(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """Eager's value (its product form, clamped at 0, square root) with eager's gradient: that
+    of `half = (|x1|^2 / 2 - x1 . x2 + |x2|^2 / 2) / d`, which is `(x1 - x2) / d` (0 where d is 0),
+    carried by `half - stop(half)` (exactly 0 in value)."""
+    x1_norm = x1.pow(2).sum(-1, keepdim=True)
+    x2_norm = x2.pow(2).sum(-1, keepdim=True)
+    x1_ = torch.cat([x1.mul(-2), x1_norm, torch.ones_like(x1_norm)], -1)
+    x2_ = torch.cat([x2, torch.ones_like(x2_norm), x2_norm], -1)
+    d = _stop(x1_.matmul(x2_.mT).clamp_min(0).sqrt())
+    zero = d == 0
+    half = (x1_norm / 2 - x1.matmul(x2.mT) + x2_norm.mT / 2) / torch.where(zero, 1.0, d)
+    half = torch.where(zero, 0.0, half)
+    return d + (half - _stop(half))
+
+
 FIXED = {
     aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
     aten.binary_cross_entropy.default: binary_cross_entropy,
     aten.std.correction: std,
     aten.std_mean.correction: std_mean,
     aten.sinc.default: sinc,
+    aten._euclidean_dist.default: euclidean_dist,
     aten.index_fill.int_Tensor: index_fill,
     aten.index_fill.int_Scalar: index_fill,
 }

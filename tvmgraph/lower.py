@@ -41,8 +41,8 @@ from torch.export.graph_signature import (
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from . import (converters, converters_cholesky, converters_linalg, decompositions, empty_results,
-               half_in_float32, random_ops, result_shapes, type_promotion, zero_dim)
+from . import (added_decompositions, converters, converters_cholesky, converters_linalg, decompositions,
+               empty_results, half_in_float32, random_ops, result_shapes, type_promotion, zero_dim)
 from .errors import TraceError, UnsupportedOpError
 from .trace import math_attention
 
@@ -127,6 +127,7 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         table.pop(torch.ops.aten.linspace.default, None)
         table.pop(torch.ops.aten.logspace.default, None)
         table.update(decompositions.FIXED)  # torch's own give other numbers than eager
+        table.update(added_decompositions.ADDED)  # ops nothing else lowers
         devices = [n.meta["val"].device for n in exported.graph.nodes
                    if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
         with math_attention(devices):
@@ -181,15 +182,23 @@ def _drop_runtime_asserts(exported: torch.export.ExportedProgram) -> None:
     only fed it. The importer makes a program holding one impure, with no dataflow block:
     Relax autodiff then refuses it and FuseOps fuses nothing. The check is kept on the torch
     side: IndexGuard tests one_hot's classes before each call when they come from an input;
-    a class computed in the graph out of range gives a row of zeros (eager raises)."""
+    a class computed in the graph out of range gives a row of zeros (eager raises).
+
+    Also removes export's checks of a data-dependent size (`_assert_scalar(u0 >= 0)`,
+    `sym_constrain_range_for_size`), which the importer reads as no-ops: they were the only
+    readers of an unused `torch.where(mask)` / `nonzero`, which then stayed in the program and
+    made a training graph refuse to differentiate a shape it never used."""
     graph = exported.graph_module.graph
-    asserts = [n for n in graph.nodes if n.op == "call_function"
-               and n.target in (_aten._assert_async.default, _aten._assert_async.msg)]
+    asserts = [n for n in graph.nodes if n.op == "call_function" and n.target in _NO_OP_CHECKS]
     for node in asserts:
         graph.erase_node(node)
     if asserts:
         graph.eliminate_dead_code()
         exported.graph_module.recompile()
+
+
+_NO_OP_CHECKS = (_aten._assert_async.default, _aten._assert_async.msg, _aten._assert_scalar.default,
+                 _aten.sym_constrain_range_for_size.default)
 
 
 def op_key(node: torch.fx.Node) -> str:

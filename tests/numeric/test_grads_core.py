@@ -9,6 +9,7 @@ and repeated indices where the gradient has a special case there.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import numpy as np
@@ -22,6 +23,7 @@ import tvmgraph
 from tvmgraph.errors import UnsupportedOpError
 from tvmgraph.training import train_step
 
+from tests.conftest import TrainGraph, assert_steps_match_eager
 from tests.numeric.grad_check import (
     TOLERANCES,
     CompiledVJP,
@@ -266,6 +268,27 @@ def test_empty_parameter_and_input_run() -> None:
     graph = OneStep(loss_fn, torch.randn(2, 0, 3))
     loss = graph(torch.randn(2, 0, 3))
     assert float(loss) == 0.0 and graph.holder[0].shape == (2, 0, 3)
+
+
+def test_an_unused_data_dependent_shape_does_not_stop_training() -> None:
+    """`torch.where(mask)` whose result nothing reads: export keeps it alive through its size
+    checks, which the importer ignores; the graph trains as eager (it was refused as a shape
+    "on the way to the loss")."""
+    model = nn.Linear(4, 4)
+    reference = copy.deepcopy(model)
+
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x)
+            rows, cols = torch.where(y > 0)  # noqa: F841 - unused on purpose
+            return y
+
+    graph = TrainGraph(Unused(), nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert_steps_match_eager(graph, model, reference, nn.MSELoss(), torch.randn(3, 4), torch.randn(3, 4))
 
 
 def test_data_dependent_shape_gradient_is_unsupported() -> None:

@@ -522,8 +522,20 @@ GRADIENTS = [
     # remainders from the exact fmod: 1.0 % 0.1 was negative; the quotient's gradient is 0
     pytest.param(lambda x: (torch.remainder(x, 0.1) + torch.remainder(x, x.flip(-1) + 2.0)
                             + x * torch.div(x, 0.1, rounding_mode="floor")), _grid, id="remainder-floor_divide"),
+    # zero distances (the diagonal): eager's gradient is 0 there; the product form over more
+    # than 25 rows (or by compute_mode) and |d| ** p for p < 1 gave NaN
+    # (integer points: the product form is exact, so eager's diagonal is exactly 0 too)
+    pytest.param(lambda x: torch.cdist(x, x), lambda: _distinct_integer_points(26), id="cdist-product-form"),
+    pytest.param(lambda x: torch.cdist(x, x, compute_mode="use_mm_for_euclid_dist"),
+                 lambda: _distinct_integer_points(6), id="cdist-use_mm"),
+    pytest.param(lambda x: torch.cdist(x, x, p=0.5), lambda: torch.randn(6, 4), id="cdist-p0.5"),
+    pytest.param(lambda x: F.pdist(torch.cat([x, x[:2]]), p=0.7), lambda: torch.randn(5, 3), id="pdist-p0.7"),
 ]
 
+
+
+def _distinct_integer_points(n: int) -> torch.Tensor:
+    return torch.randperm(7 ** 4)[:n].reshape(n, 1).div(7 ** torch.arange(4), rounding_mode="floor").remainder(7) - 3.0
 
 
 def _ids() -> torch.Tensor:
