@@ -10,9 +10,10 @@ under no_grad was differentiated. `mark(exported)`, run right after export, rewr
 no_grad block is recorded: `StopWhereGradIsOff`, active while build() is traced, stops the
 results of ops run in one.
 
-A tensor a no_grad block updates in place (`var.clamp_(min=eps)`, as F.gaussian_nll_loss does)
-keeps its history in eager: the gradient passes the update unchanged. Both paths give it the
-new value with the identity gradient to the old one (`_straight_through`).
+A tensor a no_grad block updates in place (`var.clamp_(min=eps)`, as F.gaussian_nll_loss does,
+or through a view: `h[:, :4] = 0`) keeps its history in eager: the gradient passes the update
+unchanged. Both paths give it the new value with the identity gradient to the old one
+(`_straight_through`).
 """
 
 from __future__ import annotations
@@ -62,13 +63,20 @@ def _mark_graph(module: torch.fx.GraphModule) -> int:
             placed += 1
         elif node.target is _SET_GRAD and node.args and node.args[0] is False:
             block = getattr(module, node.args[1].target)
+            returned = set()
             for out in [u for u in node.users if u.target is operator.getitem]:
                 if _is_tensor(out) and not any(u.target is STOP for u in out.users):
                     updated = _updated_input(block, out.args[1])
                     if updated is None:
                         _stop(graph, out)
                     else:
+                        returned.add(updated)
                         _straight_through(graph, out, node.args[2 + updated], node)
+                    placed += 1
+            for index in _written_inputs(block) - returned:
+                updated = node.args[2 + index]
+                if updated.op == "call_function" and _is_float_tensor(updated):  # an activation
+                    _straight_through_after(graph, updated, node)
                     placed += 1
     if placed:
         module.recompile()
@@ -92,12 +100,37 @@ def _straight_through(graph: torch.fx.Graph, out: torch.fx.Node, updated: torch.
     `updated` is the new value, through whose clamp no gradient passes): out's value exactly
     (x - x is 0; the where keeps inf - inf from making NaN), and the identity gradient to the
     tensor's history."""
+    source = _copy_before(graph, updated, block)
+    stop_out, straight = _with_gradient_of(graph, out, source)
+    out.replace_all_uses_with(straight, delete_user_cb=lambda user: user is not stop_out)
+
+
+def _straight_through_after(graph: torch.fx.Graph, updated: torch.fx.Node, block: torch.fx.Node) -> None:
+    """`updated` written in place through a view by the no_grad `block`, which returns nothing
+    (`h[:, :4] = 0`, `h[m].zero_()`): the uses of `updated` after the block read its new value
+    with the identity gradient to its value before (as `_straight_through`)."""
+    source = _copy_before(graph, updated, block)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    later = [user for user in updated.users if order[user] > order[block]]
+    stop_new, straight = _with_gradient_of(graph, updated, source, after=block)
+    for user in later:
+        user.replace_input_with(updated, straight)
+
+
+def _copy_before(graph: torch.fx.Graph, updated: torch.fx.Node, block: torch.fx.Node) -> torch.fx.Node:
     with graph.inserting_before(block):
         source = graph.call_function(torch.ops.aten.clone.default, (updated,))
     source.meta.update(updated.meta)
-    with graph.inserting_after(out):
-        stop_out = graph.call_function(STOP, (out,))
-    with graph.inserting_after(stop_out):
+    return source
+
+
+def _with_gradient_of(graph: torch.fx.Graph, new: torch.fx.Node, source: torch.fx.Node,
+                      after: torch.fx.Node | None = None) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(stop(new), stop(new) + where(isfinite(source), source - stop(source), 0)): new's value
+    with the identity gradient to source; inserted after `after` (default: after `new`)."""
+    with graph.inserting_after(after or new):
+        stop_new = graph.call_function(STOP, (new,))
+    with graph.inserting_after(stop_new):
         stop_source = graph.call_function(STOP, (source,))
     with graph.inserting_after(stop_source):
         difference = graph.call_function(torch.ops.aten.sub.Tensor, (source, stop_source))
@@ -106,13 +139,13 @@ def _straight_through(graph: torch.fx.Graph, out: torch.fx.Node, updated: torch.
     with graph.inserting_after(finite):
         zero = graph.call_function(torch.ops.aten.where.ScalarOther, (finite, difference, 0.0))
     with graph.inserting_after(zero):
-        straight = graph.call_function(torch.ops.aten.add.Tensor, (stop_out, zero))
-    for node in (stop_out, straight):
-        node.meta.update(out.meta)
+        straight = graph.call_function(torch.ops.aten.add.Tensor, (stop_new, zero))
+    for node in (stop_new, straight):
+        node.meta.update(new.meta)
     for node in (stop_source, difference, zero):
         node.meta.update(source.meta)
     finite.meta["val"] = torch.isfinite(source.meta["val"])
-    out.replace_all_uses_with(straight, delete_user_cb=lambda user: user is not stop_out)
+    return stop_new, straight
 
 
 def _updated_input(block: torch.fx.GraphModule, index: int) -> int | None:
@@ -125,6 +158,31 @@ def _updated_input(block: torch.fx.GraphModule, index: int) -> int | None:
         return None
     placeholders = [n for n in block.graph.nodes if n.op == "placeholder"]
     return placeholders.index(returned)
+
+
+def _written_inputs(block: torch.fx.GraphModule) -> set[int]:
+    """The inputs of a no_grad block that an in-place op in it writes, itself or through a
+    chain of views (`h[:, :4] = 0` is `fill_(slice(h))`)."""
+    placeholders = [n for n in block.graph.nodes if n.op == "placeholder"]
+    written = set()
+    for node in block.graph.nodes:
+        if node.op != "call_function" or not _writes_first_argument(node.target):
+            continue
+        base = node.args[0]
+        while isinstance(base, torch.fx.Node) and base.op == "call_function" and _views_first_argument(base.target):
+            base = base.args[0]
+        if isinstance(base, torch.fx.Node) and base.op == "placeholder":
+            written.add(placeholders.index(base))
+    return written
+
+
+def _views_first_argument(target: object) -> bool:
+    """An op whose result is a view of its first argument (slice, select, view, transpose...)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments or not schema.returns:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and not alias.is_write and schema.returns[0].alias_info is not None
 
 
 def _writes_first_argument(target: object) -> bool:
@@ -161,13 +219,14 @@ class StopWhereGradIsOff(torch.overrides.TorchFunctionMode):
         if func is torch._C._set_grad_enabled:
             self.grad_enabled = bool(args[0])
             return None
-        if not self.grad_enabled and _updates_in_place(func, args):
+        if not self.grad_enabled and (_updates_in_place(func, args) or func is torch.Tensor.__setitem__):
             # The tensor keeps its history (see _straight_through): its new value, with the
             # identity gradient to its value before the update.
             target = args[0]
             before = target.clone()
-            func(*args, **(kwargs or {}))
-            return target.copy_(STOP(target) + _zero_with_its_gradient(before))
+            out = func(*args, **(kwargs or {}))
+            target.copy_(STOP(target) + _zero_with_its_gradient(before))
+            return None if func is torch.Tensor.__setitem__ else target
         out = func(*args, **(kwargs or {}))
         if self.grad_enabled:
             return out
@@ -190,6 +249,10 @@ def _zero_with_its_gradient(x: torch.Tensor) -> torch.Tensor:
 
 def _is_tensor(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _is_float_tensor(node: torch.fx.Node) -> bool:
+    return _is_tensor(node) and node.meta["val"].is_floating_point()
 
 
 def emit_te(bb: relax.BlockBuilder, func: object, *args: object, **kwargs: object) -> relax.Var:

@@ -21,7 +21,7 @@ import torch
 import torch.export._trace  # the ATen-level export that AMP uses (`_export`)
 import torch.nn.functional as F
 
-from . import covariance, ctc_loss, cumulative_batch_norm, stop_gradient
+from . import autograd_in_build, covariance, ctc_loss, cumulative_batch_norm, stop_gradient
 from .attribute_guard import AttributeGuard, recording
 from .dynamic_batch import HINT as DYNAMIC_BATCH_HINT
 from .dynamic_batch import export_arguments
@@ -70,6 +70,8 @@ class BackwardCall:
     loss: torch.Tensor
     where: str
     reached: frozenset[str] = frozenset()  # the parameters (by path) autograd gives a gradient
+    inputs: tuple[torch.Tensor, ...] | None = None  # backward(inputs=...): only these get gradients
+    only: frozenset[str] | None = None  # the paths of those inputs (parameters)
 
 
 def _leaves(value: object) -> list[TensorSpec]:
@@ -90,6 +92,7 @@ class _Record:
     autocast: tuple[str, torch.dtype] | None = None  # (device_type, dtype) for AMP (tvmgraph/amp.py)
     out_tree: TreeDef | None = None
     backward: BackwardCall | None = None
+    functions: list[type] = field(default_factory=list)  # autograd.Function classes applied (AMP)
 
 
 class _BuildRoot(torch.nn.Module):
@@ -109,10 +112,13 @@ class _BuildRoot(torch.nn.Module):
         args = self._args_tree.unflatten(flat_inputs)
         amp = torch.autocast(*record.autocast) if record.autocast else contextlib.nullcontext()
         stops = stop_gradient.StopWhereGradIsOff() if record.autocast else contextlib.nullcontext()
+        functions = autograd_in_build.record_functions(record) if record.autocast else contextlib.nullcontext()
+        edits = autograd_in_build.Edits(record)
         with _capture_backward(record), _refuse_gradient_clipping(record), _causal_hints_from_arguments(), \
                 _gaussian_nll_without_value_check(), _distributions_without_value_checks(), ctc_loss.traceable(), \
                 cumulative_batch_norm.traceable(), covariance.traceable(), \
-                amp, stops:  # export records autocast's casts
+                autograd_in_build.inference_mode_as_no_grad(), edits.watching(), \
+                amp, stops, functions:  # export records autocast's casts
             out = self._build_fn(*args)
         try:
             leaves, record.out_tree = flatten(out, "output")
@@ -132,6 +138,15 @@ class _BuildRoot(torch.nn.Module):
         if record.backward is not None:
             if record.autocast is None:  # under AMP autograd is off: read from the program instead
                 record.backward.reached = reached.from_autograd(record.backward.loss, self)
+            if record.backward.inputs is not None:
+                record.backward.only = autograd_in_build.parameters_named(record.graph_name,
+                                                                          record.backward.inputs, self)
+            functions = autograd_in_build.refused(reached.autograd_functions(record.backward.loss)
+                                                  if record.autocast is None else record.functions)
+            if functions:
+                raise BackwardError(autograd_in_build.through_functions(record.graph_name, functions))
+            if edits.refusal() is not None:
+                raise BackwardError(edits.refusal())
             # The loss joins the outputs so that autodiff can find it in the lowered program.
             leaves = [*leaves, record.backward.loss]
         return tuple(leaves)
@@ -234,7 +249,8 @@ def _capture_backward(record: _Record) -> Iterator[None]:
     """Turn `loss.backward()` inside build() into a record instead of running autograd."""
     original = torch.Tensor.backward
 
-    def record_backward(tensor: torch.Tensor, gradient=None, *args, **kwargs) -> None:
+    def record_backward(tensor: torch.Tensor, gradient=None, retain_graph=None, create_graph=False,
+                        inputs=None) -> None:
         name = record.graph_name
         if record.backward is not None:
             raise BackwardError(f"{name}: backward() was called twice in build(); call it once, "
@@ -248,7 +264,9 @@ def _capture_backward(record: _Record) -> Iterator[None]:
         if gradient is not None:
             raise BackwardError(f"{name}: backward(gradient=...) is not supported in build(); "
                                 f"scale the loss instead: (loss * g).backward()")
-        record.backward = BackwardCall(tensor, where="build()")
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        record.backward = BackwardCall(tensor, where="build()", inputs=None if inputs is None else tuple(inputs))
 
     torch.Tensor.backward = record_backward
     try:
@@ -325,6 +343,8 @@ def trace_build(
     trained = frozenset()
     if record.backward is not None:
         trained = reached.from_program(exported) if autocast is not None else record.backward.reached
+        if record.backward.only is not None:  # backward(inputs=...): the others keep no gradient
+            trained = trained & record.backward.only
     return TraceResult(exported, record.out_tree, module_io, record.backward is not None, attributes[0], trained,
                        aliasing_hint(flat_inputs, arg_names))
 

@@ -652,8 +652,9 @@ def test_detach_and_no_grad_stop_gradients_under_amp() -> None:
 
 
 class UpdatesInPlaceUnderNoGrad(nn.Module):
-    """F.gaussian_nll_loss's `var.clamp_(min=eps)` under no_grad, and a -inf mask updated in
-    place there: the tensors keep their history (identity gradient through the update)."""
+    """F.gaussian_nll_loss's `var.clamp_(min=eps)` under no_grad, a -inf mask updated in place
+    there, and a slice assignment: the tensors keep their history (identity gradient through
+    the update)."""
 
     def __init__(self):
         super().__init__()
@@ -661,11 +662,13 @@ class UpdatesInPlaceUnderNoGrad(nn.Module):
 
     def forward(self, x):
         mean, spread = self.linear(x).chunk(2, -1)
+        mean = mean * 1.0  # a tensor of its own (chunk's views may not be written)
         scores = spread.clone()
         mask = torch.full_like(scores, float("-inf"))
         with torch.no_grad():
             scores.clamp_(min=0.2)
             mask.triu_(1)
+            mean[:, :1] = 0.5  # written through a view: the gradient passes it too
         return (scores.log() * mean + (spread + mask).softmax(-1)).sum(-1, keepdim=True) \
             + F.gaussian_nll_loss(mean, x, spread.abs(), eps=0.1, reduction="none").sum(-1, keepdim=True)
 

@@ -64,6 +64,16 @@ def _clamped_in_place_under_no_grad(x: torch.Tensor) -> torch.Tensor:
     return y.log() * x
 
 
+def _written_through_views_under_no_grad(x: torch.Tensor) -> torch.Tensor:
+    """Slices of an activation set under no_grad (`h[:, :2] = 0`, `h[1:].mul_(3)`): eager keeps
+    h's history, the gradient passes the written elements unchanged (the graph stopped it)."""
+    h = x * 2 + 0.5
+    with torch.no_grad():
+        h[:, :2] = 0
+        h[1:].mul_(3)
+    return h * x
+
+
 def _labels() -> torch.Tensor:
     return torch.tensor([[1, 4, -1, 0, 0, 0], [0, -1, 0, 0, 0, 0]])  # -1 ends a row's labels
 
@@ -478,6 +488,7 @@ GRADIENTS = [
     # an in-place update under no_grad keeps the tensor's history: the gradient passes it
     # unchanged (the clamp's zero gradient was taken, and gaussian_nll_loss failed to trace)
     pytest.param(_clamped_in_place_under_no_grad, _edges, id="no_grad-in_place_clamp"),
+    pytest.param(_written_through_views_under_no_grad, _edges, id="no_grad-written_through_views"),
     pytest.param(lambda x: F.gaussian_nll_loss(x[0], x[1], x[0].abs() * 0.2, eps=0.1, full=True), _edges,
                  id="gaussian_nll_loss-clamped_var"),
     pytest.param(lambda x: nn.GaussianNLLLoss(reduction="none")(x, x.flip(0), x[:, 0].abs() + 0.3), _edges,

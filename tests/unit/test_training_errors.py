@@ -189,3 +189,115 @@ def test_missing_gradient_is_an_unsupported_op_naming_it(monkeypatch: pytest.Mon
 
     with pytest.raises(errors.UnsupportedOpError, match=r"needs the gradient of relax.cumprod"):
         Graph()(torch.randn(4, 3))
+
+
+class GradientReversal(torch.autograd.Function):
+    """Domain adaptation's layer: identity forward, negated gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class ThroughFunction(tvmgraph.nn.Graph):
+    def __init__(self, amp: bool = False, reentrant: bool = False, metric_only: bool = False):
+        super().__init__()
+        self.model = nn.Linear(3, 2)
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+        self.config.enable_amp(amp)
+        self.reentrant, self.metric_only = reentrant, metric_only
+
+    def build(self, x):
+        out = self.model(x)
+        if self.reentrant:
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(torch.tanh, out, use_reentrant=True)
+        reversed_out = GradientReversal.apply(out)
+        loss = (out if self.metric_only else reversed_out).float().pow(2).mean()
+        loss.backward()
+        return loss, reversed_out.sum()
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["float32", "amp"])
+def test_a_loss_through_a_custom_autograd_function_is_refused(amp: bool) -> None:
+    """The graph's autodiff differentiates forward() and never runs the user's backward(): a
+    gradient reversal layer trained the wrong way round (silently). Refused, naming the class;
+    torch.utils.checkpoint's reentrant form (a Function too: it trained nothing) names its fix."""
+    graph = ThroughFunction(amp=amp)
+    with pytest.raises(errors.BackwardError, match=r"torch.autograd.Function .*GradientReversal: the graph computes "
+                                                   r"gradients with its own autodiff.*gradient reversal as"):
+        graph(torch.ones(4, 3))
+    with pytest.raises(errors.BackwardError, match=r"use_reentrant=True.*Pass use_reentrant=False"):
+        ThroughFunction(reentrant=True)(torch.ones(4, 3))
+
+
+def test_a_custom_autograd_function_off_the_loss_path_is_fine() -> None:
+    """A Function whose result only feeds a returned metric: the loss's gradient is the graph's."""
+    graph = ThroughFunction(metric_only=True)
+    x = torch.randn(4, 3)
+    expected = graph.model(x).sum()
+    loss, metric = graph(x)
+    torch.testing.assert_close(metric, expected.detach())
+
+
+class EditsGradients(tvmgraph.nn.Graph):
+    def __init__(self, edit: str):
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+        self.edit = edit
+
+    def build(self, x):
+        hidden = self.model[0](x)
+        if self.edit == "hook":
+            hidden.register_hook(lambda grad: grad * 10)
+        if self.edit == "retain_grad":
+            hidden.retain_grad()
+        if self.edit == "requires_grad":  # GAN-style: freeze for one term, unfreeze for the other
+            self.model[2].requires_grad_(False)
+            frozen_term = self.model[2](torch.tanh(hidden)).mean()
+            self.model[2].requires_grad_(True)
+        loss = self.model[2](torch.tanh(hidden)).pow(2).mean()
+        if self.edit == "requires_grad":
+            loss = loss + frozen_term
+        loss.backward()
+        if self.edit == "zero_grad":
+            self.model.zero_grad()
+        return loss
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("zero_grad", r"calls zero_grad\(\) after loss.backward\(\).*remove the zero_grad\(\) call"),
+    ("requires_grad", r"changes requires_grad of a parameter.*Set requires_grad outside build\(\)"),
+    ("hook", r"registers a gradient hook on a tensor.*Write what the hook does"),
+    ("retain_grad", r"calls retain_grad\(\)"),
+])
+def test_gradient_edits_in_build_are_refused(edit: str, message: str) -> None:
+    """Each trained silently otherwise than eager (the hook and zero_grad were dropped, the
+    frozen term was differentiated); a training graph refuses them, naming the fix."""
+    with pytest.raises(errors.BackwardError, match=message):
+        EditsGradients(edit)(torch.randn(4, 3))
+
+
+def test_gradient_edits_in_an_inference_graph_change_nothing() -> None:
+    """Without a backward pass eager is unaffected by them too: an inference graph runs."""
+    model = nn.Linear(3, 2)
+
+    class Infer(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def build(self, x):
+            out = self.model(x)
+            out.retain_grad()
+            self.model.zero_grad()
+            return out
+
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(Infer()(x), model(x).detach())

@@ -17,6 +17,8 @@ optimizer's step with a zero gradient, and AdamW's weight decay moved it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ..stop_gradient import STOP
@@ -29,17 +31,34 @@ _SHAPE_ONLY = {getattr(torch.ops.aten, name).default for name in (
 
 def from_autograd(loss: torch.Tensor, root: torch.nn.Module) -> frozenset[str]:
     """The paths of `root`'s parameters that are leaves of `loss`'s autograd graph."""
-    leaves, seen, pending = set(), set(), [loss.grad_fn]
+    leaves = set()
+    for node in _autograd_nodes(loss):
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf that gets .grad
+        if variable is not None:
+            leaves.add(id(variable))
+    return frozenset(path for path, p in root.named_parameters() if id(p) in leaves)
+
+
+def autograd_functions(loss: torch.Tensor) -> list[type]:
+    """The `torch.autograd.Function` classes the loss is differentiated through, in the order
+    met: their backward() is the user's, which the graph's autodiff does not run."""
+    found = []
+    for node in _autograd_nodes(loss):
+        cls = getattr(node, "_forward_cls", None)  # a Python Function's backward node
+        if cls is not None and cls not in found:
+            found.append(cls)
+    return found
+
+
+def _autograd_nodes(loss: torch.Tensor) -> Iterator[object]:
+    seen, pending = set(), [loss.grad_fn]
     while pending:
         node = pending.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf that gets .grad
-        if variable is not None:
-            leaves.add(id(variable))
+        yield node
         pending.extend(next_node for next_node, _ in node.next_functions)
-    return frozenset(path for path, p in root.named_parameters() if id(p) in leaves)
 
 
 def from_program(exported: torch.export.ExportedProgram) -> frozenset[str]:
