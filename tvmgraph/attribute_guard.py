@@ -3,14 +3,16 @@
 `self.scale = 3.0` on a module, or `self.use_act = False`, after a graph compiled bakes the
 old value into the program; before this guard the graph kept running it (silently stale).
 While build() is traced, `recording` notes every plain value (bool, int, float, str, None, a
-dtype, tuples of them) that the code reads from a module's or the graph's own attributes. An
+dtype, tuples of them) that the code reads from a module's or the graph's own attributes, and
+any other public attribute value but a submodule (a list, an Enum member, a function, a numpy
+scalar, a config object), compared by identity, then by its own `==`. An
 `AttributeGuard` holds those (object dict, name, value) triples; a compiled entry runs only
 while `holds()`, otherwise the graph compiles for the new values, as it does for a new input
 shape. A check costs one dict lookup and an identity compare per value read.
 
 Not covered: values that build() itself changes while it is traced (a call counter: a side
 effect, run once per trace), values read through class attributes or module-level globals, and
-containers (lists, dicts) changed in place.
+objects changed in place (a list appended to, `self.cfg.scale = 3` on the same config object).
 """
 
 from __future__ import annotations
@@ -44,13 +46,27 @@ def _same(now: object, then: object) -> bool:
         return (now.shape, now.dtype, now.device, now.layout) == (then.shape, then.dtype, then.device, then.layout)
     if isinstance(now, tuple):
         return len(now) == len(then) and all(map(_same, now, then))
-    return now == then
+    try:  # any other object: by its own equality (a list, a dataclass config, an Enum member)
+        return bool(now == then)
+    except Exception:  # noqa: BLE001 - an == that is elementwise (arrays, lists of tensors) or raises
+        return False
 
 
 def _shown(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)} on {value.device}"
-    return repr(value)
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
+def _guarded(name: str, value: object) -> bool:
+    """Whether a value read from an owner's __dict__ is guarded: plain values, tensors, and any
+    other public attribute but a module (a list, an Enum member, a function, a numpy scalar, a
+    config object: reassigning one recompiles). Private ones (`_name`) that are not plain are
+    torch's and tvmgraph's own bookkeeping."""
+    if _plain(value) or isinstance(value, torch.Tensor) or name == "forward":
+        return True
+    return not name.startswith("_") and not isinstance(value, torch.nn.Module)
 
 
 class AttributeGuard:
@@ -110,7 +126,7 @@ def recording(owners: list[tuple[str, object]]) -> Iterator[list[AttributeGuard]
         if owner is not None and owner[1] is obj and name not in _SKIPPED and (id(obj), name) not in reads:
             attrs = object.__getattribute__(obj, "__dict__")
             here = attrs.get(name, _MISSING)
-            if here is value and (_plain(value) or isinstance(value, torch.Tensor) or name == "forward"):
+            if here is value and _guarded(name, value):
                 reads[(id(obj), name)] = (attrs, owner[0], name, value)
             elif name == "forward" and here is _MISSING:  # the class's: guard that none replaces it
                 reads[(id(obj), name)] = (attrs, owner[0], name, None)

@@ -319,20 +319,20 @@ _SAME_DTYPE_OPS = {"mm.default", "addmm.default", "bmm.default", "baddbmm.defaul
 
 
 def check_dtypes(exported: torch.export.ExportedProgram, graph_name: str) -> None:
-    """Raise TraceError for a matmul or convolution of float tensors of different dtypes (a
-    float64 module fed float32 inputs), as eager torch would raise."""
+    """Raise TraceError for a matmul or convolution of tensors of different dtypes (a float64
+    module fed float32 inputs, integer inputs to a float layer), as eager torch would raise.
+    torch's meta kernels let some through (addmm of int64 and float32: a CompileError after)."""
     for node in exported.graph.nodes:
         if node.op != "call_function" or op_key(node) not in _SAME_DTYPE_OPS:
             continue
         dtypes = {a.meta["val"].dtype for a in node.args
-                  if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-                  and a.meta["val"].is_floating_point()}
+                  if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)}
         if len(dtypes) > 1:
             names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
             raise TraceError(
                 f"{graph_name}: {describe(node)} takes {names} tensors; eager torch raises here "
                 f"(\"must have the same dtype\"). Give the module and its inputs one dtype: "
-                f"module.float() or x.double(), or enable_amp(True) for mixed precision.")
+                f"module.float(), x.float() or x.double(), or enable_amp(True) for mixed precision.")
 
 
 def supported_ops() -> list[str]:

@@ -188,20 +188,21 @@ def test_dot_data_in_build_names_detach() -> None:
         graph(torch.ones(3))
 
 
-@pytest.mark.parametrize("model, x", [
-    (nn.Linear(4, 3).double(), torch.randn(2, 4)),
-    (nn.Sequential(nn.Flatten(0), nn.Linear(8, 2)), torch.randn(2, 4).double()),
+@pytest.mark.parametrize("model, x, dtypes", [
+    (nn.Linear(4, 3).double(), torch.randn(2, 4), "float32 and float64"),
+    (nn.Sequential(nn.Flatten(0), nn.Linear(8, 2)), torch.randn(2, 4).double(), "float32 and float64"),
+    (nn.Linear(4, 3), torch.randint(0, 5, (2, 4)), "float32 and int64"),
 ])
-def test_mixed_float_dtypes_in_a_matmul_are_a_trace_error(model: nn.Module, x: torch.Tensor) -> None:
-    """A float64 module fed float32 inputs (or the reverse): eager raises "must have the same
-    dtype"; torch.export does not check, and TVM failed with an internal type error that the
-    graph reported as a tvmgraph bug."""
+def test_mixed_dtypes_in_a_matmul_are_a_trace_error(model: nn.Module, x: torch.Tensor, dtypes: str) -> None:
+    """A float64 module fed float32 inputs (or the reverse), integer inputs to a float layer:
+    eager raises "must have the same dtype"; torch.export does not check, and TVM failed with
+    an internal type error that the graph reported as a tvmgraph bug."""
     with pytest.raises(RuntimeError, match="must have the same dtype"):
         model(x)
     graph = ModuleGraph(model)
     with pytest.raises(errors.TraceError, match=rf"{graph.name}: aten\.(addmm|mm)\.default from '[\w.]+' \(Linear\)"
-                                                 rf".* takes float32 and float64 tensors; .* module\.float\(\) or "
-                                                 rf"x\.double\(\)"):
+                                                 rf".* takes {dtypes} tensors; .* module\.float\(\), x\.float\(\) "
+                                                 rf"or x\.double\(\)"):
         graph(x)
 
 

@@ -7,9 +7,13 @@ line naming the guard that failed, or raises a TvmGraphError; never the stale pr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import enum
 import logging
+import types
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -186,6 +190,44 @@ def test_changed_python_attribute_recompiles(caplog: pytest.LogCaptureFixture) -
     model.scale, model.use_relu = 1.0, True  # values seen before: their program, no compile
     assert_close(graph(x), model(x))
     assert graph.num_compiled == 3
+
+
+class Mode(enum.Enum):
+    SCALE = 2.0
+    SHIFT = 3.0
+
+
+class ReadsObjects(nn.Module):
+    """Attributes that are not plain values: an Enum member, a function, a list, a numpy scalar,
+    a config object (as Hugging Face models read `self.config.x`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.mode, self.activation, self.weights = Mode.SCALE, torch.relu, [1.0, 2.0]
+        self.bias, self.config = np.float32(0.5), types.SimpleNamespace(gain=1.0)
+
+    def forward(self, x):
+        y = self.activation(self.fc(x)) * self.mode.value * self.weights[1] + float(self.bias)
+        return y * self.config.gain
+
+
+@pytest.mark.parametrize("name, new", [
+    ("mode", Mode.SHIFT), ("activation", torch.tanh), ("weights", [1.0, -1.0]), ("bias", np.float32(-2.0)),
+    ("config", types.SimpleNamespace(gain=3.0)),
+], ids=["enum", "function", "list", "numpy-scalar", "config-object"])
+def test_a_reassigned_attribute_of_any_kind_recompiles(name: str, new: object) -> None:
+    """Only plain values (numbers, strings, tuples) were guarded: reassigning any of these kept
+    the first call's program (2.1-3.0 off, silently). An equal object in place compiles nothing."""
+    model = ReadsObjects()
+    graph, x = ModuleGraph(model), torch.randn(5, 4)
+    graph(x)
+    setattr(model, name, copy.deepcopy(getattr(model, name)) if name != "activation" else torch.relu)
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 1
+    setattr(model, name, new)
+    assert_close(graph(x), model(x))
+    assert graph.num_compiled == 2
 
 
 def test_graph_attribute_read_by_build_recompiles() -> None:
