@@ -50,11 +50,17 @@ class GraphLog:
         self.v_level = 0
 
     def configure(self, v_level: int, ranks: int | list[int] | None, mode: bool) -> None:
-        if not isinstance(v_level, int) or not 0 <= v_level <= MAX_V_LEVEL:
-            from .errors import ConfigError
+        from .errors import ConfigError
 
+        if not _is_int(v_level) or not 0 <= v_level <= MAX_V_LEVEL:
             raise ConfigError(f"{self.tag} debug(): v_level must be an int in 0..{MAX_V_LEVEL}, got {v_level!r}")
-        wanted = [0] if ranks is None else [ranks] if isinstance(ranks, int) else list(ranks)
+        wanted = [0] if ranks is None else [ranks] if _is_int(ranks) else ranks
+        if not isinstance(wanted, (list, tuple, range)) or not all(_is_int(r) for r in wanted):
+            # ranks="0" was read as the list ["0"]: debug output silently off on rank 0
+            raise ConfigError(f"{self.tag} debug(): ranks must be an int, a list of ints (-1: every rank) or "
+                              f"None (rank 0), got {ranks!r}")
+        if not isinstance(mode, bool):
+            raise ConfigError(f"{self.tag} debug(): mode must be True (on) or False (off), got {mode!r}")
         self.enabled = mode and (-1 in wanted or current_rank() in wanted)
         self.v_level = v_level
         if self.enabled:
@@ -82,3 +88,7 @@ class GraphLog:
         t0 = time.perf_counter()
         yield
         self.info(0, f"end {name} ({time.perf_counter() - t0:.2f} s).")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import tvmgraph
+from tvmgraph import errors
 from tvmgraph.target import target_for
 from tests.conftest import ModuleGraph
 
@@ -163,6 +164,20 @@ def test_debug_mode_false_and_other_ranks_are_silent(caplog: pytest.LogCaptureFi
         assert caplog.text == "", kwargs
     with pytest.raises(ValueError, match="v_level must be an int in 0..3"):
         LinearGraph().debug(4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ranks="0"), r"ranks must be an int, a list of ints .* got '0'"),
+    (dict(ranks=1.5), r"ranks must be an int, a list of ints .* got 1.5"),
+    (dict(ranks=[0, "1"]), r"ranks must be .* got \[0, '1'\]"),
+    (dict(mode="off"), r"mode must be True \(on\) or False \(off\), got 'off'"),
+    (dict(v_level=True), r"v_level must be an int in 0..3, got True"),
+])
+def test_debug_refuses_values_it_does_not_take(kwargs: dict, message: str) -> None:
+    """`ranks="0"` was read as the list ["0"] (debug output silently off on rank 0), 1.5 was a
+    bare TypeError, `mode="off"` was taken for True."""
+    with pytest.raises(errors.ConfigError, match=message):
+        LinearGraph().debug(**{"v_level": 1, **kwargs})
 
 
 def test_stages_can_be_run_one_by_one() -> None:
