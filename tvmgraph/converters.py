@@ -218,6 +218,25 @@ def select(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr
     return bb.emit(relax.op.squeeze(part, axis=[dim]))
 
 
+def squeeze(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """x.squeeze(dims) (every dim by default): the listed dims of size 1. Listing a symbolic
+    size (a dynamic batch) is refused: eager removes it at batch 1 and keeps it otherwise, a
+    rank no one program has (TVM's squeeze removed it always: `model(x).squeeze()` lost its
+    batch)."""
+    x = importer.env[node.args[0]]
+    shape = list(x.ty.shape)
+    if not shape:
+        return x
+    dims = node.args[1] if len(node.args) > 1 else range(len(shape))
+    dims = {d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)}
+    if any(not isinstance(shape[d], tvm.tirx.IntImm) for d in dims):
+        raise NotImplementedError(
+            "squeeze() of the batch dim with a dynamic batch: eager drops that dim at batch 1 only. Name the "
+            "dims to squeeze (`y.squeeze(-1)`, `y.squeeze((1, 2))`), or turn the dynamic batch off")
+    axes = sorted(d for d in dims if int(shape[d]) == 1)
+    return importer.block_builder.emit(relax.op.squeeze(x, axis=axes)) if axes else x
+
+
 def neg(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """-x; of an unsigned integer, `0 - x`, which wraps as torch's does (TVM's negative of a
     uint8 multiplies by a uint8 -1, which its legalization refuses)."""
@@ -651,6 +670,9 @@ CONVERTERS: dict[str, Converter] = {
     "matmul.default": matmul,
     "addmm.default": addmm,
     "select.int": select,
+    "squeeze.default": squeeze,
+    "squeeze.dim": squeeze,
+    "squeeze.dims": squeeze,
     "repeat.default": repeat,
     "empty.memory_format": empty,
     "convolution.default": convolution,

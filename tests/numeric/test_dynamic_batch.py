@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 import tvmgraph
 
-from tests.conftest import ModuleGraph, TrainGraph, assert_close
+from tests.conftest import Fn, ModuleGraph, TrainGraph, assert_close
 from tests.models import EncoderBlock, SmallCNN, mlp
 from tests.numeric.test_training import STEP_TOL, assert_same_state, eager_step
 from tvmgraph.errors import GraphArgumentError, TraceError, UnsupportedOpError, UnsupportedOptionError
@@ -460,3 +460,18 @@ def test_raw_audio_conv1d_net_trains_like_eager_with_a_dynamic_batch() -> None:
     batches = [(torch.randn(n, 1, 700), torch.randint(0, 10, (n,))) for n in (4, 3, 6)]
     graph = run_dynamic_side_by_side(AudioConv(), batches, loss_fn=nn.CrossEntropyLoss())
     assert graph.num_compiled == 1
+
+
+def test_squeeze_of_named_dims_matches_eager_and_of_the_batch_is_refused() -> None:
+    """`y.squeeze(-1)` of a regression head runs at every batch size; `y.squeeze()` lists the
+    batch, which eager drops at batch 1 only (a rank no one program has): a clear
+    UnsupportedOpError. TVM's squeeze dropped the symbolic batch always (a CompileError that
+    blamed tvmgraph)."""
+    head = nn.Linear(4, 1)
+    graph = dynamic(ModuleGraph(Fn(lambda x: head(x).squeeze(-1))))
+    for batch in BATCHES:
+        x = torch.randn(batch, 4)
+        assert_close(graph(x), head(x).squeeze(-1).detach())
+    everything = dynamic(ModuleGraph(Fn(lambda x: head(x).squeeze())))
+    with pytest.raises(UnsupportedOpError, match=r"squeeze\(\) of the batch dim with a dynamic batch.*y\.squeeze\(-1\)"):
+        everything(torch.randn(3, 4))
