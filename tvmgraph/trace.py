@@ -246,7 +246,8 @@ def _refuse_gradient_clipping(record: _Record) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _capture_backward(record: _Record) -> Iterator[None]:
-    """Turn `loss.backward()` inside build() into a record instead of running autograd."""
+    """Turn `loss.backward()` (or `torch.autograd.backward(loss)`) inside build() into a record
+    instead of running autograd; `torch.autograd.grad` is refused."""
     original = torch.Tensor.backward
 
     def record_backward(tensor: torch.Tensor, gradient=None, retain_graph=None, create_graph=False,
@@ -268,11 +269,30 @@ def _capture_backward(record: _Record) -> Iterator[None]:
             inputs = (inputs,)
         record.backward = BackwardCall(tensor, where="build()", inputs=None if inputs is None else tuple(inputs))
 
+    def autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+                          grad_variables=None, inputs=None) -> None:
+        """`torch.autograd.backward(loss)`: eager's loss.backward() is this call."""
+        losses = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if len(losses) != 1:
+            raise BackwardError(f"{record.graph_name}: torch.autograd.backward() was given {len(losses)} "
+                                f"tensors; give it one loss, the sum of your losses")
+        gradient = grad_tensors if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) else grad_tensors[0]
+        record_backward(losses[0], gradient, inputs=inputs)
+
+    def autograd_grad(*args: object, **kwargs: object) -> None:
+        raise BackwardError(
+            f"{record.graph_name}: torch.autograd.grad was called in build() (a gradient penalty, an input "
+            f"gradient): the graph differentiates the loss once, with loss.backward(), and cannot take "
+            f"gradients inside build(). Compute such a term outside the graph, or train without it.")
+
+    saved = torch.autograd.backward, torch.autograd.grad
     torch.Tensor.backward = record_backward
+    torch.autograd.backward, torch.autograd.grad = autograd_backward, autograd_grad
     try:
         yield
     finally:
         torch.Tensor.backward = original
+        torch.autograd.backward, torch.autograd.grad = saved
 
 
 @dataclass

@@ -301,3 +301,52 @@ def test_gradient_edits_in_an_inference_graph_change_nothing() -> None:
 
     x = torch.randn(4, 3)
     torch.testing.assert_close(Infer()(x), model(x).detach())
+
+
+def test_torch_autograd_backward_is_loss_backward() -> None:
+    """`torch.autograd.backward(loss)` is eager's `loss.backward()`: the graph took it for no
+    backward call at all ("never called loss.backward()")."""
+    model = nn.Linear(3, 1)
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+
+    class Step(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+        def build(self, x):
+            loss = self.model(x).pow(2).mean()
+            torch.autograd.backward(loss)
+            return loss
+
+    x = torch.randn(4, 3)
+    Step()(x)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch.autograd.backward(reference(x).pow(2).mean())
+    optimizer.step()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach())
+
+
+def test_torch_autograd_grad_in_build_is_refused() -> None:
+    """A gradient penalty's `torch.autograd.grad` failed with a TraceError about fake tensors
+    and `tensor.data`, which the code never used."""
+
+    class Penalty(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Linear(3, 1)
+            self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.1))
+
+        def build(self, x):
+            x = x.clone().requires_grad_(True)
+            out = self.model(x)
+            (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = out.mean() + (grad.norm(2, dim=1) - 1).pow(2).mean()
+            loss.backward()
+            return loss
+
+    with pytest.raises(errors.BackwardError, match=r"torch.autograd.grad was called in build\(\)"):
+        Penalty()(torch.randn(4, 3))
