@@ -378,7 +378,8 @@ class Graph:
             for _, scheduler in st.optimizers:
                 if scheduler is not None:
                     scheduler.step()
-        return entry.traced.out_tree.unflatten(outputs)
+        tree = entry.traced.out_tree
+        return tree.unflatten(outputs[:tree.num_leaves] if len(outputs) > tree.num_leaves else outputs)
 
     def _last_entry_again(self, st: _GraphState, args: tuple) -> CompiledGraph | None:
         """The last call's entry when this call's signature equals its own, checked field by

@@ -129,12 +129,10 @@ class _BuildRoot(torch.nn.Module):
                 f"Convert the value to a tensor (torch.as_tensor) or return it outside the graph."
             ) from None
         if not leaves and record.backward is None:
-            what = "None" if out is None else f"{type(out).__name__} with no tensor in it"
-            raise GraphOutputError(
-                f"{record.graph_name}: build() returned {what}; a graph must return at least one tensor "
-                f"(`return self.model(x)`; a training graph returns its loss). Check that build() ends "
-                f"with a return statement."
-            )
+            # Seed 003: build()'s outputs may be None (`def build(self): pass`; a build() that only
+            # updates buffers). The program still needs a result: a 0-d zero the call drops
+            # (Graph.__call__ keeps out_tree's leaves).
+            leaves = [torch.zeros(())]
         if record.backward is not None:
             if record.autocast is None:  # under AMP autograd is off: read from the program instead
                 record.backward.reached = reached.from_autograd(record.backward.loss, self)

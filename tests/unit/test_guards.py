@@ -502,19 +502,38 @@ def test_snapshot_reads_the_process_settings() -> None:
         settings.fast_math, settings.cpu_schedules, settings.llvm_opt_level)
 
 
-def test_empty_build_is_a_graph_output_error() -> None:
-    """`def build(self, x): pass` used to end in a raw TVM ValueError."""
+def test_a_build_returning_none_runs_as_eager() -> None:
+    """Seed 003: build()'s outputs may be None (its SubclassGraph's `def build(self): pass`); a
+    build() that only updates buffers returns None and updates them as eager does. It was a
+    GraphOutputError ("a graph must return at least one tensor")."""
 
-    class Empty(tvmgraph.nn.Graph):
+    class Counter(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.linear = nn.Linear(2, 2)
+            self.register_buffer("total", torch.zeros(()))
+
+        def forward(self, x):
+            self.total += x.sum()
+
+    class Counts(tvmgraph.nn.Graph):
+        def __init__(self, counter: nn.Module) -> None:
+            super().__init__()
+            self.counter = counter
 
         def build(self, x):
-            self.linear(x)
+            self.counter(x)
 
-    with pytest.raises(errors.GraphOutputError, match=r"build\(\) returned None; a graph must return at least one tensor"):
-        Empty()(torch.ones(1, 2))
+    class Empty(tvmgraph.nn.Graph):
+        def build(self):
+            pass
+
+    counter, reference = Counter(), Counter()
+    graph = Counts(counter)
+    for _ in range(3):
+        x = torch.randn(4)
+        assert graph(x) is None and reference(x) is None
+    torch.testing.assert_close(counter.total, reference.total)
+    assert Empty()() is None
 
 
 def test_graph_without_tensor_arguments_returns_torch_tensors() -> None:
