@@ -379,7 +379,12 @@ class Graph:
                 if scheduler is not None:
                     scheduler.step()
         tree = entry.traced.out_tree
-        return tree.unflatten(outputs[:tree.num_leaves] if len(outputs) > tree.num_leaves else outputs)
+        try:
+            return tree.unflatten(outputs)
+        except ValueError:
+            if tree.num_leaves == 0:  # build() returned no tensor: its program's 0-d zero is dropped
+                return tree.unflatten(())
+            raise
 
     def _last_entry_again(self, st: _GraphState, args: tuple) -> CompiledGraph | None:
         """The last call's entry when this call's signature equals its own, checked field by

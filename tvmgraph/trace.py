@@ -131,7 +131,7 @@ class _BuildRoot(torch.nn.Module):
         if not leaves and record.backward is None:
             # Seed 003: build()'s outputs may be None (`def build(self): pass`; a build() that only
             # updates buffers). The program still needs a result: a 0-d zero the call drops
-            # (Graph.__call__ keeps out_tree's leaves).
+            # (Graph.__call__).
             leaves = [torch.zeros(())]
         if record.backward is not None:
             if record.autocast is None:  # under AMP autograd is off: read from the program instead
