@@ -167,13 +167,17 @@ class Edits:
             (torch.Tensor, "register_hook"): hook, (torch.Tensor, "register_post_accumulate_grad_hook"): hook,
             (torch.Tensor, "retain_grad"): retain_grad,
         }
+        own = {key for key in patches if key[1] in key[0].__dict__}  # the others are inherited from C
         for (owner, name), patch in patches.items():
             setattr(owner, name, patch)
         try:
             yield
         finally:
             for (owner, name), original in saved.items():
-                setattr(owner, name, original)
+                if (owner, name) in own:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
 
 
 class _NoHandle:
