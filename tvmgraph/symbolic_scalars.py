@@ -4,7 +4,7 @@ Under `enable_dynamic_batch()` torch.export records `x.shape[0]` as a symbolic i
 (`aten.sym_size.int`), which the importer keeps as the batch variable itself (a PrimExpr).
 An op of a tensor and that value (`aten.div.Tensor(sum, sym_size)`) reached `R.divide` with an
 int64 scalar beside a float tensor, and Python arithmetic on it (`torch.sym_float`,
-`operator.truediv`) had no converter: such graphs failed to compile. Here a symbolic scalar
+`operator.truediv`, `torch.tensor(x.size(0))`) had no converter: such graphs failed to compile. Here a symbolic scalar
 becomes a 0-d tensor where it meets tensors (its value read from a shape at run time,
 `shape_to_tensor`), cast to the op's computation dtype by type_promotion.py; `sym_float` and
 `/` give float64 0-d tensors, as Python's float arithmetic.
@@ -51,4 +51,11 @@ def truediv(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Exp
     return bb.emit(relax.op.divide(a, b))
 
 
-CONVERTERS = {"sym_float": sym_float, "truediv": truediv}
+def tensor_of_scalar(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """`torch.tensor(x.size(0), dtype=...)` (`aten.scalar_tensor`) of a number or a symbolic
+    size: a 0-d tensor of the traced dtype (the stock converter took only numbers)."""
+    dtype = str(node.meta["val"].dtype).removeprefix("torch.")
+    return scalar_tensor(importer.block_builder, _operand(importer, node.args[0]), dtype)
+
+
+CONVERTERS = {"sym_float": sym_float, "truediv": truediv, "scalar_tensor.default": tensor_of_scalar}

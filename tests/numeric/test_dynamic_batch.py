@@ -475,3 +475,13 @@ def test_squeeze_of_named_dims_matches_eager_and_of_the_batch_is_refused() -> No
     everything = dynamic(ModuleGraph(Fn(lambda x: head(x).squeeze())))
     with pytest.raises(UnsupportedOpError, match=r"squeeze\(\) of the batch dim with a dynamic batch.*y\.squeeze\(-1\)"):
         everything(torch.randn(3, 4))
+
+
+def test_a_tensor_of_the_batch_size_matches_eager() -> None:
+    """`torch.tensor(x.size(0))` (a symbolic size made a tensor) failed to compile."""
+    layer = nn.Linear(4, 4)
+    graph = dynamic(ModuleGraph(Fn(lambda x: layer(x) / torch.tensor(x.size(0), dtype=torch.float32))))
+    for batch in BATCHES:
+        x = torch.randn(batch, 4)
+        assert_close(graph(x), (layer(x) / batch).detach())
+    assert graph.num_compiled == 1
