@@ -129,15 +129,7 @@ class Edits:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        saved = {
-            (torch.nn.Module, "zero_grad"): torch.nn.Module.zero_grad,
-            (torch.optim.Optimizer, "zero_grad"): torch.optim.Optimizer.zero_grad,
-            (torch.nn.Module, "requires_grad_"): torch.nn.Module.requires_grad_,
-            (torch.Tensor, "requires_grad_"): torch.Tensor.requires_grad_,
-            (torch.Tensor, "register_hook"): torch.Tensor.register_hook,
-            (torch.Tensor, "register_post_accumulate_grad_hook"): torch.Tensor.register_post_accumulate_grad_hook,
-            (torch.Tensor, "retain_grad"): torch.Tensor.retain_grad,
-        }
+        module_requires_grad_, tensor_requires_grad_ = torch.nn.Module.requires_grad_, torch.Tensor.requires_grad_
 
         def zero_grad(*args: object, **kwargs: object) -> None:
             if self.record.backward is not None:
@@ -146,12 +138,12 @@ class Edits:
         def module_requires_grad(module: torch.nn.Module, requires_grad: bool = True) -> torch.nn.Module:
             if any(True for _ in module.parameters()):
                 self.found.append(_REQUIRES_GRAD)
-            return saved[torch.nn.Module, "requires_grad_"](module, requires_grad)
+            return module_requires_grad_(module, requires_grad)
 
         def tensor_requires_grad(tensor: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
             if isinstance(tensor, torch.nn.Parameter):
                 self.found.append(_REQUIRES_GRAD)
-            return saved[torch.Tensor, "requires_grad_"](tensor, requires_grad)
+            return tensor_requires_grad_(tensor, requires_grad)
 
         def hook(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
             self.found.append(_HOOK)
@@ -167,15 +159,16 @@ class Edits:
             (torch.Tensor, "register_hook"): hook, (torch.Tensor, "register_post_accumulate_grad_hook"): hook,
             (torch.Tensor, "retain_grad"): retain_grad,
         }
-        own = {key for key in patches if key[1] in key[0].__dict__}  # the others are inherited from C
+        # What each class defines itself, put back after; the others it inherits from torch's C base.
+        own = {key: key[0].__dict__[key[1]] for key in patches if key[1] in key[0].__dict__}
         for (owner, name), patch in patches.items():
             setattr(owner, name, patch)
         try:
             yield
         finally:
-            for (owner, name), original in saved.items():
+            for owner, name in patches:
                 if (owner, name) in own:
-                    setattr(owner, name, original)
+                    setattr(owner, name, own[owner, name])
                 else:
                     delattr(owner, name)
 
