@@ -42,10 +42,8 @@ def _fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, zero_point: tor
     else:  # eager computes 1.0f / scale in float32
         inverse = float(np.float32(1.0) / np.float32(scale))
     float_zero = isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point()
-    if float_zero:
-        q = torch.round(x * inverse + zero_point.to(x.dtype))
-    else:
-        q = torch.round(x * inverse) + (zero_point.to(x.dtype) if isinstance(zero_point, torch.Tensor) else zero_point)
+    zero = zero_point.to(x.dtype) if isinstance(zero_point, torch.Tensor) else zero_point
+    q = torch.round(x * inverse + zero) if float_zero else torch.round(x * inverse) + zero
     beyond = q.isnan() if saturate else ~(q.abs() < 2.0 ** 63)
     q = torch.where(beyond, float("-inf"), q)
     in_range = (q >= quant_min) & (q <= quant_max)
@@ -53,7 +51,6 @@ def _fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, zero_point: tor
     if float_zero:  # eager's kernel subtracts a float zero point and scales without rounding between
         out = ((clamped.double() - zero_point.double()) * scale.double()).to(x.dtype)
     else:
-        zero = zero_point.to(x.dtype) if isinstance(zero_point, torch.Tensor) else zero_point
         out = (clamped - zero) * (scale.to(x.dtype) if isinstance(scale, torch.Tensor) else scale)
     return _stop(out) + torch.where(in_range, x - _stop(x), 0.0), in_range
 
