@@ -66,7 +66,7 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import (advanced_indexing, converters_activation, converters_cholesky, converters_floor_division,
-               converters_histogram, converters_integer_power, converters_linalg, converters_nn, converters_reduce,
+               converters_gcd, converters_histogram, converters_integer_power, converters_linalg, converters_nn, converters_reduce,
                converters_shift, converters_sort, converters_special, converters_xlogy, stop_gradient,
                symbolic_scalars)
 from .legalize_fixes import broadcast_shape
@@ -720,6 +720,7 @@ CONVERTERS.update(converters_special.CONVERTERS)
 CONVERTERS.update(converters_xlogy.CONVERTERS)
 CONVERTERS.update(converters_floor_division.CONVERTERS)
 CONVERTERS.update(converters_shift.CONVERTERS)
+CONVERTERS.update(converters_gcd.CONVERTERS)
 CONVERTERS.update(converters_histogram.CONVERTERS)
 CONVERTERS.update(converters_linalg.CONVERTERS)
 CONVERTERS.update(converters_cholesky.CONVERTERS)

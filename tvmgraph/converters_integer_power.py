@@ -35,21 +35,27 @@ def integer_power(key: str, float_converter=None):  # noqa: ANN001, ANN201  (a c
         base, exponent = (as_dtype(bb, operand(importer, v, dtype), dtype) for v in node.args[:2])
         if "int" not in dtype:  # `2.0 ** int_tensor`: the importer's power kept int64
             return bb.emit(relax.op.power(base, exponent))
-        # the broadcast shape, as Relax infers it for an elementwise op of the two
-        shape = bb.normalize(relax.op.multiply(base, exponent)).ty.shape
-        if shape is None:  # (a symbolic size against a slice of unknown length)
-            raise NotImplementedError("integer pow of two tensors whose broadcast shape is only known when the "
-                                      "program runs: expand them to one shape first")
-        flat = []
-        for v in (base, exponent):
-            if not tvm_ffi.structural_equal(v.ty.shape, shape):
-                v = bb.emit(relax.op.broadcast_to(v, shape))
-            flat.append(bb.emit(relax.op.reshape(v, [-1])))
-        kernel = bb.add_func(_kernel(dtype), "integer_power")
-        power = bb.emit(relax.call_tir(kernel, flat, flat[0].ty))
-        return bb.emit(relax.op.reshape(power, shape))
+        return call_elementwise(bb, _kernel(dtype), "integer_power", "integer pow", base, exponent)
 
     return convert
+
+
+def call_elementwise(bb: relax.BlockBuilder, kernel: tirx.PrimFunc, name: str, what: str, a: relax.Expr,
+                     b: relax.Expr) -> relax.Expr:
+    """`kernel` (a PrimFunc of three flat buffers of one length and dtype: a, b, out), added to the
+    module as `name`, on `a` and `b` broadcast to one shape, as Relax infers it for an
+    elementwise op of the two (`what` names the op in the error when that shape is unknown)."""
+    shape = bb.normalize(relax.op.multiply(a, b)).ty.shape
+    if shape is None:  # (a symbolic size against a slice of unknown length)
+        raise NotImplementedError(f"{what} of two tensors whose broadcast shape is only known when the "
+                                  "program runs: expand them to one shape first")
+    flat = []
+    for v in (a, b):
+        if not tvm_ffi.structural_equal(v.ty.shape, shape):
+            v = bb.emit(relax.op.broadcast_to(v, shape))
+        flat.append(bb.emit(relax.op.reshape(v, [-1])))
+    result = bb.emit(relax.call_tir(bb.add_func(kernel, name), flat, flat[0].ty))
+    return bb.emit(relax.op.reshape(result, shape))
 
 
 def _kernel(dtype: str) -> tirx.PrimFunc:

@@ -18,7 +18,8 @@ as torch's does.
 - `scatter_add`, `scatter_reduce`, `index_reduce`: `scatter_elements` with the matching
   reduction; `include_self=False` first resets the scattered positions to the reduction's
   identity, `mean` is a sum divided by the count.
-- `searchsorted` (TOPI's kernel), `masked_scatter`, `nonzero_static`.
+- `searchsorted` (TOPI's kernel), `masked_scatter`, `nonzero_static`, `repeat_interleave` of a tensor
+  of repeats with its `output_size`.
 - `unfold`, `as_strided` (any strides), `as_strided_scatter`, `diagonal_scatter`: `take` or
   `where` with constant index maps, computed on the contiguous input.
 - `addbmm`, `_trilinear` (`bilinear`), `_cdist_forward`, `_pdist_forward`, embedding bags.
@@ -542,6 +543,23 @@ def _search(bb: relax.BlockBuilder, sequence: relax.Expr, values: relax.Expr, ri
     return bb.emit(op.reshape(out, [])) if squeezed else out
 
 
+def repeat_interleave_indices(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """repeat_interleave(repeats, output_size=N) (what `x.repeat_interleave(repeats_tensor, dim,
+    output_size=N)` becomes: this, then index_select): each i repeated repeats[i] times, the
+    number of running totals of `repeats` at or below each position 0..N-1. Without output_size
+    the length is the sum of the values, which a compiled program cannot know in advance."""
+    size = node.kwargs.get("output_size")
+    if not isinstance(size, int):
+        raise NotImplementedError("repeat_interleave with a tensor of repeats: its length is the sum of the "
+                                  "repeats; pass output_size= (that sum) to repeat_interleave")
+    bb = importer.block_builder
+    repeats = importer.env[node.args[0]]
+    dtype = _dtype(repeats)
+    totals = bb.emit(relax.op.cumsum(repeats, axis=0))
+    positions = bb.emit(relax.op.arange(0, size, 1, dtype))
+    return _search(bb, totals, positions, True, dtype)
+
+
 def nonzero_static(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """The first `size` coordinates of nonzero elements (row-major), padded with fill_value."""
     bb = importer.block_builder
@@ -821,6 +839,7 @@ CONVERTERS = {
     "bucketize.Tensor": bucketize,
     "bucketize.Scalar": bucketize,
     "nonzero_static.default": nonzero_static,
+    "repeat_interleave.Tensor": repeat_interleave_indices,
     "as_strided.default": as_strided,
     "as_strided_copy.default": as_strided,
     "as_strided_scatter.default": as_strided_scatter,

@@ -44,6 +44,10 @@ _DATA_DEPENDENT_HINT = (
     "(`cache[:, p:p + n] = k` with `p = pos[0]`) is one too: index with tensors instead "
     "(`cache.index_copy_(1, pos + torch.arange(n), k)`, `x.index_select`, `torch.gather`)."
 )
+# Where torch.export says a data-dependent size came from, for F.one_hot without num_classes.
+_ONE_HOT_MARKER = " in one_hot)"
+_ONE_HOT_HINT = ("\n`F.one_hot(x)` without num_classes takes the number of classes from x's values (x.max() + 1), "
+                 "which a compiled program cannot know in advance: pass it, `F.one_hot(x, num_classes=n)`.")
 # What torch.export says when build() reads `tensor.data`.
 _DOT_DATA_MARKER = "fake tensor in the exported program constant"
 _DOT_DATA_HINT = ("\n`tensor.data` inside build() cannot be traced: use `tensor.detach()` (the same values, "
@@ -436,6 +440,8 @@ def _trace_hint(message: str, dynamic_batch: bool) -> str:
         return DYNAMIC_BATCH_HINT
     if _DOT_DATA_MARKER in message:
         return _DOT_DATA_HINT
+    if _ONE_HOT_MARKER in message:
+        return _ONE_HOT_HINT
     return _DATA_DEPENDENT_HINT if any(m in message for m in _DATA_DEPENDENT_MARKERS) else ""
 
 

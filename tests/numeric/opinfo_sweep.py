@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "ops.md"
-# "ci": first usable float32 sample per op; "ci:bfloat16" (any dtype name): that dtype's; "all"
+# "ci": first usable float32 sample per op (another dtype for ops without float32); "ci:bfloat16" (any dtype name): that dtype's; "all"
 MODE = os.environ.get("TVMGRAPH_TEST_OPINFO", "ci")
 # A comma-separated list of op keys (`name` or `name.variant`) sweeps only those.
 ONLY = [k for k in os.environ.get("TVMGRAPH_TEST_OPINFO_OPS", "").split(",") if k]
@@ -100,7 +100,7 @@ RANDOM = {
     "nn.functional.multi_head_attention_forward",
 }
 DATA_DEPENDENT_SHAPE = {
-    "unique", "unique_consecutive", "bincount", "repeat_interleave",
+    "unique", "unique_consecutive", "bincount",
     "histogram", "histogramdd", "_segment_reduce",
 }
 UNINITIALIZED = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
@@ -113,8 +113,8 @@ MUTATING = {"resize_", "resize_as_", "zero_", "fill", "put",
 def out_of_scope(op: Any) -> str | None:
     """Why an OpInfo is left out of the sweep, or None when it is swept."""
     name = op.name
-    if torch.float32 not in op.supported_dtypes("cpu"):
-        return "no float32 CPU kernel"
+    if not any(dtype in op.supported_dtypes("cpu") for dtype in ALL_DTYPES):
+        return "no CPU kernel for float32, float64, bfloat16, int64, int32 or bool"
     in_place = name.endswith("_") and not name.startswith("__")  # `__getitem__`, `__radd__` are not
     if in_place or op.variant_test_name == "in_place" or name in MUTATING:
         return "in-place: mutates its input (graphs are functional)"
@@ -262,10 +262,11 @@ def _eager_grads(case: Case, wants_grad: list[int]) -> None:
 
 
 def cases_for(op: Any, mode: str) -> Iterator[Case | tuple[str, str]]:
-    """The Cases of one op: the first usable float32 sample ("ci"), or every sample of every
-    dtype in ALL_DTYPES the op supports ("all"). Unusable samples come as (id, reason)."""
+    """The Cases of one op: the first usable sample of the mode's dtype ("ci"), or every sample of
+    every dtype in ALL_DTYPES the op supports ("all"). Unusable samples come as (id, reason)."""
     first_only = mode.startswith("ci")
-    dtypes = [_ci_dtype(mode)] if first_only else [d for d in ALL_DTYPES if d in op.supported_dtypes("cpu")]
+    supported = [d for d in ALL_DTYPES if d in op.supported_dtypes("cpu")]
+    dtypes = [_ci_dtype(mode, supported)] if first_only else supported
     reasons = []
     for dtype in dtypes:
         torch.manual_seed(0)
@@ -289,9 +290,12 @@ def cases_for(op: Any, mode: str) -> Iterator[Case | tuple[str, str]]:
         yield f"{op_key(op)}|{_name(dtypes[0])}|-", "no usable sample: " + (", ".join(sorted(set(reasons))) or "none")
 
 
-def _ci_dtype(mode: str) -> torch.dtype:
-    """The dtype of a "ci" mode: float32, or the one named after "ci:"."""
-    name = mode.partition(":")[2] or "float32"
+def _ci_dtype(mode: str, supported: list[torch.dtype] | None = None) -> torch.dtype:
+    """The dtype of a "ci" mode: the one named after "ci:", else float32, else (an op without a
+    float32 kernel: bitwise ops, one_hot, gcd) the first of ALL_DTYPES in `supported`."""
+    name = mode.partition(":")[2]
+    if not name:
+        return torch.float32 if not supported or torch.float32 in supported else supported[0]
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"TVMGRAPH_TEST_OPINFO={mode!r}: {name!r} is not a torch dtype")
@@ -752,7 +756,9 @@ def render(table: list[Row], skipped: dict[str, str], mode: str) -> str:
         "",
         "Each in-scope op of PyTorch's OpInfo database",
         "(`torch.testing._internal.common_methods_invocations.op_db`) runs "
-        + (f"its first usable {_name(_ci_dtype(mode))} sample" if mode.startswith("ci") else
+        + (f"its first usable {_name(_ci_dtype(mode))} sample (without a float32 kernel: its first "
+           "dtype of float64, bfloat16, int64, int32 and bool)" if mode == "ci" else
+           f"its first usable {_name(_ci_dtype(mode))} sample" if mode.startswith("ci") else
            "every sample in each of float32, float64, bfloat16, int64, int32 and bool it supports")
         + " through two tvmgraph graphs, compared with eager:",
         "",

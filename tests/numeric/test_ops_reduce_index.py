@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import Fn, ModuleGraph, SGDStep, assert_close
+from tvmgraph.errors import UnsupportedOpError
 
 
 def _ties() -> torch.Tensor:
@@ -140,6 +141,9 @@ def searches(s, v, x, w, ids, offsets, per_sample):
         F.embedding_bag(ids, w, offsets, mode="sum"), F.embedding_bag(ids, w, offsets, mode="mean"),
         F.embedding_bag(ids, w, offsets, mode="max"),
         F.embedding_bag(ids, w, offsets, mode="sum", per_sample_weights=per_sample, padding_idx=2),
+        # repeats from an input (offsets: 0, 2, 2, 5; a zero first), their sum given
+        torch.repeat_interleave(offsets, output_size=9), w[:4].repeat_interleave(offsets, dim=0, output_size=9),
+        x.repeat_interleave(ids[:5] % 3, dim=1, output_size=7),
     )
 
 
@@ -317,6 +321,13 @@ def test_gradient_matches_eager(name: str) -> None:
     SGDStep(model)(*weights)
     for i, p in zip(param_at, model.params):
         assert_close(args[i] - p.detach(), leaves[i].grad, atol=1e-4, rtol=1e-4)
+
+
+def test_repeat_interleave_of_a_tensor_of_repeats_needs_its_output_size() -> None:
+    """Without output_size the length is the sum of the values: refused, naming the fix."""
+    graph = ModuleGraph(Fn(lambda r: torch.repeat_interleave(r)))
+    with pytest.raises(UnsupportedOpError, match=r"repeat_interleave with a tensor of repeats.*pass output_size="):
+        graph(torch.tensor([1, 2]))
 
 
 @pytest.mark.parametrize("padding_idx", [None, 2])

@@ -188,6 +188,14 @@ def test_dot_data_in_build_names_detach() -> None:
         graph(torch.ones(3))
 
 
+def test_one_hot_without_num_classes_says_to_pass_it() -> None:
+    """Its class count is x.max() + 1, a size read from values: torch.export's own message points
+    into torch's decompositions."""
+    graph = ModuleGraph(Fn(lambda x: torch.nn.functional.one_hot(x)))
+    with pytest.raises(errors.TraceError, match=r"without num_classes .* pass it, `F.one_hot\(x, num_classes=n\)`"):
+        graph(torch.tensor([0, 2, 1]))
+
+
 @pytest.mark.parametrize("model, x, dtypes", [
     (nn.Linear(4, 3).double(), torch.randn(2, 4), "float32 and float64"),
     (nn.Sequential(nn.Flatten(0), nn.Linear(8, 2)), torch.randn(2, 4).double(), "float32 and float64"),
