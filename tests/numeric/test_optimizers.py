@@ -20,7 +20,7 @@ from relay_passes.fuse_model_update import build_update_kernel
 from tests.conftest import TrainGraph
 from tests.numeric.test_training import eager_step
 from tvmgraph.errors import OptimizerError
-from tvmgraph.training.optimizers import RULES, rule_for
+from tvmgraph.training.optimizers import RULES
 
 # Relative to each tensor's largest element: far below any real training difference, above the
 # float32 rounding of TVM's matmuls (which compute the gradients) against MKL's, which the
@@ -95,6 +95,7 @@ def train_side_by_side(configs, fuse: bool) -> TrainGraph:
     graph = TrainGraph(model, loss_fn, *optimizers)
     graph.config.allow_fuse_model_update_ops(fuse)
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(3)]
+    storage = [p.data_ptr() for opt in optimizers for group in opt.param_groups for p in group["params"]]
     for step in range(STEPS):
         if step == STEPS // 2:  # as an lr scheduler would: read at the next call, no recompile
             for opt in optimizers + ref_optimizers:
@@ -105,13 +106,9 @@ def train_side_by_side(configs, fuse: bool) -> TrainGraph:
         ref_loss = eager_step(reference, loss_fn, ref_optimizers, x, y)
         assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
         assert_same_optimizer(optimizers, ref_optimizers, step)
-        groups = [(opt, group) for opt in optimizers for group in opt.param_groups]
-        pointers = [p.data_ptr() for _, group in groups for p in group["params"]]
-        if step > 0:  # the update kernels write in place, but for Adadelta with weight decay and Adafactor
-            expected = [fuse and RULES[rule_for(opt, "").name].in_place(RULES[rule_for(opt, "").name].flags(group))
-                        for opt, group in groups]
-            assert [now == before for now, before in zip(pointers, last_pointers)] == expected
-        last_pointers = pointers
+        # Every parameter keeps its storage, as in eager (a view of it stays live), also where the
+        # update returns new tensors (Adadelta with weight decay, Adafactor, fuse=False).
+        assert [p.data_ptr() for opt in optimizers for group in opt.param_groups for p in group["params"]] == storage
     assert graph.num_compiled == 1
     return graph
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tvmgraph
 from tvmgraph import errors
@@ -103,6 +106,56 @@ def test_bad_clip_settings() -> None:
     graph = Train(model, torch.optim.SGD([{"params": model.parameters(), "clip_grad_norm_type": 2.0}], lr=0.1))
     with pytest.raises(errors.OptimizerError, match="clip_grad_norm_type is set but clip_grad_max_norm is not"):
         graph(torch.ones(4, 3))
+
+
+@pytest.mark.parametrize("where", ["pre", "post", "global", "after_the_first_call"])
+def test_optimizer_step_hooks_are_refused_not_skipped(where: str) -> None:
+    """The step inside the program runs no hook: a post-hook clamping the weights (WGAN) trained
+    silently without it (0.26 off eager after 3 steps). Checked at every call."""
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    graph = Train(model, optimizer)
+    clamp = lambda opt, args, kwargs: [p.data.clamp_(-0.05, 0.05) for p in model.parameters()]  # noqa: E731
+    if where == "after_the_first_call":
+        graph(torch.ones(4, 3))
+    register = {"pre": optimizer.register_step_pre_hook, "post": optimizer.register_step_post_hook,
+                "global": register_optimizer_step_post_hook}.get(where,
+                                                                                      optimizer.register_step_post_hook)
+    handle = register(clamp)
+    try:
+        with pytest.raises(errors.UnsupportedOptionError, match=rf"{graph.name}: SGD has an optimizer step hook .* "
+                                                                  r"runs no hook\. Remove it"):
+            graph(torch.ones(4, 3))
+    finally:
+        handle.remove()
+    graph(torch.ones(4, 3))  # without the hook it runs
+
+
+def test_a_malformed_hyperparameter_set_between_calls_names_the_group() -> None:
+    """It was an ExecutionError ("the compiled program failed while running: ValueError: not
+    enough values to unpack"), though the program never ran."""
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    graph = Train(model, optimizer)
+    graph(torch.ones(4, 3))
+    optimizer.param_groups[0]["betas"] = (0.9,)
+    with pytest.raises(errors.OptimizerError, match=rf"{graph.name}: Adam param group 0: its hyperparameters could "
+                                                      r"not be read .*ValueError: not enough values to unpack"):
+        graph(torch.ones(4, 3))
+
+
+def test_clip_max_norm_none_clips_nothing_and_a_string_is_refused() -> None:
+    model = nn.Linear(3, 2)
+    reference = copy.deepcopy(model)
+    graph = Train(model, torch.optim.SGD([{"params": model.parameters(), "clip_grad_max_norm": None}], lr=0.1))
+    graph(torch.ones(4, 3))
+    reference(torch.ones(4, 3)).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q - 0.1 * q.grad)
+    other = nn.Linear(3, 2)
+    bad = Train(other, torch.optim.SGD([{"params": other.parameters(), "clip_grad_max_norm": "1.0x"}], lr=0.1))
+    with pytest.raises(errors.OptimizerError, match=r"clip_grad_max_norm and clip_grad_norm_type must be numbers"):
+        bad(torch.ones(4, 3))
 
 
 class ClipInBuild(tvmgraph.nn.Graph):

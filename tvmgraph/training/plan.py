@@ -63,6 +63,7 @@ class TrainingPlan:
     # Graph.set_grad_scaler's torch.amp.GradScaler, when enabled: the step scales the loss
     # (tvmgraph/training/loss_scale.py) and reads and writes the scaler's state.
     grad_scaler: torch.amp.GradScaler | None = None
+    graph_name: str = "graph"  # for errors found while the program runs
 
     @property
     def loss_scaling(self) -> bool:
@@ -113,7 +114,8 @@ class TrainingPlan:
             path_of.setdefault(id(p), path)
         plan = TrainingPlan(lr_schedulers=[s for _, s in optimizers if s is not None],
                             recompute_attention=recompute_attention,
-                            activation_checkpointing=activation_checkpointing, grad_scaler=grad_scaler)
+                            activation_checkpointing=activation_checkpointing, grad_scaler=grad_scaler,
+                            graph_name=graph_name)
         seen: dict[int, str] = {}
         for opt_index, (optimizer, _) in enumerate(optimizers):
             rule = rule_for(optimizer, f"{graph_name}: add_optimizer() #{opt_index}")
@@ -152,10 +154,17 @@ def _clip(group: dict, where: str) -> tuple[float, float] | None:
         if CLIP_NORM_TYPE in group:
             raise OptimizerError(f"{where}: {CLIP_NORM_TYPE} is set but {CLIP_MAX_NORM} is not; set both")
         return None
-    max_norm = float(group[CLIP_MAX_NORM])
-    norm_type = float(group.get(CLIP_NORM_TYPE, 2.0))
+    if group[CLIP_MAX_NORM] is None:  # a config's way of saying "no clipping"
+        return None
+    try:
+        max_norm = float(group[CLIP_MAX_NORM])
+        norm_type = float(group.get(CLIP_NORM_TYPE, 2.0))
+    except (TypeError, ValueError):
+        raise OptimizerError(f"{where}: {CLIP_MAX_NORM} and {CLIP_NORM_TYPE} must be numbers, got "
+                             f"{group[CLIP_MAX_NORM]!r} and {group.get(CLIP_NORM_TYPE, 2.0)!r}; delete "
+                             f"{CLIP_MAX_NORM} (or set it to None) for no clipping") from None
     if not max_norm > 0:
         raise OptimizerError(f"{where}: {CLIP_MAX_NORM} must be > 0, got {group[CLIP_MAX_NORM]!r}")
     if not (norm_type > 0 or math.isinf(norm_type)):
-        raise OptimizerError(f"{where}: {CLIP_NORM_TYPE} must be > 0 or inf, got {group[CLIP_NORM_TYPE]!r}")
+        raise OptimizerError(f"{where}: {CLIP_NORM_TYPE} must be > 0, inf or -inf, got {group[CLIP_NORM_TYPE]!r}")
     return max_norm, norm_type

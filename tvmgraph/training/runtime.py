@@ -5,7 +5,8 @@ shapes as eager torch), so `optimizer.state_dict()` and `torch.save` work as usu
 graph training can take turns. Before each step `TrainingBinding.inputs` creates missing state
 the way torch does lazily and packs each group's hyperparameters (read from `param_groups` at
 every call, so lr schedulers need no recompile); after it, `write_back` stores the new parameter
-values and state. Parameters keep their identity: only `.data` is swapped for the new values.
+values and state. Parameters keep their identity and their storage: the program updates them in place (or
+its new values are copied into them), as eager's in-place step does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from ..amp import scaler_hypers, scaler_tensors
+from ..errors import OptimizerError, UnsupportedOptionError
 from .plan import GroupPlan, TrainingPlan
 from .train_step import TrainStepLayout
 
@@ -40,6 +42,24 @@ def lazy_state(group: GroupPlan, param: torch.nn.Parameter) -> dict[str, torch.T
     return {k: v for k, v in created.items() if k not in state}
 
 
+def _refuse_step_hooks(plan: TrainingPlan) -> None:
+    """An optimizer step hook (`register_step_pre_hook` / `register_step_post_hook`, or torch's
+    global ones) runs around eager's `opt.step()`; the step inside the program runs none, and a
+    post-hook clamping weights (WGAN) trained silently without it. Checked at every call: a hook
+    may be added after the first."""
+    from torch.optim import optimizer as optimizer_module
+
+    global_hooks = optimizer_module._global_optimizer_pre_hooks or optimizer_module._global_optimizer_post_hooks
+    for group in plan.groups:
+        opt = group.optimizer
+        if global_hooks or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+            raise UnsupportedOptionError(
+                f"{plan.graph_name}: {type(opt).__name__} has an optimizer step hook (register_step_pre_hook / "
+                f"register_step_post_hook{', or a global one' if global_hooks else ''}); the step inside a "
+                f"training graph runs no hook. Remove it (handle.remove()) and do what it does after each graph "
+                f"call (e.g. clamp the weights under torch.no_grad()), or train eagerly")
+
+
 class TrainingBinding:
     """Extra inputs and outputs of `train_step` for one compiled entry."""
 
@@ -57,6 +77,7 @@ class TrainingBinding:
     def inputs(self) -> list[torch.Tensor]:
         """State tensors in layout order, one hyperparameter vector per group, then with loss
         scaling the GradScaler's scale, growth tracker and factors (training/loss_scale.py)."""
+        _refuse_step_hooks(self.plan)
         states, hypers = [], []
         self.created = []
         for group in self.plan.groups:
@@ -82,7 +103,14 @@ class TrainingBinding:
                         # Optimizer.load_state_dict casts it.
                         value = state[key] = value.to(param.dtype)
                     states.append(value)
-            values = group.rule.hyper_vector(group.group, fresh)
+            try:
+                values = group.rule.hyper_vector(group.group, fresh)
+            except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
+                # e.g. betas=(0.9,), a deleted 'eps', lr=None set between calls
+                raise OptimizerError(
+                    f"{self.plan.graph_name}: {type(group.optimizer).__name__} param group {group.group_index}: "
+                    f"its hyperparameters could not be read before the step ({type(e).__name__}: {e}); give the "
+                    f"group the values its optimizer takes (as torch.optim's constructor does)") from e
             hypers.append(torch.tensor(values, dtype=torch.float64, device=self.device))
         if self.layout.loss_scaling:
             scaler = self.plan.grad_scaler
@@ -113,8 +141,9 @@ class TrainingBinding:
             if id(param) in copied:
                 with torch.no_grad():
                     param.copy_(value)
-            elif value.data_ptr() != param.data_ptr():  # not updated in place
-                param.data = value
+            elif value.data_ptr() != param.data_ptr():  # a rule that returns a new tensor (Adafactor)
+                with torch.no_grad():  # into the parameter's storage: views of it stay live, as in eager
+                    param.copy_(value)
         # The kernels wrote the parameters in place, out of torch's sight: count it, as eager's
         # in-place step does, so that what reads the version (frozen weights packed by an
         # inference graph of the same model, autograd's saved tensors) sees the change.

@@ -150,9 +150,10 @@ def _clip(bb: relax.BlockBuilder, grads: list[relax.Expr], max_norm: float, norm
     """torch.nn.utils.clip_grad_norm_: g *= min(1, max_norm / (total_norm + 1e-6))."""
     op = relax.op
     dtype = grads[0].ty.dtype.dtype
-    if math.isinf(norm_type):
-        norms = [op.max(op.abs(g)) for g in grads]
-        total = bb.emit(op.max(op.stack(norms)) if len(norms) > 1 else norms[0])
+    if math.isinf(norm_type):  # inf: the largest |g|; -inf: the smallest, as torch's vector_norm
+        extreme = op.max if norm_type > 0 else op.min
+        norms = [extreme(op.abs(g)) for g in grads]
+        total = bb.emit(extreme(op.stack(norms)) if len(norms) > 1 else norms[0])
     else:
         p = relax.const(norm_type, dtype)
         powered = [op.sum(op.power(op.abs(g), p)) if norm_type != 2 else op.sum(op.multiply(g, g)) for g in grads]
