@@ -214,8 +214,8 @@ def _vector_norm(bb: relax.BlockBuilder, x: relax.Expr, order: float, axes: list
     """torch.linalg.vector_norm with torch's gradient at 0: zero, where the stock
     `sum(|x|^p)^(1/p)` gave NaN (the zero rows of `F.normalize`, `torch.dist(x, x)`)."""
     magnitude = bb.emit(op.abs(x))
-    if order == math.inf or order == -math.inf:
-        return bb.emit((op.max if order > 0 else op.min)(magnitude, axes, keepdims=keepdim))
+    if order == math.inf or order == -math.inf:  # an all-inf slice is inf (TVM's min gave 3.4e38)
+        return _extremum(bb, magnitude, axes, keepdim, largest=order > 0)
     if order == 0:
         return bb.emit(op.sum(op.astype(op.not_equal(x, relax.const(0, _dtype(x))), _dtype(x)), axes,
                               keepdims=keepdim))
@@ -336,7 +336,8 @@ def mode(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     pairs = bb.emit(op.equal(op.expand_dims(ordered, dim + 1), op.expand_dims(ordered, dim)))
     counts = bb.emit(op.sum(op.astype(pairs, "int64"), [dim + 1]))
     best = bb.emit(op.equal(counts, op.max(counts, [dim], keepdims=True)))
-    value = bb.emit(op.min(op.where(best, ordered, relax.const(_lowest(dtype, False), dtype)), [dim], keepdims=True))
+    # _extremum: a mode of +inf is inf (TVM's min starts from the largest finite float)
+    value = _extremum(bb, op.where(best, ordered, relax.const(_lowest(dtype, False), dtype)), [dim], True, False)
     positions = relax.const(np.arange(n).reshape([n] + [1] * (x.ty.ndim - dim - 1)), "int64")
     at_value = bb.emit(op.logical_and(best, op.equal(ordered, value)))
     index = bb.emit(op.max(op.where(at_value, positions, relax.const(-1, "int64")), [dim], keepdims=True))
@@ -352,9 +353,9 @@ def _cum_extremum_index(bb: relax.BlockBuilder, x: relax.Expr, dim: int, largest
     prefix = relax.const(np.tril(np.ones((n, n), dtype=bool)).reshape([n, n] + trailing), "bool")
     positions = relax.const(np.arange(n).reshape([n] + trailing), "int64")  # along j
     earlier = bb.emit(op.expand_dims(x, dim))  # x_j, broadcast over i
-    reduce = op.max if largest else op.min
-    best = bb.emit(reduce(op.where(prefix, earlier, relax.const(_lowest(dtype, largest), dtype)), [dim + 1],
-                          keepdims=True))
+    # _extremum: a prefix of -inf (cummax) is -inf, not TVM's lowest finite float, which no x_j equals
+    best = _extremum(bb, op.where(prefix, earlier, relax.const(_lowest(dtype, largest), dtype)), [dim + 1], True,
+                     largest)
 
     def last(hit: relax.Expr) -> relax.Expr:
         return bb.emit(op.max(op.where(op.logical_and(prefix, hit), positions, relax.const(-1, "int64")), [dim + 1]))
@@ -714,7 +715,7 @@ def _p_norm(bb: relax.BlockBuilder, diff: relax.Expr, p: float) -> relax.Expr:
     if p == 1:
         return bb.emit(op.sum(magnitude, [-1]))
     if math.isinf(p):
-        return bb.emit(op.max(magnitude, [-1]))
+        return _extremum(bb, magnitude, [-1], False, largest=True)
     if p == 2:
         powered = bb.emit(op.multiply(diff, diff))
     elif p < 1:  # |d| ** p has an infinite slope at d == 0, where torch's gradient is 0

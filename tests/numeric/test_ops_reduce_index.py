@@ -55,7 +55,12 @@ def special_values(s):
     came out -3.4e38, 2.0 (another element's value gathered at -1), and 2 for [NaN, -1, 2]."""
     return (torch.amax(s, 1), torch.amin(s, 1), *torch.max(s, 1), *torch.min(s, 1), torch.argmax(s, 1),
             torch.argmin(s, 1, keepdim=True), s.max(), s.min(), torch.argmax(s), torch.argmax(s[:2]),
-            torch.amax(s[:2], 0), *torch.max(s[:2], 0), torch.argmin(s[1:2], keepdim=True))
+            torch.amax(s[:2], 0), *torch.max(s[:2], 0), torch.argmin(s[1:2], keepdim=True),
+            # the same start value in scans, mode and norms: cummax of [-inf, -inf, ..] was 0 at index -1,
+            # the mode of [inf, inf, inf] 0.0, vector_norm(ord=-inf) of an all-inf row 3.4e38
+            *torch.cummax(s, 1), *torch.cummin(s, 1), *torch.mode(s[:2], 1),
+            torch.linalg.vector_norm(s[:2], float("-inf"), 1), torch.linalg.vector_norm(s, float("inf"), 1),
+            torch.cdist(s[:2, None], s[:2, None], p=float("inf")))
 
 
 def _special_values() -> torch.Tensor:
