@@ -1,8 +1,10 @@
 """Converters for activations whose stock TVM 0.27 conversion, or torch's decomposition, gives
 other numbers than eager.
 
-- `elu(x, alpha, scale, input_scale)`: SELU and CELU decompose into it with scale 1.0507... and
-  input_scale 1/alpha; the stock converter read alpha only, so both came out silently wrong.
+- `elu(x, alpha, scale, input_scale)`: SELU decomposes into it with scale 1.0507...; the stock
+  converter read alpha only, so it came out silently wrong. CELU is the same with input_scale
+  1/alpha (kept whole: its decomposition's `where` had the NaN gradient below). The branch for
+  x <= 0 is computed on min(x, 0): its exp overflowed for x above 88, a NaN gradient.
 - `softplus(x, beta, threshold)`, `mish(x)`: torch's decompositions spell softplus as
   `where(b x > threshold, x, log1p(exp(b x)) / b)`, and autodiff differentiates the branch the
   `where` drops as well: above x = 88, `exp(x)` is inf and `dlog1p * exp(x)` is `0 * inf`, so
@@ -22,19 +24,31 @@ from .converters_nn import _arg, _dtype
 
 def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     """scale * (x if x > 0 else alpha * (exp(x * input_scale) - 1))."""
-    bb = importer.block_builder
-    x = importer.env[node.args[0]]
-    dtype = _dtype(x)
     alpha, scale, input_scale = (float(_arg(node, i, k, 1.0)) for i, k in ((1, "alpha"), (2, "scale"),
                                                                            (3, "input_scale")))
+    return _elu(importer.block_builder, importer.env[node.args[0]], alpha, scale, input_scale)
+
+
+def celu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+    """max(0, x) + min(0, alpha * (exp(x / alpha) - 1)): an ELU with input_scale 1 / alpha."""
+    alpha = float(_arg(node, 1, "alpha", 1.0))
+    return _elu(importer.block_builder, importer.env[node.args[0]], alpha, 1.0, 1.0 / alpha)
+
+
+def _elu(bb: relax.BlockBuilder, x: relax.Expr, alpha: float, scale: float, input_scale: float) -> relax.Expr:
+    dtype = _dtype(x)
 
     def const(v: float) -> relax.Expr:
         return relax.const(v, dtype)
 
-    scaled = x if input_scale == 1.0 else relax.op.multiply(x, const(input_scale))
+    positive_side = relax.op.greater(x, const(0.0))
+    # The unused branch on min(x, 0): exp(x) overflowed for large x, and its zero share of the
+    # gradient was 0 * inf = NaN (ELU/SELU/CELU trained to NaN on inputs near 90).
+    below = relax.op.where(positive_side, const(0.0), x)  # (minimum's gradient splits the tie at 0)
+    scaled = below if input_scale == 1.0 else relax.op.multiply(below, const(input_scale))
     negative = relax.op.multiply(const(alpha * scale), relax.op.subtract(relax.op.exp(scaled), const(1.0)))
     positive = x if scale == 1.0 else relax.op.multiply(x, const(scale))
-    return bb.emit(relax.op.where(relax.op.greater(x, const(0.0)), positive, negative))
+    return bb.emit(relax.op.where(positive_side, positive, negative))
 
 
 def softplus(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
@@ -54,6 +68,7 @@ def mish(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
 
 CONVERTERS = {
     "elu.default": elu,
+    "celu.default": celu,
     "softplus.default": softplus,
     "mish.default": mish,
 }

@@ -114,6 +114,7 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         # a large input (converters_activation.py).
         table.pop(torch.ops.aten.softplus.default)
         table.pop(torch.ops.aten.mish.default)
+        table.pop(torch.ops.aten.celu.default, None)  # `where(x > 0, x, expm1(x))`: lowered as an elu
         # Kept whole: their decompositions' dropped branch has a NaN gradient at x = 0 (converters_xlogy.py).
         for xlog in (_aten.xlogy.Tensor, _aten.xlogy.Scalar_Self, _aten.xlogy.Scalar_Other,
                      _aten.special_xlog1py.default, _aten.special_xlog1py.self_scalar,

@@ -217,12 +217,13 @@ def converters(seed: torch.fx.Node | None, salts: dict[torch.fx.Node, int]) -> d
         lower, upper = float(a["lower"]), float(a["upper"])
         if not a["training"]:
             slope = relax.const((lower + upper) / 2, x.ty.dtype.dtype)
-            out = bb.emit(relax.op.where(relax.op.greater_equal(x, relax.const(0, x.ty.dtype.dtype)), x,
+            # x > 0, as torch's (x == 0 takes the slope: its gradient is the slope, not 1)
+            out = bb.emit(relax.op.where(relax.op.greater(x, relax.const(0, x.ty.dtype.dtype)), x,
                                          relax.op.multiply(x, slope)))
             return bb.emit(relax.Tuple([out, imp.env[a["noise"]]]))
         # x's node gives the slopes' dtype (this node's value is the (out, noise) pair).
         slopes = _emit(imp, node.args[0], s, salt, "uniform", [x], (lower, upper), like=0)
-        positive = relax.op.greater_equal(x, relax.const(0, x.ty.dtype.dtype))
+        positive = relax.op.greater(x, relax.const(0, x.ty.dtype.dtype))
         noise = bb.emit(relax.op.where(positive, relax.op.ones_like(x), slopes))
         return bb.emit(relax.Tuple([bb.emit(relax.op.multiply(x, noise)), noise]))
 

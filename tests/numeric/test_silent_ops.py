@@ -508,6 +508,9 @@ GRADIENTS = [
     pytest.param(F.softplus, _large, id="softplus-large"),
     pytest.param(lambda x: F.softplus(x, beta=0.5, threshold=10.0), _large, id="softplus-beta-large"),
     pytest.param(F.mish, _large, id="mish-large"),
+    pytest.param(lambda x: F.elu(x) + F.selu(x) + F.celu(x, 2.0) + F.elu(x, 0.5), _large, id="elu_selu_celu-large"),
+    # RReLU at exactly 0 takes the slope (torch tests x > 0); it took 1
+    pytest.param(lambda x: nn.RReLU().eval()(x * _zero_row()), _edges, id="rrelu-eval-zero"),
     # 0 * inf in a gradient where torch's formula masks it: pow at a zero base or exponent,
     # atan2 at the origin, xlogy / xlog1py where x = 0 (their `where` dropped a NaN branch,
     # and x's gradient log(y) at x = 0 with it)
