@@ -32,7 +32,14 @@
 - `relax.nn.instance_norm` of float64 (an `InstanceNorm`, and a `BatchNorm` with `momentum=None`
   or without running statistics in training, which the importer writes as an instance norm, in a
   `model.double()`): TOPI's kernel takes float32 and float16 only ("instance_norm: only support
-  float32 and float16"). Other dtypes are computed here in TE, in their own precision.
+  float32 and float16"). Other dtypes are computed here in TE, in their own precision; float32
+  too, in two passes (TOPI's E[x^2] - E[x]^2 cancelled on data with a large mean).
+
+- `relax.astype` from float32 to bfloat16: TVM's BF16 legalization computes bfloat16 in float32
+  inside a kernel and rounds only where it stores a bfloat16 buffer, so a cast fused with its
+  readers rounded nothing (`x.to(torch.bfloat16).float() - x` was 0: fake quantization and
+  precision emulation learned nothing). Here the value is rounded to the nearest bfloat16 (ties
+  to even, as torch) in float32 bits before the cast.
 
 Importing this module registers them (at a level above TVM's own).
 """
@@ -47,6 +54,7 @@ import tvm
 from tvm import relax, te, tirx, topi
 from tvm.sym import Analyzer
 from tvm.relax.transform.legalize_ops.common import _try_convert_to_scalar_const
+from tvm.relax.transform.legalize_ops.datatype import _astype as tvm_astype
 from tvm.relax.transform.legalize_ops.manipulate import _index_put as tvm_index_put
 from tvm.relax.transform.legalize_ops.manipulate import _is_gpu_target
 from tvm.relax.transform.legalize_ops.manipulate import _scatter_elements as tvm_scatter_elements
@@ -226,6 +234,33 @@ def _scatter_elements(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 tvm.ir.register_op_attr("relax.scatter_elements", "FLegalize", _scatter_elements, level=_LEVEL)
+
+
+def _rounded_to_bfloat16(x: te.Tensor) -> te.Tensor:
+    """Cast(bfloat16, x) of x rounded to bfloat16's 8 bits of mantissa in its float32 bits: add
+    0x7FFF plus the lowest kept bit (ties to even), clear the low 16 bits; a NaN is torch's
+    0x7FC0. All in integers: under fast math LLVM folded a float select on isnan(x) (NaN - NaN
+    came out 0)."""
+    u32 = functools.partial(tirx.const, dtype="uint32")
+
+    def value(*index: tirx.PrimExpr) -> tirx.PrimExpr:
+        bits = tirx.reinterpret("uint32", x(*index))
+        rounded = (bits + u32(0x7FFF) + ((bits >> 16) & u32(1))) & u32(0xFFFF0000)
+        nan = (bits & u32(0x7FFFFFFF)) > u32(0x7F800000)
+        return tirx.Cast("bfloat16", tirx.reinterpret("float32", tirx.Select(nan, u32(0x7FC00000), rounded)))
+
+    return te.compute(x.shape, value, name="to_bfloat16")
+
+
+def _astype(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    arg = call.args[0]
+    if (str(call.attrs.dtype) == "bfloat16" and isinstance(arg.ty, relax.TensorType)
+            and str(arg.ty.dtype.dtype) == "float32"):
+        return bb.call_te(_rounded_to_bfloat16, arg, primfunc_name_hint="cast")
+    return tvm_astype(bb, call)
+
+
+tvm.ir.register_op_attr("relax.astype", "FLegalize", _astype, level=_LEVEL)
 
 
 def _instance_norm(data: te.Tensor, gamma: te.Tensor, beta: te.Tensor, channel_axis: int,

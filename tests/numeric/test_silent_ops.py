@@ -646,6 +646,25 @@ def test_floor_division_and_remainder_are_torchs_bit_for_bit() -> None:
             assert torch.equal(got.signbit() & ~got.isnan(), expected.signbit() & ~expected.isnan()), f"output {k}"
 
 
+def test_a_bfloat16_round_trip_rounds_as_eager() -> None:
+    """`x.to(torch.bfloat16).float()` inside one kernel: TVM's BF16 legalization kept the float32
+    value (the round trip was x itself, fake quantization learned nothing; found by a sweep).
+    Rounded to nearest, ties to even, bit for bit; NaN, infinities, the largest float (to inf),
+    subnormals, and the ties on both sides of even."""
+    torch.manual_seed(0)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x3F807FFF], dtype=torch.int64)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4028235e38, -3.4e38, 1e-40, -0.0, 0.0])
+    x = torch.cat([torch.randn(200) * 100, ties.to(torch.int32).view(torch.float32), special])
+
+    def round_trip(x):
+        return x.to(torch.bfloat16).float() - x, (x * 3).bfloat16() * 2
+
+    for got, expected in zip(ModuleGraph(Fn(round_trip))(x), round_trip(x), strict=True):
+        assert got.dtype == expected.dtype
+        assert torch.equal(got.float().nan_to_num(0.5), expected.float().nan_to_num(0.5))
+        assert torch.equal(got.isnan(), expected.isnan())
+
+
 def _integer_powers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (torch.pow(a, b), a ** 3, 2 ** b, torch.pow(c, c), torch.pow(a.int(), b.int()),
             torch.pow(a.view(3, 4), b[:4]), torch.pow(a.to(torch.int8), 7), 2.0 ** b, a.float() ** b)
