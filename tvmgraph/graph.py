@@ -32,6 +32,7 @@ from .debug import GraphLog
 from .dynamic_batch import batch_specs
 from .errors import (
     BuildNotImplementedError,
+    ConfigError,
     DeviceMismatchError,
     DistributedError,
     ExecutionError,
@@ -352,6 +353,8 @@ class Graph:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the graph: compile on the first call of each signature, then execute."""
         st = self._state("calling the graph")
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            self._refuse_ambient_autocast(st, args, kwargs)
         entry = None if kwargs else self._last_entry_again(st, args)
         if entry is not None:
             flat, args_tree = list(args), entry.traced.signature.args
@@ -386,6 +389,25 @@ class Graph:
                 return tree.unflatten(())
             raise
 
+    def _refuse_ambient_autocast(self, st: _GraphState, args: tuple, kwargs: dict) -> None:
+        """A call inside `torch.autocast` on the graph's device: its program's precision is the
+        graph's own config, compiled once (the first call's autocast used to stay baked in, and
+        a later one was ignored). Allowed when the graph's AMP is on with the same dtype."""
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        device = tensors[0].device if tensors else entry.module_device(st.modules)
+        if not torch.is_autocast_enabled(device.type):
+            return
+        dtype = torch.get_autocast_dtype(device.type)
+        config = st.config.snapshot(None)
+        if config.amp and autocast_args(device, config.amp, config.amp_dtype)[1] == dtype:
+            return
+        name = str(dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"{st.name}: called inside torch.autocast('{device.type}', dtype=torch.{name}); a graph does not "
+            f"follow an autocast region around its call (its program is compiled once, and its precision is "
+            f"its config). Turn AMP on in the graph, graph.config.enable_amp(True, dtype=torch.{name}), or "
+            f"call it outside the region (or inside torch.autocast('{device.type}', enabled=False)).")
+
     def _last_entry_again(self, st: _GraphState, args: tuple) -> CompiledGraph | None:
         """The last call's entry when this call's signature equals its own, checked field by
         field without building a Signature; None sends the call the long way (`_entry_for`),
@@ -415,6 +437,8 @@ class Graph:
             if (st.optimizers and self._parallel(st) is not None) or _training_guards(st) != sig.optimizers:
                 return None
         if st.config.snapshot(None) is not options:  # a changed option makes a new snapshot
+            return None
+        if torch.get_default_dtype() is not sig.default_dtype:
             return None
         return last if last.traced.result.attributes.holds() else None
 
@@ -613,7 +637,7 @@ class Graph:
             leaves = batch_specs(st.name, flat, lambda: self._leaf_paths(st, args_tree))
         else:
             leaves = tuple(TensorSpec.of(t) for t in flat)
-        return Signature(args_tree, leaves, modes, training, structure, options)
+        return Signature(args_tree, leaves, modes, training, structure, options, torch.get_default_dtype())
 
     def _trace(self, st: _GraphState, signature: Signature, args_tree: TreeDef,
                flat: list[torch.Tensor]) -> TracedGraph:

@@ -165,7 +165,8 @@ class Signature:
     paths in that order are passed to `differences` for messages. `structure` fingerprints the
     modules, parameters and buffers (tvmgraph/guards.py). `optimizers` holds what about each
     optimizer shapes the program (a learning rate does not: it is an input). `options` is the
-    `CompileOptions` snapshot (graph config and process-wide codegen settings).
+    `CompileOptions` snapshot (graph config and process-wide codegen settings). `default_dtype`
+    is `torch.get_default_dtype()`: build()'s `torch.ones(2)` and Python floats take it.
     """
 
     args: TreeDef
@@ -174,6 +175,7 @@ class Signature:
     optimizers: tuple = ()
     structure: Any = None  # guards.ModuleStructure
     options: Any = None  # config.CompileOptions
+    default_dtype: Any = None  # torch.dtype
 
     def differences(self, other: Signature, arg_names: Sequence[str], module_paths: Sequence[str]) -> list[str]:
         """Human-readable list of what differs from `other` (an earlier signature)."""
@@ -201,6 +203,8 @@ class Signature:
                          "amsgrad/maximize/weight decay on-off, param groups, requires_grad, clipping)")
         if self.options != other.options and self.options is not None and other.options is not None:
             diffs.append(f"compile options changed: {', '.join(self.options.changes_from(other.options))}")
+        if self.default_dtype != other.default_dtype:
+            diffs.append(f"torch.get_default_dtype() was {other.default_dtype}, now {self.default_dtype}")
         return diffs
 
 

@@ -22,7 +22,7 @@ import tvmgraph
 from tvmgraph import artifact, errors
 from tvmgraph.config import CompileOptions, GraphConfig, Settings
 from tvmgraph.target import target_for
-from tests.conftest import ModuleGraph, TrainGraph, assert_close
+from tests.conftest import Fn, ModuleGraph, TrainGraph, assert_close
 
 
 def mlp() -> nn.Sequential:
@@ -338,6 +338,44 @@ def test_forward_replaced_on_the_instance_recompiles() -> None:
     model[1].forward = torch.tanh
     assert_close(graph(x), model(x))
     assert graph.num_compiled == 2
+
+
+def test_the_default_dtype_is_guarded() -> None:
+    """build()'s `torch.ones(2)` and Python floats take torch's default dtype: after
+    set_default_dtype(float64) the float32 program ran on (found by a sweep: inf where eager
+    gives 4e40)."""
+    graph = ModuleGraph(Fn(lambda x: x.sum() * torch.ones(2) * 1e30))
+    x = torch.full((4,), 1e10)
+    assert graph(x).dtype == torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = graph(x)
+        assert out.dtype == torch.float64 and torch.equal(out, x.sum() * torch.ones(2) * 1e30)
+    finally:
+        torch.set_default_dtype(previous)
+    assert graph.num_compiled == 2
+    assert graph(x).dtype == torch.float32 and graph.num_compiled == 2
+
+
+def test_a_call_inside_autocast_is_refused_unless_the_graph_has_that_amp() -> None:
+    """The first call's autocast region stayed baked into the program (a later call outside it
+    still ran bfloat16), and a region around a later call was ignored (found by a sweep)."""
+    model, x = mlp(), torch.randn(5, 4)
+    graph = ModuleGraph(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(errors.ConfigError, match=rf"{graph.name}: called inside torch.autocast\('cpu', "
+                                                       r"dtype=torch.bfloat16\).*graph.config.enable_amp\(True"):
+            graph(x)
+        with torch.autocast("cpu", enabled=False):
+            assert_close(graph(x), model(x))
+    amp = ModuleGraph(model)
+    amp.config.enable_amp(True, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+        assert_close(amp(x).float(), expected.float(), atol=2e-2, rtol=2e-2)
+        with torch.autocast("cpu", dtype=torch.float16), pytest.raises(errors.ConfigError, match="float16"):
+            amp(x)
 
 
 class Masked(nn.Module):

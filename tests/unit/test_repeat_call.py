@@ -40,7 +40,7 @@ def model() -> nn.Module:
 def test_every_field_of_a_signature_is_checked_by_the_short_path() -> None:
     """A field added to Signature must be checked in `_last_entry_again` too (then add it here)."""
     assert [f.name for f in dataclasses.fields(Signature)] == [
-        "args", "leaves", "module_modes", "optimizers", "structure", "options"]
+        "args", "leaves", "module_modes", "optimizers", "structure", "options", "default_dtype"]
 
 
 def test_a_repeated_call_does_not_look_for_its_entry_again(monkeypatch: pytest.MonkeyPatch) -> None:
