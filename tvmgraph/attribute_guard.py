@@ -10,8 +10,11 @@ scalar, a config object), compared by identity, then by its own `==`. An
 while `holds()`, otherwise the graph compiles for the new values, as it does for a new input
 shape. A check costs one dict lookup and an identity compare per value read.
 
+A public value read from the class (a method, a class default `scale = 1.0`) is guarded the
+other way: nothing may be set on the instance under its name (the marker `None`).
+
 Not covered: values that build() itself changes while it is traced (a call counter: a side
-effect, run once per trace), values read through class attributes or module-level globals, and
+effect, run once per trace), a class attribute changed on the class, module-level globals, and
 objects changed in place (a list appended to, `self.cfg.scale = 3` on the same config object).
 """
 
@@ -98,9 +101,10 @@ class AttributeGuard:
         out = []
         for attrs, where, name, value in self.reads:
             now = attrs.get(name, _MISSING)
-            if name == "forward" and value is None:
-                if now is not _MISSING:
-                    out.append(f"{where or 'the graph'}.forward was replaced on the instance")
+            if value is None:  # None, or the class's (the marker): holds while absent or None
+                if now is not _MISSING and now is not None:
+                    out.append(f"attribute {where or 'the graph'}.{name} was None or the class's, now set on "
+                               f"the instance to {_shown(now)}")
             elif now is not value and not _same(now, value):
                 out.append(f"attribute {where}.{name} was {_shown(value)}, now "
                            f"{'deleted' if now is _MISSING else _shown(now)}")
@@ -128,7 +132,9 @@ def recording(owners: list[tuple[str, object]]) -> Iterator[list[AttributeGuard]
             here = attrs.get(name, _MISSING)
             if here is value and _guarded(name, value):
                 reads[(id(obj), name)] = (attrs, owner[0], name, value)
-            elif name == "forward" and here is _MISSING:  # the class's: guard that none replaces it
+            elif here is _MISSING and not name.startswith("_") and name not in _SKIPPED:
+                # The class's (forward, a helper method, a class default `scale = 1.0`): guard that
+                # nothing set on the instance hides it (`m.scale = 3.0` ran the 1.0 program on).
                 reads[(id(obj), name)] = (attrs, owner[0], name, None)
         return value
 
@@ -145,5 +151,5 @@ def recording(owners: list[tuple[str, object]]) -> Iterator[list[AttributeGuard]
         # A value the traced code changed itself (`self.calls += 1`) is a side effect, not a
         # constant: guarding it would fail on every call.
         kept = tuple(r for r in reads.values() if _same(r[0].get(r[2], _MISSING), r[3])
-                     or (r[2] == "forward" and r[3] is None and "forward" not in r[0]))
+                     or (r[3] is None and r[2] not in r[0]))
         result.append(AttributeGuard(kept))
