@@ -164,6 +164,28 @@ def test_load_refuses_a_damaged_or_foreign_directory_before_loading_native_code(
     assert loaded == []
 
 
+class Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.mask = torch.ones(4)  # a plain tensor attribute: read at each call, like a buffer
+
+    def forward(self, x):
+        return self.fc(x) * self.mask
+
+
+def test_a_plain_tensor_attribute_replaced_after_the_first_call_is_saved_as_it_is_now(tmp_path: Path) -> None:
+    """The graph's calls read it live; the saved program held the value traced (found by a
+    sweep: 0.88 off)."""
+    model, x = Masked(), torch.randn(3, 4)
+    graph = ModuleGraph(model)
+    graph(x)
+    model.mask = torch.full((4,), 2.0)
+    assert_close(graph(x), model(x))
+    loaded = tvmgraph.load(tvmgraph.save(graph, str(tmp_path / "masked")))
+    assert_close(loaded(x), model(x).detach())
+
+
 def test_load_of_a_missing_directory_says_so(tmp_path: Path) -> None:
     """A path that is not a directory is refused by name."""
     with pytest.raises(SavedGraphError, match="does not exist"):
