@@ -6,7 +6,9 @@ computed these in the integer dtype (3 / 2 gave 1, x * 0.5 gave 0, silently) and
 compile `bool + bool`. Here the tensor inputs of each op in `PROMOTING` are cast to torch's
 computation dtype first (the output's dtype; for comparisons `torch.result_type` of the inputs;
 int8 for arithmetic on bools), so the importer's constants take that dtype too, and the result
-is cast to the dtype torch gives where they still differ. A dynamic batch's size among the inputs
+is cast to the dtype torch gives where they still differ; `cat` and `stack` cast every tensor of
+their list. A Python int past an integer dtype's range wraps into it, as C's cast (torch's) does.
+A dynamic batch's size among the inputs
 (a symbolic int) becomes a 0-d tensor of that dtype (symbolic_scalars.py). `cumsum`, `cumprod` and `prod` of
 int32, int8 or bool count in int64, as torch's do (they overflowed in int32, or failed).
 """
@@ -37,7 +39,9 @@ _FLOAT_MATH = {f"{name}.default" for name in (
 # Reductions and scans that accumulate small integers and bools in int64 (and honour `dtype=`):
 # only their input is cast.
 _ACCUMULATING = {"cumsum.default", "cumprod.default", "prod.default", "prod.dim_int"}
-PROMOTING = _COMPARISONS | _ARITHMETIC | _FLOAT_MATH | _ACCUMULATING
+# Ops of a list of tensors (`torch.cat([f32, f64])`: torch promotes them; Relax's concat refused).
+_LISTS = {"cat.default", "stack.default"}
+PROMOTING = _COMPARISONS | _ARITHMETIC | _FLOAT_MATH | _ACCUMULATING | _LISTS
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -65,9 +69,21 @@ def computation_dtype(node: torch.fx.Node, key: str) -> torch.dtype | None:
             return None
         common = torch.result_type(*values)
         return torch.int8 if common == torch.bool else common  # TVM cannot compare bools
-    if out.dtype == torch.bool:  # add/mul/max of bools: integer arithmetic, then back to bool
+    if out.dtype == torch.bool and key not in _LISTS:  # add/mul/max of bools: integer arithmetic, then back
         return torch.int8
     return out.dtype
+
+
+def _wrapped(value: object, dtype: torch.dtype) -> object:
+    """A Python int as C's cast to an integer `dtype` makes it (torch: `int32_tensor + 2**31`
+    wraps, `uint8_tensor > -1` compares with 255); other values as they are."""
+    if type(value) is not int or dtype.is_floating_point or dtype == torch.bool:
+        return value
+    info = torch.iinfo(dtype)
+    if info.min <= value <= info.max:
+        return value
+    span = info.max - info.min + 1
+    return (value - info.min) % span + info.min
 
 
 def promoting(key: str, inner: Converter | None) -> Converter:
@@ -80,7 +96,10 @@ def promoting(key: str, inner: Converter | None) -> Converter:
             return run(node, importer)
         target = _torch_dtype_name(compute)
         bb = importer.block_builder
-        args = node.args[1:] if key == "where.self" else node.args[:1] if key in _ACCUMULATING else node.args
+        args = node.args[1:] if key == "where.self" else node.args[:1] if key in _ACCUMULATING else \
+            node.args[0] if key in _LISTS else node.args
+        if any(_wrapped(a, compute) is not a for a in node.args):  # an int past the dtype's range
+            node.args = tuple(_wrapped(a, compute) for a in node.args)
         cast = {}
         for arg in args:
             if isinstance(arg, torch.fx.Node) and arg not in cast:

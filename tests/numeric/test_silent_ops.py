@@ -665,6 +665,22 @@ def test_a_bfloat16_round_trip_rounds_as_eager() -> None:
         assert torch.equal(got.isnan(), expected.isnan())
 
 
+def test_mixed_dtypes_in_cat_and_python_ints_past_a_dtype_s_range_are_torchs() -> None:
+    """`torch.cat`/`stack` of float32 with float64 (or int with float, bool with int) promote as
+    torch; a Python int outside the tensor's dtype wraps into it as C's cast does (`uint8 > -1`
+    compares with 255). Both were a CompileError ("This is a tvmgraph bug"; found by a sweep)."""
+    f, d = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0], dtype=torch.float64)
+    i, b = torch.tensor([7, -7, 0], dtype=torch.int32), torch.tensor([True, False, True])
+    u = torch.tensor([51, 37, 44], dtype=torch.uint8)
+
+    def mixed(f, d, i, b, u):
+        return (torch.cat([f, d]), torch.stack([f, i[:2]]), torch.cat([b, i.long()]), torch.stack([b, b]),
+                i + (2 ** 32 + 5), u + 256, u > -1, u * 257, i - 2 ** 33)
+
+    for got, expected in zip(ModuleGraph(Fn(mixed))(f, d, i, b, u), mixed(f, d, i, b, u), strict=True):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (got, expected)
+
+
 def _integer_powers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (torch.pow(a, b), a ** 3, 2 ** b, torch.pow(c, c), torch.pow(a.int(), b.int()),
             torch.pow(a.view(3, 4), b[:4]), torch.pow(a.to(torch.int8), 7), 2.0 ** b, a.float() ** b)
