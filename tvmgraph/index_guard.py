@@ -3,8 +3,9 @@
 An out-of-range index makes eager torch raise IndexError; a compiled kernel has no such check
 and reads (or writes) outside its buffer: wrong numbers at best, SIGSEGV at worst. So at
 trace time `IndexGuard.of` follows every index operand of an indexing op (embedding,
-index_select, gather, scatter, take, `x[idx]`, `x[i]` with a 0-d `i`, cross-entropy / nll-loss labels, one_hot's
-classes, whose in-graph assertion lower.py drops) back through
+embedding bags' indices and offsets, index_select, gather, scatter, take, `x[idx]`, `x[i]`
+with a 0-d `i`, cross-entropy / nll-loss labels, multi-margin and multilabel-margin targets,
+max_unpool's indices, one_hot's classes, whose in-graph assertion lower.py drops) back through
 value-preserving ops (views, casts, `where(y != ignore_index, y, 0)`, ...) to the user inputs
 it comes from, and records the range the op accepts; each call then takes one `aminmax` of each
 such input and raises `IndexOutOfRangeError` (an IndexError) naming the graph, the input and
@@ -16,6 +17,7 @@ or wrap them in the kernels so that they can never address memory outside the te
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -96,6 +98,22 @@ def _index_operands(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, int, i
         classes = args[1] if len(args) > 1 else node.kwargs.get("num_classes", -1)
         if isinstance(classes, int) and classes > 0:
             yield args[0], 0, classes, None
+    elif key in ("embedding_bag.default", "embedding_bag.padding_idx", "_embedding_bag.default",
+                 "_embedding_bag_forward_only.default"):
+        size, count = _size(args[0], 0), _size(args[1])
+        if size is not None:
+            yield args[1], 0, size, None
+        if count is not None and isinstance(args[2], torch.fx.Node):
+            yield args[2], 0, count + 1, None  # offsets: where each bag starts, at most the count
+    elif key in ("max_unpool2d.default", "max_unpool3d.default"):
+        planes = args[2] if len(args) > 2 else node.kwargs.get("output_size")
+        if isinstance(planes, (list, tuple)) and all(isinstance(d, int) for d in planes):
+            yield args[1], 0, math.prod(planes), None  # a flat position in one output plane
+    elif key in ("multi_margin_loss.default", "multilabel_margin_loss.default",
+                 "multilabel_margin_loss_forward.default"):
+        classes = _size(args[0], -1)
+        if classes is not None:  # a multilabel target's -1 ends its list of labels
+            yield args[1], 0 if key.startswith("multi_margin") else -1, classes, None
     elif key in _CLASS_LOSSES:
         val = args[0].meta.get("val")
         ignore_at = _CLASS_LOSSES[key]

@@ -46,8 +46,42 @@ class Items(nn.Module):
         return x[idx] * 2, torch.take(x, idx)
 
 
+class Bags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(5, 2, mode="max")
+
+    def forward(self, ids, offsets):
+        return self.bag(ids, offsets)
+
+
+class Unpool(nn.Module):
+    def forward(self, x, indices):
+        return nn.functional.max_unpool1d(x, indices, 2)
+
+
+class MultiMargin(nn.Module):
+    def forward(self, x, target):
+        return nn.functional.multi_margin_loss(x, target)
+
+
+class MultiLabelMargin(nn.Module):
+    def forward(self, x, target):
+        return nn.functional.multilabel_margin_loss(x, target)
+
+
 CASES = {
     # name: (model, good args, bad input position, bad values, op in the message)
+    # (found by a sweep: these ops read outside their tensors, where eager raises)
+    "embedding_bag": (Bags(), (torch.tensor([0, 4, 1]), torch.tensor([0, 2])), 0, [0, 7, 1], "aten.embedding_bag"),
+    "embedding_bag_offsets": (Bags(), (torch.tensor([0, 4, 1]), torch.tensor([0, 2])), 1, [0, 5],
+                              "aten.embedding_bag"),
+    "max_unpool": (Unpool(), (torch.randn(1, 1, 3), torch.tensor([[[1, 2, 5]]])), 1, [[[1, 2, 9]]],
+                   "aten.max_unpool2d"),
+    "multi_margin_loss": (MultiMargin(), (torch.randn(2, 4), torch.tensor([3, 0])), 1, [4, 0],
+                          "aten.multi_margin_loss"),
+    "multilabel_margin_loss": (MultiLabelMargin(), (torch.randn(2, 4), torch.tensor([[3, -1, 0, 0], [1, 2, -1, 0]])),
+                               1, [[5, -1, 0, 0], [1, 2, -1, 0]], "aten.multilabel_margin_loss"),
     "embedding": (nn.Embedding(10, 4), (torch.tensor([[1, 9], [0, 3]]),), 0, [[1, 10], [0, 3]], "aten.embedding"),
     "embedding_negative": (nn.Embedding(10, 4), (torch.tensor([1, 2]),), 0, [1, -1], "aten.embedding"),
     "gather": (Gather(), (torch.randn(3, 4), torch.tensor([[0], [3], [1]])), 1, [[0], [4], [1]], "aten.gather"),
