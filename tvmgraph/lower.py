@@ -44,7 +44,7 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 from . import (added_decompositions, converters, converters_cholesky, converters_linalg, decompositions,
                empty_results, half_in_float32, random_ops, result_shapes, type_promotion, zero_dim)
 from .errors import TraceError, UnsupportedOpError
-from .trace import math_attention
+from .trace import global_hooks_on_user_modules, math_attention
 
 _INPUT_ORDER = {InputKind.USER_INPUT: 0, InputKind.PARAMETER: 1, InputKind.BUFFER: 2,
                 InputKind.CONSTANT_TENSOR: 3}
@@ -131,7 +131,7 @@ def decompose(exported: torch.export.ExportedProgram) -> torch.export.ExportedPr
         table.update(added_decompositions.ADDED)  # ops nothing else lowers
         devices = [n.meta["val"].device for n in exported.graph.nodes
                    if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
-        with math_attention(devices):
+        with math_attention(devices), global_hooks_on_user_modules():
             try:
                 decomposed = exported.run_decompositions(table)
             except Exception as error:

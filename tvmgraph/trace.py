@@ -346,7 +346,7 @@ def trace_build(
                     math_attention(t.device for t in flat_inputs if isinstance(t, torch.Tensor)):
                 examples, dynamic_shapes = export_arguments(flat_inputs) if dynamic_batch \
                     else (tuple(flat_inputs), None)
-                with _quiet_meta_failures():
+                with _quiet_meta_failures(), global_hooks_on_user_modules():
                     exported = _export(root, examples, dynamic_shapes, below_autocast=autocast is not None)
     except TvmGraphError:
         raise
@@ -391,6 +391,39 @@ def _quiet_meta_failures() -> Iterator[None]:
 
 
 _QUIETED_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
+
+
+# Where the modules torch.export and tvmgraph make while tracing come from (tvmgraph's root
+# module, export's wrappers and guard functions, the GraphModule a decomposition retraces).
+_INTERNAL_MODULES = ("torch.export", "torch._export", "torch._dynamo", "torch.fx", "torch._functorch",
+                     "torch._higher_order_ops", "tvmgraph.")
+
+
+@contextlib.contextmanager
+def global_hooks_on_user_modules() -> Iterator[None]:
+    """torch's global forward hooks and pre-hooks (`register_module_forward_hook`) skip the
+    modules torch.export and tvmgraph make while build() is traced or decomposed: a hook
+    reading `output.detach()` failed on their tuples and Nones, where eager calls it on the
+    user's modules only."""
+    from torch.nn.modules import module as module_mod
+
+    tables = (module_mod._global_forward_hooks, module_mod._global_forward_pre_hooks)
+    saved = [dict(table) for table in tables]
+
+    def on_user_modules(hook: Callable) -> Callable:
+        return lambda module, *rest: None if type(module).__module__.startswith(_INTERNAL_MODULES) \
+            else hook(module, *rest)
+
+    for table in tables:
+        for key, hook in list(table.items()):
+            table[key] = on_user_modules(hook)
+    try:
+        yield
+    finally:
+        for table, hooks in zip(tables, saved):
+            for key in list(table):
+                if key in hooks:
+                    table[key] = hooks[key]
 
 
 def _export(root: torch.nn.Module, examples: tuple, dynamic_shapes: object,

@@ -295,6 +295,34 @@ def test_forward_hooks_added_or_removed_recompile(caplog: pytest.LogCaptureFixtu
     assert graph.num_compiled == 4
 
 
+def test_global_hooks_see_the_user_s_modules_only() -> None:
+    """Eager calls a global hook on the model's modules; while tracing it was also called on
+    tvmgraph's root module and torch.export's wrappers, and a statistics hook reading
+    `output.detach()` failed on their tuples (found by a sweep)."""
+    model, x = mlp(), torch.randn(5, 4)
+    seen: list[str] = []
+
+    def statistics(module, args, output):
+        seen.append(type(module).__name__)
+        output.detach().abs().mean()
+
+    def before(module, args):
+        seen.append(type(module).__name__)
+        return (args[0] * 1.5,) if isinstance(module, nn.Linear) else None
+
+    handles = [torch.nn.modules.module.register_module_forward_hook(statistics),
+               torch.nn.modules.module.register_module_forward_pre_hook(before)]
+    try:
+        expected = model(x)
+        eager_seen = set(seen)
+        seen.clear()
+        assert_close(ModuleGraph(model)(x), expected)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert set(seen) <= eager_seen | {"Sequential"}, seen
+
+
 @pytest.mark.parametrize("hook", ["module_full_backward", "module_backward_pre", "parameter", "global"])
 def test_a_backward_hook_is_refused_by_a_training_graph(hook: str) -> None:
     """The graph's autodiff runs no backward hook: it trained as if there were none (3.3 off
