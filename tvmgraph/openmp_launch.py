@@ -105,7 +105,7 @@ def _launcher() -> ctypes.CDLL | None:
         runtime = ctypes.CDLL(runtime_path)  # already loaded: the same handle, not a second runtime
         entries = [ctypes.cast(getattr(runtime, name), ctypes.c_void_p)
                    for name in ("GOMP_parallel", "GOMP_barrier", "omp_get_thread_num", "omp_get_num_threads")]
-        launcher = ctypes.CDLL(str(_built_launcher()))
+        launcher = _loaded_launcher()
     except (OSError, AttributeError, subprocess.CalledProcessError) as e:
         logger.warning("CPU kernels run on TVM's own thread pool, beside torch's OpenMP threads (slower "
                        "right after eager ops): the OpenMP launcher could not be built or bound (%s: %s). "
@@ -113,6 +113,19 @@ def _launcher() -> ctypes.CDLL | None:
         return None
     launcher.tvmgraph_openmp_init(*entries)
     return launcher
+
+
+def _loaded_launcher() -> ctypes.CDLL:
+    """The launcher library, built again once when the cached file cannot be loaded (truncated,
+    emptied, overwritten): a damaged cache is rebuilt, never trusted."""
+    path = _built_launcher()
+    try:
+        launcher = ctypes.CDLL(str(path))
+        launcher.tvmgraph_openmp_init  # noqa: B018 - a file without the entry is damaged too
+        return launcher
+    except (OSError, AttributeError):
+        path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(_built_launcher()))
 
 
 def _built_launcher() -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -68,3 +69,18 @@ def test_the_openmp_runtime_is_found_in_the_process_maps(tmp_path: Path) -> None
                     "7f40-7f50 rw-p 00000000 00:00 0 [heap]\n")
     assert loaded_openmp_runtime(maps) is None
     assert loaded_openmp_runtime(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x7fELF garbage", b"not a library at all"], ids=["empty", "truncated", "foreign"])
+def test_a_damaged_launcher_in_the_cache_is_built_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        damage: bytes) -> None:
+    """A truncated or overwritten launcher file was loaded as it was, failed, and every later
+    process ran on TVM's own pool with a warning to install a compiler (found by a sweep)."""
+    from tvmgraph import config, openmp_launch
+
+    monkeypatch.setattr(config, "settings", dataclasses.replace(config.settings, cache_dir=tmp_path))
+    path = openmp_launch._built_launcher()
+    path.write_bytes(damage)
+    launcher = openmp_launch._loaded_launcher()
+    assert launcher.tvmgraph_openmp_init is not None
+    assert path.stat().st_size > 1000  # built again in place
