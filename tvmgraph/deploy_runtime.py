@@ -246,9 +246,14 @@ class SavedGraph:
         ins = ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}" for s in self.inputs)
         return f"SavedGraph({self.name}({ins}), target={self.manifest['target']['string']!r}, path='{self.path}')"
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the program once; outputs come back in the graph's output structure, as numpy
-        arrays for numpy inputs and torch tensors for torch inputs."""
+        arrays for numpy inputs and torch tensors for torch inputs. Arguments go by position:
+        the artifact keeps build()'s order, not its parameter names."""
+        if kwargs:
+            ins = ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}" for s in self.inputs)
+            raise SavedGraphInputError(f"{self.name}: a saved graph takes its arguments by position, in build()'s "
+                                       f"order ({ins}); got keyword argument(s) {', '.join(map(repr, kwargs))}")
         if len(args) != len(self._args.children):
             ins = ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}" for s in self.inputs)
             raise SavedGraphInputError(f"{self.name} takes {len(self._args.children)} argument(s) but {len(args)} "

@@ -206,6 +206,8 @@ def test_calls_with_wrong_inputs_are_clear_errors(saved_mlp) -> None:
     for args, message in cases:
         with pytest.raises(SavedGraphInputError, match=message):
             loaded(*args)
+    with pytest.raises(SavedGraphInputError, match=r"takes its arguments by position.*keyword argument\(s\) 'x'"):
+        loaded(x=x)  # a bare TypeError before
     assert_close(loaded(x), saved_mlp[1](x).detach())  # still usable after the refusals
 
 
