@@ -43,6 +43,10 @@ def _zero_row() -> torch.Tensor:
     return torch.tensor([[1.0], [0.0]])
 
 
+def _with_nan() -> torch.Tensor:
+    return torch.tensor([[float("nan"), 0.0, -1.0, 1.0, float("nan"), 0.5], [0.0, float("nan"), 2.0, 0.0, 1.0, -0.5]])
+
+
 def _probabilities() -> torch.Tensor:
     return torch.tensor([[0.1, 0.2, 0.0, 1.0, 0.5, 0.3], [1.0, 0.9, 0.4, 0.0, 0.2, 0.7]])
 
@@ -509,6 +513,9 @@ GRADIENTS = [
     pytest.param(lambda x: F.softplus(x, beta=0.5, threshold=10.0), _large, id="softplus-beta-large"),
     pytest.param(F.mish, _large, id="mish-large"),
     pytest.param(lambda x: F.elu(x) + F.selu(x) + F.celu(x, 2.0) + F.elu(x, 0.5), _large, id="elu_selu_celu-large"),
+    # maximum/minimum against a NaN: torch gives both sides dy (neither loses); x got 0
+    pytest.param(lambda x: torch.maximum(x, _with_nan()) + torch.minimum(_with_nan(), x * 2), _edges,
+                 id="maximum_minimum-nan"),
     # RReLU at exactly 0 takes the slope (torch tests x > 0); it took 1
     pytest.param(lambda x: nn.RReLU().eval()(x * _zero_row()), _edges, id="rrelu-eval-zero"),
     # 0 * inf in a gradient where torch's formula masks it: pow at a zero base or exponent,

@@ -124,15 +124,18 @@ def abs_grad(
 
 
 def _split_at_ties(
-    ctx: relax.BlockBuilder, orig_call: relax.Call, output_grad: relax.Var, first_wins: relax.Expr
+    ctx: relax.BlockBuilder, orig_call: relax.Call, output_grad: relax.Var, first_loses: relax.Expr,
+    second_loses: relax.Expr
 ) -> list[relax.Expr]:
-    """``[sum_to(g_x, x), sum_to(g_y, y)]`` where the chosen side gets dy, ties half each."""
+    """``[sum_to(g_x, x), sum_to(g_y, y)]``, torch's way: each side gets dy unless it loses,
+    ties half each. Where either is NaN neither loses: both get dy, as in torch (a side chosen
+    by `x > y` gave the NaN's gradient to y alone)."""
     x, y = orig_call.args
     half = const(0.5, x) * output_grad
     zero = const(0.0, x)
     tie = op.equal(x, y)
-    x_grad = op.where(tie, half, op.where(first_wins, output_grad, zero))
-    y_grad = op.where(tie, half, op.where(first_wins, zero, output_grad))
+    x_grad = op.where(tie, half, op.where(first_loses, zero, output_grad))
+    y_grad = op.where(tie, half, op.where(second_loses, zero, output_grad))
     return [_sum_to(ctx, x_grad, x), _sum_to(ctx, y_grad, y)]
 
 
@@ -143,7 +146,7 @@ def maximum_grad(
     """``z = maximum(x, y)``:  ``dx = dy`` where ``x > y``, ``dy/2`` where ``x == y``, else 0;
     dy symmetrically. TVM gives a tie's whole gradient to x; torch splits it."""
     x, y = orig_call.args
-    return _split_at_ties(ctx, orig_call, output_grad, op.greater(x, y))
+    return _split_at_ties(ctx, orig_call, output_grad, op.less(x, y), op.greater(x, y))
 
 
 @register("relax.minimum", fixes_tvm=True)
@@ -153,7 +156,7 @@ def minimum_grad(
     """``z = minimum(x, y)``:  ``dx = dy`` where ``x < y``, ``dy/2`` where ``x == y``, else 0;
     dy symmetrically. TVM gives a tie's whole gradient to y; torch splits it."""
     x, y = orig_call.args
-    return _split_at_ties(ctx, orig_call, output_grad, op.less(x, y))
+    return _split_at_ties(ctx, orig_call, output_grad, op.greater(x, y), op.less(x, y))
 
 
 def _nonzero_constant(y: relax.Expr) -> bool:
