@@ -66,9 +66,9 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import (advanced_indexing, converters_activation, converters_cholesky, converters_floor_division,
-               converters_gcd, converters_histogram, converters_integer_power, converters_linalg, converters_nn, converters_reduce,
-               converters_shift, converters_sort, converters_special, converters_xlogy, stop_gradient,
-               symbolic_scalars)
+               converters_gcd, converters_histogram, converters_integer_power, converters_linalg, converters_nn,
+               converters_polynomials, converters_reduce, converters_shift, converters_sort, converters_special,
+               converters_xlogy, stop_gradient, symbolic_scalars)
 from .legalize_fixes import broadcast_shape
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, as_dtype, isnan, operand,
                             per_channel_affine, result_dtype, stock_converter)
@@ -721,6 +721,7 @@ CONVERTERS.update(converters_xlogy.CONVERTERS)
 CONVERTERS.update(converters_floor_division.CONVERTERS)
 CONVERTERS.update(converters_shift.CONVERTERS)
 CONVERTERS.update(converters_gcd.CONVERTERS)
+CONVERTERS.update(converters_polynomials.CONVERTERS)
 CONVERTERS.update(converters_histogram.CONVERTERS)
 CONVERTERS.update(converters_linalg.CONVERTERS)
 CONVERTERS.update(converters_cholesky.CONVERTERS)
