@@ -8,9 +8,9 @@ computation dtype first (the output's dtype; for comparisons `torch.result_type`
 int8 for arithmetic on bools), so the importer's constants take that dtype too, and the result
 is cast to the dtype torch gives where they still differ; `cat` and `stack` cast every tensor of
 their list. A Python int past an integer dtype's range wraps into it, as C's cast (torch's) does.
-A dynamic batch's size among the inputs
-(a symbolic int) becomes a 0-d tensor of that dtype (symbolic_scalars.py). `cumsum`, `cumprod` and `prod` of
-int32, int8 or bool count in int64, as torch's do (they overflowed in int32, or failed).
+A dynamic batch's size among the inputs (a symbolic int) becomes a 0-d tensor of that dtype
+(symbolic_scalars.py). `cumsum`, `cumprod` and `prod` of int32, int8 or bool count in int64, as
+torch's do (they overflowed in int32, or failed).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ shapes as eager torch), so `optimizer.state_dict()` and `torch.save` work as usu
 graph training can take turns. Before each step `TrainingBinding.inputs` creates missing state
 the way torch does lazily and packs each group's hyperparameters (read from `param_groups` at
 every call, so lr schedulers need no recompile); after it, `write_back` stores the new parameter
-values and state. Parameters keep their identity and their storage: the program updates them in place (or
-its new values are copied into them), as eager's in-place step does.
+values and state. Parameters keep their identity and their storage: the program updates them
+in place (or its new values are copied into them), as eager's in-place step does.
 """
 
 from __future__ import annotations
