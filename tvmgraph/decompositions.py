@@ -14,6 +14,7 @@ derivative by zero.
   `stop_gradient` (value `loss + (p - stop(p)) * stop(dp)`, exactly the loss).
 - `std`, `std_mean` of a constant slice: eager's gradient is 0 there; `sqrt(var)` gave NaN.
 - `sinc` at 0: eager's gradient is 0; `sin(pi x) / (pi x)` gave NaN.
+- `logit` at 1: eager's gradient is inf; `log(x / (1 - x))` gave NaN (0 * inf).
 - `_euclidean_dist` (`torch.cdist` with p=2 over more than 25 rows, or `compute_mode=
   "use_mm_for_euclid_dist"`) at a distance of 0 (`cdist(e, e)`'s diagonal): eager's gradient
   is `(x1 - x2) / d`, masked to 0 there; the square root of the product form gave NaN, and a
@@ -114,6 +115,14 @@ def index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tens
     return torch.where(listed.reshape(shape), value, x)
 
 
+def logit(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """log(x) - log1p(-x): eager's gradient 1 / (x (1 - x)), inf at 0 and at 1, where torch's
+    decomposition `log(x / (1 - x))` gave NaN at 1 (0 * inf) and at 0 with eps."""
+    if eps is not None:
+        x = x.clamp(eps, 1 - eps)
+    return torch.log(x) - torch.log1p(-x)
+
+
 def euclidean_dist(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """Eager's value (its product form, clamped at 0, square root) with eager's gradient: that
     of `half = (|x1|^2 / 2 - x1 . x2 + |x2|^2 / 2) / d`, which is `(x1 - x2) / d` (0 where d is 0),
@@ -135,6 +144,7 @@ FIXED = {
     aten.std.correction: std,
     aten.std_mean.correction: std_mean,
     aten.sinc.default: sinc,
+    aten.logit.default: logit,
     aten._euclidean_dist.default: euclidean_dist,
     aten.index_fill.int_Tensor: index_fill,
     aten.index_fill.int_Scalar: index_fill,

@@ -508,6 +508,7 @@ GRADIENTS = [
     pytest.param(lambda x: torch.std(x * _zero_row(), 1), _edges, id="std-constant_row"),
     pytest.param(lambda x: torch.std_mean(x * _zero_row(), 1)[0], _edges, id="std_mean-constant_row"),
     pytest.param(torch.sinc, _edges, id="sinc-zero"),
+    pytest.param(lambda p: torch.logit(p) + torch.logit(p, eps=1e-3), _probabilities, id="logit-0_and_1"),
     # exp(x) overflows above 88: the branch a decomposition's `where` dropped was NaN's source
     pytest.param(F.softplus, _large, id="softplus-large"),
     pytest.param(lambda x: F.softplus(x, beta=0.5, threshold=10.0), _large, id="softplus-beta-large"),
