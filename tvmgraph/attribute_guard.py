@@ -30,6 +30,9 @@ _MISSING = object()
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 # Guarded separately (module modes, guards.py) or internal to torch.
 _SKIPPED = frozenset({"training"})
+# nn.Module's own methods (`named_modules`, `parameters`, ...), which torch and tvmgraph read
+# while tracing: not the user's values, and not worth a guard each.
+_MODULE_API = frozenset(vars(torch.nn.Module))
 
 
 def _plain(value: object) -> bool:
@@ -132,7 +135,8 @@ def recording(owners: list[tuple[str, object]]) -> Iterator[list[AttributeGuard]
             here = attrs.get(name, _MISSING)
             if here is value and _guarded(name, value):
                 reads[(id(obj), name)] = (attrs, owner[0], name, value)
-            elif here is _MISSING and not name.startswith("_") and name not in _SKIPPED:
+            elif here is _MISSING and not name.startswith("_") and name not in _SKIPPED and (
+                    name == "forward" or name not in _MODULE_API):
                 # The class's (forward, a helper method, a class default `scale = 1.0`): guard that
                 # nothing set on the instance hides it (`m.scale = 3.0` ran the 1.0 program on).
                 reads[(id(obj), name)] = (attrs, owner[0], name, None)
