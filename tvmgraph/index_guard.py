@@ -195,6 +195,7 @@ class IndexGuard:
                     where = bad.nonzero()[0].tolist()
                     raise IndexOutOfRangeError(
                         f"{self.graph_name}: input '{r.name}' holds {int(t[tuple(where)])} at {where}, out of "
-                        f"range for {r.op}: valid values are {r.valid()}. Eager torch raises IndexError "
-                        f"here too; fix the indices, or size the module for them (num_embeddings, "
-                        f"number of classes).")
+                        f"range for {r.op}: valid values are {r.valid()}. Eager torch raises an "
+                        f"IndexError or RuntimeError for it (a few CPU kernels, F.ctc_loss's, read outside "
+                        f"the tensor instead); fix the indices, or size the module for them "
+                        f"(num_embeddings, number of classes).")
