@@ -295,6 +295,12 @@ def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> 
             f"{graph_name}: {what} is a {str(node.meta['val'].dtype).removeprefix('torch.')} tensor; TVM has "
             f"no complex dtypes. Keep complex values outside the graph: pass torch.view_as_real(z) (real and "
             f"imaginary parts as a last dim of 2) and compute with the parts.")
+    cond = getattr(torch.ops.higher_order, "cond", None)
+    branching = [node for node in exported.graph.nodes if node.op == "call_function" and node.target is cond]
+    if branching:  # TVM translates the branches with its own converters only (a CompileError)
+        raise UnsupportedOpError(
+            f"{graph_name}: {describe(branching[0])}: torch.cond on a tensor predicate has no lowering yet; "
+            f"compute both branches and pick one with torch.where(pred, a, b)")
     if missing:
         lines = dict.fromkeys(f"  * {describe(node)}" for node in missing)  # one per op and place
         raise UnsupportedOpError(

@@ -39,26 +39,58 @@ def _(x: torch.Tensor) -> torch.Tensor:
 STOP = torch.ops.tvmgraph.stop_gradient.default
 _DETACH = torch.ops.aten.detach.default
 _SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+# Writes through a detach that torch's own functions make and lower.py refuses by name
+# (`F.embedding(max_norm=...)` renormalizes `weight.detach()`).
+_REFUSED_LATER = {torch.ops.aten.embedding_renorm_.default}
 
 
-def mark(exported: torch.export.ExportedProgram) -> int:
+def mark(exported: torch.export.ExportedProgram, graph_name: str = "graph") -> int:
     """Rewrite `exported` in place: each `detach` becomes a stop, and so does each tensor that
     leaves a no_grad block, in the program and in the regions of its higher-order ops (AMP's
-    autocast regions). Returns how many stops it placed; running it again places none."""
+    autocast regions). Returns how many stops it placed; running it again places none.
+
+    A stop is a new tensor, not an alias: a write through `x.detach()` (`x.detach().mul_(3)`,
+    which changes x in eager) would change the stop only, so it is a TraceError naming the fix."""
     placed = 0
     for module in exported.graph_module.modules():
         if isinstance(module, torch.fx.GraphModule):
-            placed += _mark_graph(module)
+            placed += _mark_graph(module, graph_name)
     return placed
 
 
-def _mark_graph(module: torch.fx.GraphModule) -> int:
+def _written_through(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The first op that writes `node`'s value in place, directly or through views of it."""
+    for user in node.users:
+        if user.op != "call_function" or not user.args or user.args[0] is not node:
+            continue
+        if _writes_first_argument(user.target) and user.target not in _REFUSED_LATER:
+            return user
+        if _views_first_argument(user.target):
+            found = _written_through(user)
+            if found is not None:
+                return found
+    return None
+
+
+def _mark_graph(module: torch.fx.GraphModule, graph_name: str) -> int:
     graph = module.graph
     placed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is _DETACH:
+            write = _written_through(node)
+            if write is not None:
+                from .errors import TraceError
+
+                frames = [line.strip() for line in (write.meta.get("stack_trace") or "").splitlines()
+                          if line.strip().startswith("File ")]
+                where = f", {frames[-1]}" if frames else ""
+                raise TraceError(
+                    f"{graph_name}: build() updates a tensor in place through .detach() ({write.target} on "
+                    f"x.detach(){where}); eager changes x through that alias, which tvmgraph cannot follow (the "
+                    f"update would be lost). Update x itself under torch.no_grad() instead: "
+                    f"`with torch.no_grad(): x.mul_(3)`, which the graph keeps, as eager does.")
             node.target = STOP
             placed += 1
         elif node.target is _SET_GRAD and node.args and node.args[0] is False:

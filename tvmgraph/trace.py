@@ -39,9 +39,10 @@ _DATA_DEPENDENT_MARKERS = ("data-dependent", "data dependent", "GuardOnDataDepen
 _SPECIALIZED_MARKER = "Constraints violated"
 _DATA_DEPENDENT_HINT = (
     "\nTracing runs build() once with symbolic tensors: data-dependent Python control flow "
-    "(`if x.sum() > 0:`) and .item()/.tolist() cannot be traced. Rewrite them with torch.where / "
-    "torch.cond, or compute them outside the graph. A slice at a position read from a tensor "
-    "(`cache[:, p:p + n] = k` with `p = pos[0]`) is one too: index with tensors instead "
+    "(`if x.sum() > 0:`) and .item()/.tolist() cannot be traced. Rewrite them with torch.where "
+    "(both branches computed, one picked), or compute them outside the graph. A slice at a "
+    "position read from a tensor (`cache[:, p:p + n] = k` with `p = pos[0]`) is one too: index "
+    "with tensors instead "
     "(`cache.index_copy_(1, pos + torch.arange(n), k)`, `x.index_select`, `torch.gather`)."
 )
 # Where torch.export says a data-dependent size came from, for F.one_hot without num_classes.
@@ -361,7 +362,7 @@ def trace_build(
         for h in handles:
             h.remove()
     assert record.out_tree is not None
-    stop_gradient.mark(exported)
+    stop_gradient.mark(exported, graph_name)
     trained = frozenset()
     if record.backward is not None:
         trained = reached.from_program(exported) if autocast is not None else record.backward.reached

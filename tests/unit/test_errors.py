@@ -188,6 +188,15 @@ def test_dot_data_in_build_names_detach() -> None:
         graph(torch.ones(3))
 
 
+def test_torch_cond_on_a_tensor_predicate_is_refused_by_name() -> None:
+    """It was a CompileError calling itself a tvmgraph bug (TVM translates cond's branches with
+    its own converters only; found by a sweep)."""
+    graph = ModuleGraph(Fn(lambda x: torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (x,))))
+    with pytest.raises(errors.UnsupportedOpError, match=r"torch.cond on a tensor predicate has no lowering yet; "
+                                                        r"compute both branches and pick one with torch.where"):
+        graph(torch.randn(3, 4))
+
+
 def test_one_hot_without_num_classes_says_to_pass_it() -> None:
     """Its class count is x.max() + 1, a size read from values: torch.export's own message points
     into torch's decompositions."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import ModuleGraph
-from tvmgraph.errors import UnsupportedOpError
+from tvmgraph.errors import TraceError, UnsupportedOpError
 
 
 class Counter(nn.Module):
@@ -64,3 +64,32 @@ def test_a_parameter_written_in_build_is_refused() -> None:
     """It was a CompileError calling itself a tvmgraph bug (torch.export's PARAMETER_MUTATION)."""
     with pytest.raises(UnsupportedOpError, match=r"parameter\(s\) model\.lin\.weight in place.*Fix: do it outside"):
         ModuleGraph(Clipped())(torch.randn(2, 4))
+
+
+class WritesThroughDetach(nn.Module):
+    def __init__(self, target: str):
+        super().__init__()
+        self.target = target
+        self.register_buffer("ema", torch.ones(4))
+
+    def forward(self, x):
+        if self.target == "input":
+            x.detach().mul_(3)
+        elif self.target == "buffer":
+            self.ema.detach()[1:].mul_(0.5)  # through a view of the detached alias too
+        else:
+            h = x * 2
+            h.detach().clamp_(max=0.2)
+            return h.sum(0)
+        return x.sum(0) + self.ema
+
+
+@pytest.mark.parametrize("target", ["input", "buffer", "activation"])
+def test_a_write_through_detach_is_refused_not_lost(target: str) -> None:
+    """Eager writes x through x.detach(); the graph wrote a copy and lost the update (found by a
+    sweep: an EMA buffer stayed at 1). The error names the form the graph keeps."""
+    graph = ModuleGraph(WritesThroughDetach(target))
+    with pytest.raises(TraceError, match=rf"{graph.name}: build\(\) updates a tensor in place through "
+                                         r"\.detach\(\) \(aten\.(mul_|clamp_)\.\w+ on x\.detach\(\), File .*test_mutations_in_build.py.*\).*"
+                                         r"with torch\.no_grad\(\): x\.mul_\(3\)"):
+        graph(torch.randn(2, 4))
