@@ -52,7 +52,10 @@ _ONE_HOT_HINT = ("\n`F.one_hot(x)` without num_classes takes the number of class
 # What torch.export says when build() reads `tensor.data`.
 _DOT_DATA_MARKER = "fake tensor in the exported program constant"
 _DOT_DATA_HINT = ("\n`tensor.data` inside build() cannot be traced: use `tensor.detach()` (the same values, "
-                  "no gradient), which the graph keeps.")
+                  "no gradient), which the graph keeps. torch.func.vmap fails the same way in "
+                  "torch.export when an argument is not batched (`in_dims=(None, 0)`, or a tensor the "
+                  "vmapped function captures) or batched on a dim other than 0: batch every argument on "
+                  "dim 0 (x.movedim(d, 0)), or write the computation with broadcasting (x @ w.T).")
 
 
 def tracing_graph() -> str | None:

@@ -188,6 +188,14 @@ def test_dot_data_in_build_names_detach() -> None:
         graph(torch.ones(3))
 
 
+def test_vmap_of_an_unbatched_argument_names_vmap_not_only_dot_data() -> None:
+    """torch.export fails it with the message `.data` gets; the hint named `.data` alone, which
+    build() never used (found by a sweep)."""
+    graph = ModuleGraph(Fn(lambda w, x: torch.func.vmap(torch.mv, in_dims=(None, 0))(w, x)))
+    with pytest.raises(errors.TraceError, match=r"torch.func.vmap fails the same way .* batch every argument on dim 0"):
+        graph(torch.randn(6, 4), torch.randn(3, 4))
+
+
 def test_torch_cond_on_a_tensor_predicate_is_refused_by_name() -> None:
     """It was a CompileError calling itself a tvmgraph bug (TVM translates cond's branches with
     its own converters only; found by a sweep)."""
