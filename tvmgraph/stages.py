@@ -50,6 +50,23 @@ if TYPE_CHECKING:
     from autotune.log import AppliedLog
 
 
+def _shared_state(exported: torch.export.ExportedProgram) -> str:
+    """The likely cause of a failed decomposition when two registered buffers are one tensor (a
+    buffer registered in two modules) and build() updates it in place; "" else. (Tied
+    parameters are one Parameter, which export keeps once.)"""
+    seen: dict[tuple[int, int], str] = {}
+    for name in exported.graph_signature.buffers:
+        t = exported.state_dict.get(name)
+        if isinstance(t, torch.Tensor) and t.numel():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if key in seen:
+                return (f"'{seen[key]}' and '{name}' are one tensor (registered twice), which torch cannot "
+                        f"trace with an in-place update in build(): register it in one module and read it "
+                        f"from there in the other.")
+            seen[key] = name
+    return ""
+
+
 class TracedGraph:
     """`build()` captured by torch.export; `.lower()` turns it into Relax."""
 
@@ -83,7 +100,10 @@ class TracedGraph:
         except TvmGraphError:
             raise
         except Exception as e:  # noqa: BLE001  (torch raises any type from a decomposition)
-            cause = self.result.aliasing or (
+            cause = self.result.aliasing or _shared_state(self.result.exported) or (
+                "A plain tensor attribute (not a buffer) is updated in place in build(): register it as "
+                "a buffer, module.register_buffer(name, tensor), which the graph updates as eager does."
+                if "is mutated in the forward method" in str(e) else
                 "A torch.autograd.Function or a legacy module (nn.CrossMapLRN2d) is the usual cause: "
                 "rewrite it with torch ops, or run it eagerly outside the graph.")
             # torch's errors give the reason first, then the FX node and a traceback.

@@ -93,3 +93,43 @@ def test_a_write_through_detach_is_refused_not_lost(target: str) -> None:
                                          r"\.detach\(\) \(aten\.(mul_|clamp_)\.\w+ on x\.detach\(\), File .*test_mutations_in_build.py.*\).*"
                                          r"with torch\.no_grad\(\): x\.mul_\(3\)"):
         graph(torch.randn(2, 4))
+
+
+class SharesABuffer(nn.Module):
+    def __init__(self, shared: torch.Tensor):
+        super().__init__()
+        self.register_buffer("count", shared)
+
+    def forward(self, x):
+        self.count.add_(1)
+        return x + self.count
+
+
+class TwoOwners(nn.Module):
+    def __init__(self):
+        super().__init__()
+        shared = torch.zeros(4)
+        self.a, self.b = SharesABuffer(shared), SharesABuffer(shared)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class MutatesAnAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mask = torch.ones(4)  # a plain attribute, not a buffer
+
+    def forward(self, x):
+        self.mask.mul_(0.5)
+        return x * self.mask
+
+
+@pytest.mark.parametrize("model, cause", [
+    (TwoOwners(), r"'model.a.count' and 'model.b.count' are one tensor \(registered twice\)"),
+    (MutatesAnAttribute(), r"A plain tensor attribute \(not a buffer\) is updated in place in build\(\): register it"),
+], ids=["buffer_registered_twice", "plain_attribute_updated"])
+def test_state_torch_cannot_update_names_the_cause(model: nn.Module, cause: str) -> None:
+    """Both blamed a torch.autograd.Function or a legacy module (found by a sweep)."""
+    with pytest.raises(TraceError, match=cause):
+        ModuleGraph(model)(torch.ones(4))
