@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tvm import relax, tirx
@@ -27,33 +28,35 @@ from relay_passes import OPAQUE
 from .converters_integer_power import call_elementwise
 from .converters_nn import as_dtype, operand, result_dtype
 
+Expr = Any  # a TIR expression (PrimExpr), built with tvm.tirx
+
 
 @dataclass(frozen=True)
 class Recurrence:
     """One polynomial: its early cases and its recurrence (k from `start` by `stride` while
     `runs(k, n)`; next = `step(k, x, p, q)` from the two before, p then q)."""
 
-    cases: Callable[[tirx.PrimExpr, tirx.PrimExpr, Callable], list[tuple[tirx.PrimExpr, tirx.PrimExpr]]]  # (x, n, const) -> (cond, value)
-    first: Callable[[tirx.PrimExpr, Callable], tirx.PrimExpr]  # P1(x)
+    cases: Callable[[Expr, Expr, Callable], list[tuple[Expr, Expr]]]  # (x, n, const) -> [(cond, value)]
+    first: Callable[[Expr, Callable], Expr]  # P1(x)
     start: int
-    runs: Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr]
-    step: Callable[[tirx.PrimExpr, tirx.PrimExpr, tirx.PrimExpr, tirx.PrimExpr, Callable], tirx.PrimExpr]  # (k as float, x, p, q, const)
+    runs: Callable[[Expr, Expr], Expr]
+    step: Callable[[Expr, Expr, Expr, Expr, Callable], Expr]  # (k as a float, x, p, q, const)
     stride: int = 1
     stops_at_nan: bool = True
 
 
-def _even(n: tirx.PrimExpr) -> tirx.PrimExpr:
+def _even(n: Expr) -> Expr:
     return tirx.EQ(tirx.floormod(n, tirx.const(2, "int64")), tirx.const(0, "int64"))
 
 
-def _as(n: tirx.PrimExpr, c: functools.partial) -> tirx.PrimExpr:
+def _as(n: Expr, c: functools.partial) -> Expr:
     """An int64 count as the kernel's float (`c`: tirx.const in that dtype)."""
     return tirx.Cast(c.keywords["dtype"], n)
 
 
 def _ends(at_one: Callable, at_minus_one: Callable, shifted: bool) -> Callable:
     """The case at the ends of the interval: |x| == 1 (x == 1 / x == 0 for a shifted one)."""
-    def case(x: tirx.PrimExpr, n: tirx.PrimExpr, c: Callable) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+    def case(x: Expr, n: Expr, c: Callable) -> tuple[Expr, Expr]:
         top = tirx.EQ(x, c(1.0))
         bottom = tirx.EQ(x, c(0.0)) if shifted else tirx.EQ(x, c(-1.0))
         return tirx.Or(top, bottom), tirx.Select(top, at_one(n, c), at_minus_one(n, c))
@@ -72,10 +75,10 @@ _TWO_N_PLUS_ONE = lambda n, c: _as(n + n + 1, c)  # noqa: E731
 def _chebyshev(first: Callable, ends: Callable, closed: Callable, above: int, shifted: bool = False) -> Recurrence:
     """T, U, V, W (shifted: of y = 2x - 1): r = 2y q - p from k = 2 while k <= n; for n > `above`
     and |y| < 1 the closed form `closed(y, n, c)`."""
-    def y_of(x: tirx.PrimExpr, c: Callable) -> tirx.PrimExpr:
+    def y_of(x: Expr, c: Callable) -> Expr:
         return x + x - c(1.0) if shifted else x
 
-    def cases(x: tirx.PrimExpr, n: tirx.PrimExpr, c: Callable) -> list[tuple[tirx.PrimExpr, tirx.PrimExpr]]:
+    def cases(x: Expr, n: Expr, c: Callable) -> list[tuple[Expr, Expr]]:
         y = y_of(x, c)
         inside = tirx.And(tirx.GT(n, tirx.const(above, "int64")), tirx.LT(tirx.abs(y), c(1.0)))
         return [ends(x, n, c), (inside, closed(y, n, c))]
@@ -84,17 +87,17 @@ def _chebyshev(first: Callable, ends: Callable, closed: Callable, above: int, sh
                       lambda k, x, p, q, c: (y_of(x, c) + y_of(x, c)) * q - p)
 
 
-def _closed_t(y: tirx.PrimExpr, n: tirx.PrimExpr, c: Callable) -> tirx.PrimExpr:
+def _closed_t(y: Expr, n: Expr, c: Callable) -> Expr:
     return tirx.cos(_as(n, c) * tirx.acos(y))
 
 
-def _closed_u(y: tirx.PrimExpr, n: tirx.PrimExpr, c: Callable) -> tirx.PrimExpr:
+def _closed_u(y: Expr, n: Expr, c: Callable) -> Expr:
     angle = tirx.acos(y)
     return tirx.Select(tirx.NE(tirx.sin(angle), c(0.0)), tirx.sin(_as(n + 1, c) * angle) / tirx.sin(angle),
                        _as(n + 1, c) * tirx.cos(_as(n + 1, c) * angle) / y)
 
 
-def _closed_v(y: tirx.PrimExpr, n: tirx.PrimExpr, c: Callable) -> tirx.PrimExpr:
+def _closed_v(y: Expr, n: Expr, c: Callable) -> Expr:
     angle = tirx.acos(y)
     return tirx.Select(tirx.NE(tirx.sin(angle / c(2.0)), c(1.0)),
                        tirx.cos((_as(n, c) + c(0.5)) * angle) / tirx.cos(angle / c(2.0)),
@@ -102,7 +105,7 @@ def _closed_v(y: tirx.PrimExpr, n: tirx.PrimExpr, c: Callable) -> tirx.PrimExpr:
 
 
 def _closed_w(edge: Callable) -> Callable:
-    def closed(y: tirx.PrimExpr, n: tirx.PrimExpr, c: Callable) -> tirx.PrimExpr:
+    def closed(y: Expr, n: Expr, c: Callable) -> Expr:
         angle = tirx.acos(y)
         return tirx.Select(tirx.NE(tirx.cos(angle / c(2.0)), c(1.0)),
                            tirx.sin((_as(n, c) + c(0.5)) * angle) / tirx.sin(angle / c(2.0)), edge(y, n, c))
@@ -111,7 +114,7 @@ def _closed_w(edge: Callable) -> Callable:
 
 def _hermite(first: Callable, step: Callable, start: int, stride: int, runs: Callable) -> Recurrence:
     """H and He: NaN above torch's degree limit (128 in float32, 512 in float64)."""
-    def cases(x: tirx.PrimExpr, n: tirx.PrimExpr, c: Callable) -> list[tuple[tirx.PrimExpr, tirx.PrimExpr]]:
+    def cases(x: Expr, n: Expr, c: Callable) -> list[tuple[Expr, Expr]]:
         limit = 128 if c.keywords["dtype"] == "float32" else 512
         return [(tirx.GT(n, tirx.const(limit, "int64")), c(float("nan")))]
     return Recurrence(cases, first, start, runs, step, stride, stops_at_nan=False)
@@ -157,25 +160,25 @@ def _kernel(poly: Recurrence, dtype: str) -> tirx.PrimFunc:
     c = functools.partial(tirx.const, dtype=dtype)
     zero, one = tirx.const(0, "int64"), tirx.const(1, "int64")
 
-    def cases(x: tirx.PrimExpr, n: tirx.PrimExpr) -> list[tuple[tirx.PrimExpr, tirx.PrimExpr]]:  # torch's order
+    def cases(x: Expr, n: Expr) -> list[tuple[Expr, Expr]]:  # torch's order
         return [(tirx.LT(n, zero), c(0.0)), *poly.cases(x, n, c),
                 (tirx.EQ(n, zero), c(1.0)), (tirx.EQ(n, one), poly.first(x, c))]
 
-    def exits(x: tirx.PrimExpr, n: tirx.PrimExpr) -> tirx.PrimExpr:
+    def exits(x: Expr, n: Expr) -> Expr:
         return functools.reduce(tirx.Or, [cond for cond, _ in cases(x, n)])
 
-    def value(x: tirx.PrimExpr, n: tirx.PrimExpr) -> tirx.PrimExpr:
+    def value(x: Expr, n: Expr) -> Expr:
         found = cases(x, n)
         result = found[-1][1]
         for cond, then in reversed(found[:-1]):
             result = tirx.Select(cond, then, result)
         return result
 
-    def keep_going(k: tirx.PrimExpr, n: tirx.PrimExpr, q: tirx.PrimExpr) -> tirx.PrimExpr:
+    def keep_going(k: Expr, n: Expr, q: Expr) -> Expr:
         runs = poly.runs(k, n)
         return tirx.And(runs, tirx.Not(tirx.isnan(q))) if poly.stops_at_nan else runs
 
-    def step(k: tirx.PrimExpr, x: tirx.PrimExpr, p: tirx.PrimExpr, q: tirx.PrimExpr) -> tirx.PrimExpr:
+    def step(k: Expr, x: Expr, p: Expr, q: Expr) -> Expr:
         return poly.step(tirx.Cast(dtype, k), x, p, q, c)
 
     first, start, stride = poly.first, tirx.const(poly.start, "int64"), tirx.const(poly.stride, "int64")
