@@ -24,6 +24,8 @@ import torch
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+from .errors import TraceError
+
 
 @torch.library.custom_op("tvmgraph::stop_gradient", mutates_args=())
 def stop_gradient(x: torch.Tensor) -> torch.Tensor:
@@ -39,9 +41,6 @@ def _(x: torch.Tensor) -> torch.Tensor:
 STOP = torch.ops.tvmgraph.stop_gradient.default
 _DETACH = torch.ops.aten.detach.default
 _SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
-# Writes through a detach that torch's own functions make and lower.py refuses by name
-# (`F.embedding(max_norm=...)` renormalizes `weight.detach()`).
-_REFUSED_LATER = {torch.ops.aten.embedding_renorm_.default}
 
 
 def mark(exported: torch.export.ExportedProgram, graph_name: str = "graph") -> int:
@@ -59,11 +58,14 @@ def mark(exported: torch.export.ExportedProgram, graph_name: str = "graph") -> i
 
 
 def _written_through(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The first op that writes `node`'s value in place, directly or through views of it."""
+    """The first op that writes `node`'s value in place, directly or through views of it; not
+    those lower.py refuses by name (`F.embedding(max_norm=...)` renormalizes `weight.detach()`)."""
+    from .lower import _DROPPED_MUTATIONS, op_key  # lower imports this module
+
     for user in node.users:
         if user.op != "call_function" or not user.args or user.args[0] is not node:
             continue
-        if _writes_first_argument(user.target) and user.target not in _REFUSED_LATER:
+        if _writes_first_argument(user.target) and op_key(user) not in _DROPPED_MUTATIONS:
             return user
         if _views_first_argument(user.target):
             found = _written_through(user)
@@ -81,14 +83,11 @@ def _mark_graph(module: torch.fx.GraphModule, graph_name: str) -> int:
         if node.target is _DETACH:
             write = _written_through(node)
             if write is not None:
-                from .errors import TraceError
+                from .lower import describe
 
-                frames = [line.strip() for line in (write.meta.get("stack_trace") or "").splitlines()
-                          if line.strip().startswith("File ")]
-                where = f", {frames[-1]}" if frames else ""
                 raise TraceError(
-                    f"{graph_name}: build() updates a tensor in place through .detach() ({write.target} on "
-                    f"x.detach(){where}); eager changes x through that alias, which tvmgraph cannot follow (the "
+                    f"{graph_name}: build() updates a tensor in place through .detach() ({describe(write)}, "
+                    f"on x.detach()); eager changes x through that alias, which tvmgraph cannot follow (the "
                     f"update would be lost). Update x itself under torch.no_grad() instead: "
                     f"`with torch.no_grad(): x.mul_(3)`, which the graph keeps, as eager does.")
             node.target = STOP

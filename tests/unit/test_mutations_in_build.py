@@ -90,7 +90,8 @@ def test_a_write_through_detach_is_refused_not_lost(target: str) -> None:
     sweep: an EMA buffer stayed at 1). The error names the form the graph keeps."""
     graph = ModuleGraph(WritesThroughDetach(target))
     with pytest.raises(TraceError, match=rf"{graph.name}: build\(\) updates a tensor in place through "
-                                         r"\.detach\(\) \(aten\.(mul_|clamp_)\.\w+ on x\.detach\(\), File .*test_mutations_in_build.py.*\).*"
+                                         r"\.detach\(\) \(aten\.(mul_|clamp_)\.\w+ from 'model' \(WritesThroughDetach\) at "
+                                         r"\S*test_mutations_in_build.py:\d+: .*, on x\.detach\(\)\).*"
                                          r"with torch\.no_grad\(\): x\.mul_\(3\)"):
         graph(torch.randn(2, 4))
 
