@@ -38,7 +38,7 @@ from .native_output import to_debug_log
 from .pipeline import get_pipeline
 from .spec import Signature, TensorSpec, TreeDef
 from .target import tvm_device
-from .trace import ModuleIO, TraceResult
+from .trace import ModuleIO, TraceResult, shared_storage
 from .training.accumulation import Accumulation, append_accumulation, update_positions
 from .training.checkpoint_regions import checkpoint_regions
 from .training.data_parallel import DataParallel, update_plan
@@ -51,20 +51,14 @@ if TYPE_CHECKING:
 
 
 def _shared_state(exported: torch.export.ExportedProgram) -> str:
-    """The likely cause of a failed decomposition when two registered buffers are one tensor (a
+    """The likely cause of a failed decomposition when two registered buffers share memory (a
     buffer registered in two modules) and build() updates it in place; "" else. (Tied
     parameters are one Parameter, which export keeps once.)"""
-    seen: dict[tuple[int, int], str] = {}
-    for name in exported.graph_signature.buffers:
-        t = exported.state_dict.get(name)
-        if isinstance(t, torch.Tensor) and t.numel():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
-            if key in seen:
-                return (f"'{seen[key]}' and '{name}' are one tensor (registered twice), which torch cannot "
-                        f"trace with an in-place update in build(): register it in one module and read it "
-                        f"from there in the other.")
-            seen[key] = name
-    return ""
+    pair = shared_storage((name, exported.state_dict.get(name)) for name in exported.graph_signature.buffers)
+    if pair is None:
+        return ""
+    return (f"'{pair[0]}' and '{pair[1]}' are one tensor (registered twice), which torch cannot trace with an "
+            f"in-place update in build(): register it in one module and read it from there in the other.")
 
 
 class TracedGraph:

@@ -459,16 +459,23 @@ def aliasing_hint(inputs: Sequence[object], names: Sequence[str]) -> str:
     memory (one tensor passed twice, or views of one): export takes them for separate tensors,
     and an in-place update of one in build() fails deep inside torch, in an error that names
     another cause. "" when no two share memory."""
+    pair = shared_storage(zip(names, inputs))
+    if pair is None:
+        return ""
+    return (f"Arguments '{pair[0]}' and '{pair[1]}' share memory (one tensor, or views of one), which "
+            f"torch cannot trace with an in-place update in build(): pass a copy, `{pair[1]}.clone()`.")
+
+
+def shared_storage(named: Iterable[tuple[str, object]]) -> tuple[str, str] | None:
+    """The first two names whose tensors share memory (one tensor, or views of one), or None."""
     seen: dict[int, str] = {}
-    for name, value in zip(names, inputs):
+    for name, value in named:
         if isinstance(value, torch.Tensor) and value.numel():
             storage = value.untyped_storage().data_ptr()
             if storage in seen:
-                return (f"Arguments '{seen[storage]}' and '{name}' share memory (one tensor, or views of "
-                        f"one), which torch cannot trace with an in-place update in build(): pass a copy, "
-                        f"`{name}.clone()`.")
+                return seen[storage], name
             seen[storage] = name
-    return ""
+    return None
 
 
 def _trace_hint(message: str, dynamic_batch: bool) -> str:
