@@ -103,10 +103,11 @@ def save(obj: Any, path: str | os.PathLike, *, example_args: tuple | None = None
                                   frozen_weights=program != "train_step")
     compiled = lowered.compile(tvm_target, options, PIPELINE, tuning=tuning)
     binder = TensorBinder(lowered.signature.inputs, modules, lowered.signature.constants)
-    state = {s.target: t for s, t in zip(binder.sources, binder.tensors()) if s.kind != "constant"}
+    tensors = binder.named()
+    state = {s.target: tensors[s.target] for s in binder.sources if s.kind != "constant"}
     # A module's plain tensor attribute is read at each call (binding.py): save its value now,
     # not the one traced (a mask replaced after the first call was saved stale).
-    live = {s.target: t for s, t in zip(binder.sources, binder.tensors()) if s.kind == "constant"}
+    live = {s.target: tensors[s.target] for s in binder.sources if s.kind == "constant"}
     compiled = dataclasses.replace(compiled, signature=dataclasses.replace(
         compiled.signature, constants={**compiled.signature.constants, **live}))
     state.update(optimizer_state)
