@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "ops.md"
-# "ci": first usable float32 sample per op (another dtype for ops without float32); "ci:bfloat16" (any dtype name): that dtype's; "all"
+# "ci": first usable float32 sample per op (another dtype for ops without float32);
+# "ci:bfloat16" (any dtype name): that dtype's; "all"
 MODE = os.environ.get("TVMGRAPH_TEST_OPINFO", "ci")
 # A comma-separated list of op keys (`name` or `name.variant`) sweeps only those.
 ONLY = [k for k in os.environ.get("TVMGRAPH_TEST_OPINFO_OPS", "").split(",") if k]
