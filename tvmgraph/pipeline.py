@@ -22,6 +22,7 @@ from . import max_pool_forward  # noqa: F401  (registers max pooling from -inf, 
 from . import legalize_fixes  # noqa: F401  (registers the legalizations that replace failing ones)
 from . import max_pool_backward  # noqa: F401  (registers non-overlapping max pooling's gradient)
 from . import ragged_sums  # noqa: F401  (registers sums along rows no vector divides, cut in two)
+from . import one_value_sums  # noqa: F401  (registers sums to one value kept as ones, as 0-d sums)
 from . import take_backward  # noqa: F401  (registers a parallel embedding gradient)
 from .config import CompileOptions, GraphConfig, compile_options, settings
 from .debug import logger

@@ -1043,13 +1043,15 @@ def test_a_reduction_over_several_axes_cuts_its_vector_from_the_innermost() -> N
     assert "T.vectorized" in text and "//" not in text and "%" not in text
 
 
-@pytest.mark.parametrize("shape,op", [((8, 128, 256), "mean"), ((262144,), "sum"), ((64, 3, 32, 32), "sum")],
-                         ids=["mean-of-an-activation", "sum-1d", "sum-nchw"])
+@pytest.mark.parametrize("shape,op", [((8, 128, 256), "mean"), ((262144,), "sum"), ((64, 3, 32, 32), "sum"),
+                                      ((1, 3, 256, 256), "sum")],
+                         ids=["mean-of-an-activation", "sum-1d", "sum-nchw", "sum-batch-of-one"])
 def test_a_reduction_to_one_value_is_summed_in_chunks(shape: tuple, op: str) -> None:
     """A sum or mean of a whole tensor (an MSE loss) is one rule's schedule (`mean`'s final
     divide, a block without a loop, made rfactor fail, and one serial chain ran instead),
     summed in chunks: within 3e-7 of the float64 sum (one chain of float32 additions: 5e-5 for
-    the mean, 6e-7 and 9e-7 for the sums; torch's own: 6e-8 to 1.5e-7)."""
+    the mean, 6e-7 and 9e-7 for the sums; torch's own: 6e-8 to 1.5e-7). A batch of one's loop
+    of extent 1 made the chunked schedule fail half-way, and one serial chain ran."""
     torch.manual_seed(0)
     x = torch.rand(*shape) + (torch.randn(*shape) if op == "mean" else 0)
     x = x * x if op == "mean" else x  # an MSE's squares

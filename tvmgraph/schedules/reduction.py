@@ -531,8 +531,15 @@ def _chunk_partials(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> SBlockR
         if size is not None:
             ko, _ = sch.split(loops[-count], [None, size])
             outer = [*outer, ko]
+    # Loops of extent 1 (a batch of one: a sum over (1, N)) go inside the chunk loop, so that
+    # the per-chunk block's loops are in its iterators' order (the chunk's first): rfactor left
+    # them out of order, the rest of the schedule raised, and the graph lost its CPU schedules.
+    units = [l for l in outer if static_extent(sch, l) == 1]
+    outer = [l for l in outer if static_extent(sch, l) != 1]
     if not outer:
         return None
+    if units:
+        sch.reorder(*outer, *units)
     fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
     try:
         return sch.rfactor(fused, factor_axis=0)
