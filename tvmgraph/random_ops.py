@@ -11,9 +11,10 @@ random op is one TE kernel of the seed input and its tensor parameters, behind
 `x` in Relax, so `x` gets its gradient).
 
 The numbers follow torch's distributions, not its generator: a graph and eager draw different
-samples from the same `torch.manual_seed`. Floats have the resolution of their dtype (24 bits
-for float32, 53 for float64, 8 for bfloat16, 11 for float16), so `rand` never returns 1.0;
-normals come from Box-Muller. Random ops with no converter here (`multinomial`, `randperm`,
+samples from the same `torch.manual_seed`. `rand` draws at the resolution of its dtype (24 bits
+for float32, 53 for float64, 8 for bfloat16, 11 for float16), so it never returns 1.0; the
+other distributions transform float32 draws (float64 for float64) and round the result to the
+dtype (at 8 bits, bfloat16 normals had no tail past 3.5); normals come from Box-Muller. Random ops with no converter here (`multinomial`, `randperm`,
 `poisson`) raise UnsupportedOpError like any op without a lowering.
 """
 
@@ -101,6 +102,9 @@ def random_kernel(*tensors: te.Tensor, kind: str, salt: int, dtype: str, shape: 
     *inputs, seed = tensors
     out_shape = list(inputs[like].shape) if like is not None else [tir.const(d, "int64") for d in shape]
     operands = [t for i, t in enumerate(inputs) if i != like]
+    # Only `uniform` draws at the output's resolution (a float32 number rounded to bfloat16
+    # could be 1.0). The others transform float32 (float64) draws: at 8 bits, a bernoulli(p=0.001)
+    # of bfloat16 drew ones at 0.004 (p rounded up to 1/256), and normals had no tail past 3.5.
     compute = "float64" if dtype == "float64" else "float32"
 
     def value(*index: tir.Var) -> tir.PrimExpr:
@@ -113,19 +117,19 @@ def random_kernel(*tensors: te.Tensor, kind: str, salt: int, dtype: str, shape: 
         elif kind == "normal":
             mean = next(arg) if params[0] is None else c(params[0])
             std = next(arg) if params[1] is None else c(params[1])
-            result = mean + std * _normal(seed, salt, linear, dtype)
+            result = mean + std * _normal(seed, salt, linear, compute)
         elif kind == "log_normal":
-            result = tir.exp(c(params[0]) + c(params[1]) * _normal(seed, salt, linear, dtype))
+            result = tir.exp(c(params[0]) + c(params[1]) * _normal(seed, salt, linear, compute))
         elif kind == "bernoulli":
             p = next(arg) if params[0] is None else c(params[0])
-            result = tir.Select(_uniform(seed, salt, 0, linear, dtype) < p, c(1.0), c(0.0))
+            result = tir.Select(_uniform(seed, salt, 0, linear, compute) < p, c(1.0), c(0.0))
         elif kind == "exponential":
-            result = -tir.log(_uniform(seed, salt, 0, linear, dtype, open_interval=True)) / c(params[0])
+            result = -tir.log(_uniform(seed, salt, 0, linear, compute, open_interval=True)) / c(params[0])
         elif kind == "geometric":
-            result = tir.ceil(tir.log(_uniform(seed, salt, 0, linear, dtype, open_interval=True))
+            result = tir.ceil(tir.log(_uniform(seed, salt, 0, linear, compute, open_interval=True))
                               / c(math.log1p(-params[0])))
         elif kind == "cauchy":
-            u = _uniform(seed, salt, 0, linear, dtype, open_interval=True)
+            u = _uniform(seed, salt, 0, linear, compute, open_interval=True)
             result = c(params[0]) + c(params[1]) * tir.tan(c(math.pi) * (u - c(0.5)))
         elif kind == "randint":
             return tir.Cast(dtype, _randint(seed, salt, linear, int(params[0]), int(params[1])))

@@ -127,6 +127,20 @@ def test_rand_stays_below_one_at_its_dtypes_resolution(dtype: torch.dtype, resol
         assert (torch.remainder(out, 2**-24) != 0).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_bernoulli_and_normal_transform_float32_draws(dtype: torch.dtype) -> None:
+    """bernoulli(p) and randn of bfloat16/float16 draw at float32's resolution, as eager (which
+    compares p in double): at 8 bits, bernoulli(0.001) of bfloat16 drew ones at 0.0039 (p rounded
+    up to 1/256), and no normal passed |z| = 3.53 (float16: 4.08). 4 x 360,000 draws: the
+    fraction of ones within 6 standard deviations of p; |z| > 3.6 expected 114 times."""
+    n, p = 360_000, 0.001
+    draw = Draw(lambda x, q: (torch.zeros(n, dtype=dtype).bernoulli(p), torch.randn(n, dtype=dtype)))
+    ones, tails = zip(*[(b.double().mean().item(), (z.double().abs() > 3.6).sum().item())
+                        for b, z in (draw(*_inputs()) for _ in range(4))])
+    assert abs(sum(ones) / 4 - p) < 6 * math.sqrt(p * (1 - p) / (4 * n)), ones
+    assert sum(tails) > 4 * 114 / 2, tails
+
+
 def test_dropout2d_zeroes_whole_channels_at_rate_p() -> None:
     """nn.Dropout2d draws its mask with bernoulli_(1 - p) on an [N, C, 1, 1] tensor: the stock
     converter returned that uninitialized tensor unchanged."""
