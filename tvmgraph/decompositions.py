@@ -20,6 +20,12 @@ derivative by zero.
   is `(x1 - x2) / d`, masked to 0 there; the square root of the product form gave NaN, and a
   triplet loss over a batch of 30 embeddings trained on NaN.
 
+One skips what eager does:
+- `lstm`, `gru`, `rnn_tanh`, `rnn_relu` with `dropout` between layers in training: torch's
+  `_rnn_helper` sets the dropout to 0 unless `num_layers < i - 1`, never true, so a 2-layer
+  LSTM(dropout=0.5) trained with none (every call gave the eval-mode output). Here such an RNN
+  runs layer by layer, with torch's dropout on each layer's output but the last.
+
 And one gives eager's values but another gradient:
 - `index_fill` with a tensor value: torch's decomposition copies the value into every slice
   the index lists, so a slice listed twice counted twice in the value's gradient (eager's
@@ -138,7 +144,36 @@ def euclidean_dist(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     return d + (half - _stop(half))
 
 
+def _with_dropout_between_layers(rnn):
+    """torch's decomposition `rnn` (lstm_impl, gru_impl, ...), one layer at a time when it
+    should drop out between layers (see the module docstring)."""
+    def decomposition(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+        if not (train and dropout > 0 and num_layers > 1):
+            return rnn(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)
+        directions, per_layer = 2 if bidirectional else 1, len(params) // num_layers
+        is_lstm = isinstance(hx, (list, tuple))  # (h0, c0)
+        out, finals = input, []
+        for i in range(num_layers):
+            rows = slice(i * directions, (i + 1) * directions)
+            layer_hx = [h[rows] for h in hx] if is_lstm else hx[rows]
+            out, *final = rnn(out, layer_hx, params[i * per_layer:(i + 1) * per_layer], has_biases, 1, 0.0, train,
+                              bidirectional, batch_first)
+            finals.append(final)
+            if i < num_layers - 1:
+                out = torch.dropout(out, dropout, train=True)
+        return (out, *(torch.cat(states, 0) for states in zip(*finals)))
+    return decomposition
+
+
+def _rnn_decompositions() -> dict:
+    from torch._decomp import decomposition_table
+
+    ops = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+    return {op: _with_dropout_between_layers(decomposition_table[op]) for op in ops if op in decomposition_table}
+
+
 FIXED = {
+    **_rnn_decompositions(),
     aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
     aten.binary_cross_entropy.default: binary_cross_entropy,
     aten.std.correction: std,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tvmgraph
-from tests.conftest import ModuleGraph
+from tests.conftest import ModuleGraph, TrainGraph
 from tvmgraph.dropout import dropout_mask_reference
 
 
@@ -106,3 +106,47 @@ def test_training_step_through_dropout_matches_eager_with_the_same_mask() -> Non
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-6, rtol=1e-5)
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+class RNNOutput(nn.Module):
+    """The RNN's output and its final states, flattened (an LSTM's are (h, c))."""
+
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        out, final = self.rnn(x)
+        return out.sum() + sum(f.sum() for f in (final if isinstance(final, tuple) else (final,)))
+
+
+RNNS = {
+    "lstm": lambda p: nn.LSTM(6, 5, num_layers=3, dropout=p, batch_first=True),
+    "gru-bidirectional": lambda p: nn.GRU(6, 5, num_layers=2, dropout=p, bidirectional=True),
+    "rnn-relu": lambda p: nn.RNN(6, 5, num_layers=2, dropout=p, nonlinearity="relu"),
+    "lstm-projections": lambda p: nn.LSTM(6, 5, num_layers=2, dropout=p, proj_size=3),
+}
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize("make", RNNS.values(), ids=RNNS.keys())
+def test_rnn_dropout_between_layers_trains_as_eager(make) -> None:
+    """torch's RNN decomposition never drops out between layers (`num_layers < i - 1`): a
+    training graph ran every call as in eval mode. With dropout=1 eager's mask is known (every
+    layer's output but the last is zeroed): the training step's loss and updated weights match
+    eager's; with 0.5 two calls differ, as eager's do."""
+    torch.manual_seed(0)
+    model = RNNOutput(make(1.0)).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, 6)
+    graph = TrainGraph(model, lambda out, _: out, torch.optim.SGD(model.parameters(), lr=0.1))
+    loss = graph(x, x)
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    eager_loss = reference(x)
+    eager_loss.backward()
+    eager_optimizer.step()
+    torch.testing.assert_close(loss, eager_loss.detach(), atol=1e-5, rtol=1e-5)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    half = ModuleGraph(RNNOutput(make(0.5)).train())
+    assert not torch.equal(half(x), half(x))
