@@ -190,6 +190,7 @@ def signature_to_json(sig: LoweredSignature) -> tuple[dict[str, Any], bytes]:
         "has_loss": sig.has_loss,
         "constants": constants,
         "input_types": [[list(shape), dtype] for shape, dtype in sig.input_types],
+        "returned_inputs": [list(pair) for pair in sig.returned_inputs],
     }
     return doc, blob
 
@@ -209,6 +210,8 @@ def signature_from_json(doc: Mapping[str, Any], blob: bytes) -> LoweredSignature
         has_loss=doc["has_loss"],
         constants=_constants_from_json(doc["constants"], blob),
         input_types=tuple(types),
+        # (absent from artifacts written before it: no output is an input then)
+        returned_inputs=tuple((_int(i), _int(k)) for i, k in map(_list, _list(doc.get("returned_inputs", [])))),
     )
 
 

@@ -38,7 +38,7 @@ from torch.export.graph_signature import (
     OutputSpec,
     TensorArgument,
 )
-from tvm import relax
+from tvm import relax, te
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import (added_decompositions, converters, converters_cholesky, converters_linalg, decompositions,
@@ -72,6 +72,9 @@ class LoweredSignature:
     has_loss: bool
     constants: dict[str, torch.Tensor]
     input_types: tuple[tuple[tuple[int, ...], str], ...] = ()  # (shape, dtype) of each input
+    # (user output, input) pairs: build() returned that input itself (`return x`, a parameter),
+    # which eager hands back as the same tensor object (stages.returned_tensors).
+    returned_inputs: tuple[tuple[int, int], ...] = ()
 
 
 # Ops that torch.export keeps whole but that torch's own decompositions rewrite into ops with a
@@ -442,6 +445,7 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
                        **{"native_dropout.default": converters.dropout(seed, salts)},
                        **converters_linalg.converters(differentiated=has_loss),
                        **converters_cholesky.converters(differentiated=has_loss))
+    convert_map.update(_returned_copies())
     convert_map = zero_dim.with_zero_dim(type_promotion.with_promotion(half_in_float32.with_float32(convert_map)))
     convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
     convert_map = empty_results.with_empty_results(convert_map)
@@ -453,8 +457,45 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
     num_user = lowered_sig.num_user_outputs - (1 if has_loss else 0)
     types = tuple((_static_dims(p.ty.shape), p.ty.dtype.dtype) for p in mod["main"].params)
     lowered_sig = dataclasses.replace(lowered_sig, num_user_outputs=num_user, has_loss=has_loss,
-                                      input_types=types)
+                                      input_types=types, returned_inputs=_returned_inputs(exported, mod, lowered_sig))
     return mod, lowered_sig
+
+
+_ALIASES = (_aten.alias.default, _aten.detach.default, torch.ops.tvmgraph.stop_gradient.default)
+
+
+def _returned_copies() -> dict[str, Callable]:
+    """`clone`, `lift_fresh_copy` and `_to_copy` (its dtype unchanged) of a program input that
+    build() returns: a copy kernel. The importer makes them the input's own variable, and the VM
+    returned the input's memory: `return self.weight.clone()` came back as the weight (writing
+    into it changed the model; a training step's in-place update showed in it)."""
+    def copying(stock: Callable) -> Callable:
+        def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+            value = stock(importer, node)
+            source = root = node.args[0]
+            while isinstance(root, torch.fx.Node) and root.target in _ALIASES:  # x.detach().clone()
+                root = root.args[0]
+            if (isinstance(root, torch.fx.Node) and root.op == "placeholder" and value.same_as(importer.env[source])
+                    and any(user.op == "output" for user in node.users)):
+                return importer.block_builder.emit_te(lambda t: te.compute(t.shape, lambda *i: t(*i), name="copy"),
+                                                      value, primfunc_name_hint="copy")
+            return value
+        return convert
+
+    identity = lambda importer, node: importer.env[node.args[0]]  # noqa: E731  (the importer's clone)
+    to_copy = lambda importer, node: importer._to_copy(node)  # noqa: E731
+    return {"clone.default": copying(identity), "lift_fresh_copy.default": copying(to_copy),
+            "_to_copy.default": copying(to_copy)}
+
+
+def _returned_inputs(exported: torch.export.ExportedProgram, mod: tvm.IRModule,
+                     sig: LoweredSignature) -> tuple[tuple[int, int], ...]:
+    """(user output, main parameter) for each output that is a placeholder of the program."""
+    params = [p.name for p in mod["main"].params]
+    (results,) = [n.args[0] for n in exported.graph.nodes if n.op == "output"]
+    user = list(results)[len(sig.mutations):len(sig.mutations) + sig.num_user_outputs]
+    return tuple((i, params.index(node.name)) for i, node in enumerate(user)
+                 if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in params)
 
 
 def _static_dims(shape: relax.ShapeExpr) -> tuple[int, ...]:

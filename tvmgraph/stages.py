@@ -333,6 +333,8 @@ class CompiledGraph:
         # tvm-ffi hands results back as torch tensors when a torch tensor went in; a program with
         # no tensor argument at all (build() returning torch.zeros(3)) gets TVM's own tensors.
         user = [r if isinstance(r, torch.Tensor) else torch.from_dlpack(r) for r in results[n_mut:n_mut + n_user]]
+        if self.signature.returned_inputs:
+            user = returned_tensors(user, (*flat_inputs, *rng, *state), self.signature.returned_inputs)
         loss = results[n_mut + n_user] if self.signature.has_loss else None
         if self.training is None:
             return user, loss, (), set()
@@ -365,6 +367,18 @@ class CompiledGraph:
                     f"{self.device}; move the module with .to({str(self.device)!r}) or the inputs with "
                     f".to({str(t.device)!r})."
                 )
+
+
+def returned_tensors(user: list[torch.Tensor], originals: Sequence[torch.Tensor],
+                     returned_inputs: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """The user outputs, where build() returned one of its inputs itself (`return x`, `return
+    self.weight`: `returned_inputs` pairs an output with the input's position in `originals`)
+    that tensor object, as eager returns it. The VM handed back a new tensor on the same memory:
+    a parameter came back as a plain tensor whose in-place changes torch did not count
+    (`enable_frozen_weights` then kept the weights from before them)."""
+    for i, k in returned_inputs:
+        user[i] = originals[k]
+    return user
 
 
 def _draw_seed(device: torch.device) -> torch.Tensor:
