@@ -213,6 +213,18 @@ def test_float16_inverse_trigonometry_matches_eager(op) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("op", [lambda h: h.norm(), lambda h: torch.linalg.vector_norm(h, 3),
+                                lambda h: F.normalize(h, dim=0), lambda h: F.cosine_similarity(h, h, dim=0)],
+                         ids=["norm", "vector_norm-3", "normalize", "cosine_similarity"])
+def test_float16_norms_past_float16s_range_match_eager(op) -> None:
+    """10000 float16 values of 3: the sum of squares (90000) passes float16's 65504. Before: it
+    was rounded to float16 before the root: inf, and normalize / cosine_similarity 0."""
+    x = torch.full((10000,), 3.0, dtype=torch.float16)
+    actual = ModuleGraph(Fn(op))(x)
+    assert actual.dtype == torch.float16
+    torch.testing.assert_close(actual, op(x), atol=1e-3, rtol=1e-3)
+
+
 def test_group_norm_model_trains_under_amp_like_eager() -> None:
     """A GroupNorm CNN under AMP (its compile failed: TVM's group_norm refused bfloat16)."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import tvmgraph
 from tests.conftest import TrainGraph
 from tests.models import EncoderBlock, SmallCNN, mlp
 
@@ -156,6 +157,42 @@ def test_clipping_by_the_minus_infinity_norm_matches_clip_grad_norm() -> None:
                                   "clip_grad_norm_type": -float("inf")}], lr=0.1)]
 
     run_side_by_side(mlp(), make, nn.CrossEntropyLoss(), classification_batches(2, (32,), 10), 3)
+
+
+def test_float16_clipping_of_a_norm_beyond_float16s_range_matches_clip_grad_norm() -> None:
+    """A float16 Linear(100, 100) whose gradients are all 3 (norm 300; the sum of squares, 90000,
+    is past float16's 65504). Before: that sum overflowed to inf, the factor was 0, and the
+    weights never moved. As torch, each gradient's norm is computed in float32 and rounded to
+    float16; the step's weights equal eager's."""
+    def step(model):
+        model.weight.grad = model.bias.grad = None
+        (model(torch.ones(1, 100, dtype=torch.float16)) * 3).sum().backward()
+
+    model = nn.Linear(100, 100).half()
+    with torch.no_grad():
+        model.weight.zero_()
+    reference = copy.deepcopy(model)
+
+    class Step(tvmgraph.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(torch.optim.SGD([{"params": model.parameters(), "clip_grad_max_norm": 1.0}], lr=1.0))
+
+        def build(self, x):
+            loss = (self.model(x) * 3).sum()
+            loss.backward()
+            return loss
+
+    Step()(torch.ones(1, 100, dtype=torch.float16))
+    step(reference)
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= p.grad
+    assert model.weight.abs().max() > 0
+    torch.testing.assert_close(model.weight, reference.weight, atol=1e-6, rtol=1e-3)
+    torch.testing.assert_close(model.bias, reference.bias, atol=1e-6, rtol=1e-3)
 
 
 def test_frozen_parameters_are_not_updated() -> None:

@@ -147,23 +147,37 @@ def update_function(rule: UpdateRule, flags: dict[str, bool], param_types: list[
 
 
 def _clip(bb: relax.BlockBuilder, grads: list[relax.Expr], max_norm: float, norm_type: float) -> list[relax.Expr]:
-    """torch.nn.utils.clip_grad_norm_: g *= min(1, max_norm / (total_norm + 1e-6))."""
+    """torch.nn.utils.clip_grad_norm_: g *= min(1, max_norm / (total_norm + 1e-6)), the total the
+    norm of the gradients' norms. Each norm is computed in float32 (float64 for float64) and
+    rounded to its gradient's dtype, as torch's `_foreach_norm`: in float16, the sum of squares of
+    a (100, 100) gradient of 3s (90000) overflowed, the factor became 0 and training stopped."""
     op = relax.op
-    dtype = grads[0].ty.dtype.dtype
-    if math.isinf(norm_type):  # inf: the largest |g|; -inf: the smallest, as torch's vector_norm
-        extreme = op.max if norm_type > 0 else op.min
-        norms = [extreme(op.abs(g)) for g in grads]
-        total = bb.emit(extreme(op.stack(norms)) if len(norms) > 1 else norms[0])
-    else:
-        p = relax.const(norm_type, dtype)
-        powered = [op.sum(op.power(op.abs(g), p)) if norm_type != 2 else op.sum(op.multiply(g, g)) for g in grads]
+    dtypes = [g.ty.dtype.dtype for g in grads]
+    wide = "float64" if "float64" in dtypes else "float32"
+
+    def norm(values: list[relax.Expr]) -> relax.Expr:
+        if math.isinf(norm_type):  # inf: the largest |g|; -inf: the smallest, as torch's vector_norm
+            extreme = op.max if norm_type > 0 else op.min
+            norms = [extreme(op.abs(v)) for v in values]
+            return extreme(op.stack(norms)) if len(norms) > 1 else norms[0]
+        p = relax.const(norm_type, wide)
+        powered = [op.sum(op.power(op.abs(v), p)) if norm_type != 2 else op.sum(op.multiply(v, v)) for v in values]
         summed = powered[0]
         for term in powered[1:]:
             summed = op.add(summed, term)
-        total = bb.emit(op.sqrt(summed) if norm_type == 2 else op.power(summed, relax.const(1.0 / norm_type, dtype)))
-    coef = op.divide(relax.const(max_norm, dtype), op.add(total, relax.const(1e-6, dtype)))
-    coef = bb.emit(op.minimum(coef, relax.const(1.0, dtype)))
-    return [bb.emit(op.multiply(g, coef)) for g in grads]
+        return op.sqrt(summed) if norm_type == 2 else op.power(summed, relax.const(1.0 / norm_type, wide))
+
+    def widened(x: relax.Expr, dtype: str) -> relax.Expr:
+        return x if dtype == wide else op.astype(x, wide)
+
+    def rounded(x: relax.Expr, dtype: str) -> relax.Expr:  # to `dtype` and back, as torch's result
+        return x if dtype == wide else op.astype(op.astype(x, dtype), wide)
+
+    per_grad = [rounded(norm([widened(g, d)]), d) for g, d in zip(grads, dtypes)]
+    total = bb.emit(per_grad[0] if len(per_grad) == 1 else norm(per_grad))
+    coef = op.divide(relax.const(max_norm, wide), op.add(total, relax.const(1e-6, wide)))
+    coef = bb.emit(op.minimum(coef, relax.const(1.0, wide)))
+    return [bb.emit(op.multiply(g, coef if d == wide else op.astype(coef, d))) for g, d in zip(grads, dtypes)]
 
 
 def append_train_step(mod: tvm.IRModule, plan: TrainingPlan, grad_indices: list[int], loss_index: int,
