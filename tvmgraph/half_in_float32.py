@@ -111,6 +111,27 @@ def _dtype_argument(node: torch.fx.Node, dtype: torch.dtype | None) -> Iterator[
         node.kwargs = saved
 
 
+# Arithmetic with a Python number: torch computes `x * 1e-8` of a float16 x in float32 and
+# rounds once; the importer made the number a float16 constant first (1e-8 and 1e-6 became 0,
+# 70000 inf; `x * 0.1` was 1 ulp off eager for a third of the values).
+SCALAR_OPS = {
+    "add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "div.Tensor_mode", "rsub.Scalar",
+    "add.Scalar", "sub.Scalar", "mul.Scalar", "div.Scalar", "div.Scalar_mode", "rsub.Tensor",
+}
+
+
+def with_number_in_float32(key: str, inner: Converter | None) -> Converter:
+    """`inner` in float32 (`in_float32`) when an argument is a Python number."""
+    wide, run = in_float32(key, inner), converter_for(key, inner)
+
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        return (wide if numbers else run)(node, importer)
+
+    return convert
+
+
 def with_float32(converters: dict[str, Converter]) -> dict[str, Converter]:
-    """`converters` with every op of `FLOAT32_OPS` computed in float32 on 16-bit inputs."""
-    return wrap_ops(converters, FLOAT32_OPS, in_float32)
+    """`converters` with every op of `FLOAT32_OPS`, and of `SCALAR_OPS` with a Python number,
+    computed in float32 on 16-bit inputs."""
+    return wrap_ops(wrap_ops(converters, FLOAT32_OPS, in_float32), SCALAR_OPS, with_number_in_float32)

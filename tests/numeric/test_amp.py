@@ -225,6 +225,20 @@ def test_float16_norms_past_float16s_range_match_eager(op) -> None:
     torch.testing.assert_close(actual, op(x), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", [lambda h: h * 1e-8, lambda h: h / 70000.0, lambda h: h * 0.1, lambda h: 3.0 - h,
+                                lambda h: h.div(3.0, rounding_mode="floor"), lambda h: h + 1e-4],
+                         ids=["times-1e-8", "over-70000", "times-0.1", "rsub", "floor-divide", "plus-1e-4"])
+def test_16_bit_arithmetic_with_a_python_number_rounds_once_as_eager(op, dtype) -> None:
+    """torch computes a 16-bit tensor with a Python number in float32 and rounds once. Before,
+    the number became a 16-bit constant first: float16 `x * 1e-8` was 0 (eager 1e-5), `x / 70000`
+    0, and `x * 0.1` 1 ulp off for a third of 1..1999. Bit for bit."""
+    x = torch.arange(1, 2000, dtype=torch.float32).to(dtype)
+    actual = ModuleGraph(Fn(op))(x)
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual, op(x), atol=0, rtol=0)
+
+
 def test_group_norm_model_trains_under_amp_like_eager() -> None:
     """A GroupNorm CNN under AMP (its compile failed: TVM's group_norm refused bfloat16)."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
