@@ -34,16 +34,19 @@ _OPS = (lambda a, b: relax.op.floor_divide(a, b), lambda a, b: relax.op.floor_mo
 
 
 def test_a_divisor_read_from_a_buffer_is_guarded_a_constant_is_not() -> None:
-    """Before/after: the divisor `b[i]` becomes `select(b[i] == 0, 1, b[i])` and the result 0
-    there; `a // 3` is unchanged."""
+    """Before/after: the divisor `b[i]` becomes `select(b[i] == 0 | b[i] == -1, 1, b[i])`, the
+    result 0 where it is 0 (and the remainder where it is -1), the quotient by -1 `~a + 1` as
+    unsigned (wrapping); `a // 3` is unchanged."""
     before, after = _kernels(_legalized(*_OPS)), _kernels(SafeIntegerDivision()(_legalized(*_OPS)))
+    zero_or_minus_one = "(b[v_ax0] == T.int64(0)) | (b[v_ax0] == T.int64(-1))"
     rewrites = {
         "floor_divide": ("a[v_ax0] // b[v_ax0]",
-                         "T.Select(b[v_ax0] == T.int64(0), T.int64(0), "
-                         "a[v_ax0] // T.Select(b[v_ax0] == T.int64(0), T.int64(1), b[v_ax0]))"),
+                         "T.Select(b[v_ax0] == T.int64(0), T.int64(0), T.Select(b[v_ax0] == T.int64(-1), "
+                         "T.Cast(\"int64\", ~T.Cast(\"uint64\", a[v_ax0]) + T.uint64(1)), "
+                         f"a[v_ax0] // T.Select({zero_or_minus_one}, T.int64(1), b[v_ax0])))"),
         "floor_mod": ("a[v_ax0] % b[v_ax0]",
-                      "T.Select(b[v_ax0] == T.int64(0), T.int64(0), "
-                      "a[v_ax0] % T.Select(b[v_ax0] == T.int64(0), T.int64(1), b[v_ax0]))"),
+                      f"T.Select({zero_or_minus_one}, T.int64(0), "
+                      f"a[v_ax0] % T.Select({zero_or_minus_one}, T.int64(1), b[v_ax0]))"),
     }
     for name, (old, new) in rewrites.items():
         assert before[name].count(old) == 1, before[name]
@@ -76,3 +79,24 @@ def test_a_graph_dividing_integers_by_zero_returns_instead_of_killing_the_proces
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "[[3, 0, 3, -5], [1, 0, 0, -1], [1, 0, 0, 1], [3, 0, 3, -5]]"
+
+
+def test_the_minimum_divided_by_minus_one_wraps_as_torch_instead_of_killing_the_process() -> None:
+    """INT_MIN // -1 overflows x86's idiv, which traps: the process died of SIGFPE (eager wraps:
+    -128 // -1 is -128 in int8, the remainder 0). In a subprocess, so that a crash fails this
+    test only; every signed width, floor division, remainder and fmod (eager's int32 truncating
+    division dies of SIGFPE itself there)."""
+    script = textwrap.dedent("""
+        import torch
+        from tests.conftest import Fn, ModuleGraph
+        fn = lambda a, b: (a // b, a % b, torch.fmod(a, b))
+        for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+            a = torch.tensor([torch.iinfo(dtype).min, 7, -7, torch.iinfo(dtype).max], dtype=dtype)
+            b = torch.tensor([-1, -1, 2, -1], dtype=dtype)
+            for got, want in zip(ModuleGraph(Fn(fn))(a, b), fn(a, b)):
+                assert torch.equal(got, want), (dtype, got, want)
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "ok"

@@ -9,7 +9,10 @@ whose divisor reads a buffer becomes
 
     a / b  ->  select(b == 0, 0, a / select(b == 0, 1, b))
 
-(numpy's result for a zero divisor, 0 for the quotient and the remainder alike). Divisions by
+(numpy's result for a zero divisor, 0 for the quotient and the remainder alike). A signed
+divisor of -1 traps too when a is the dtype's minimum (`idiv` overflows: -128 // -1 of int8
+killed the process): there the quotient is -a, wrapped as torch's (-128), and the remainder 0.
+Divisions by
 constants and by shape variables (index arithmetic) are left as they are: they are never zero
 at run time, and their selects would cost the loops their simplification.
 
@@ -35,6 +38,14 @@ def _reads_a_buffer(expr: tirx.PrimExpr) -> bool:
     return bool(found)
 
 
+def _wrapping_negative(a: tirx.PrimExpr) -> tirx.PrimExpr:
+    """-a with two's-complement wrapping (-INT_MIN is INT_MIN, as torch): ~a + 1 as unsigned,
+    since TVM's signed arithmetic is `nsw` (an overflow is undefined to LLVM), and its
+    simplifier took an unsigned `0 - a` for 0."""
+    unsigned = "u" + str(a.ty)
+    return tirx.Cast(str(a.ty), tirx.bitwise_not(tirx.Cast(unsigned, a)) + tirx.const(1, unsigned))
+
+
 def safe_integer_division(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` with every integer division by a divisor read from a buffer safe from zero."""
 
@@ -46,8 +57,14 @@ def safe_integer_division(func: tirx.PrimFunc) -> tirx.PrimFunc:
         dtype = str(node.ty)
         zero, one = tirx.const(0, dtype), tirx.const(1, dtype)
         is_zero = node.b == zero
-        divided = type(node)(node.a, tirx.Select(is_zero, one, node.b))
-        return tirx.Select(is_zero, zero, divided)
+        if dtype.startswith("uint"):
+            divided = type(node)(node.a, tirx.Select(is_zero, one, node.b))
+            return tirx.Select(is_zero, zero, divided)
+        is_minus_one = node.b == tirx.const(-1, dtype)
+        divided = type(node)(node.a, tirx.Select(is_zero | is_minus_one, one, node.b))
+        if isinstance(node, (tirx.Mod, tirx.FloorMod)):
+            return tirx.Select(is_zero | is_minus_one, zero, divided)
+        return tirx.Select(is_zero, zero, tirx.Select(is_minus_one, _wrapping_negative(node.a), divided))
 
     return structural_mutate(func, [(kind, division) for kind in _DIVISIONS])
 
