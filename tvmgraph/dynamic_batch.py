@@ -6,8 +6,11 @@ entry, and the trace exports that dim as one symbolic size shared by all argumen
 (`torch.export.Dim("batch", min=1)`): Relax, the kernels and the VM's own shape checks then take
 any size, while the other dims stay fixed.
 
-torch.export specializes a dim whose example size is 1 (its 0/1 specialization), so a first
-call with batch 1 is traced with a batch-2 copy of its arguments; tracing only reads shapes.
+A batch of 1 is not in that range: torch.export assumes a symbolic size is at least 2 (its 0/1
+specialization), so `if x.shape[0] == 1:` in build() was compiled as False, and BatchNorm's
+"more than 1 value per channel" check away (a batch of 1 trained on NaN-free garbage). So a
+call of batch 1 has its own static signature (`TensorSpec.shape == (1, 784)`), traced and
+compiled as a graph without a dynamic batch would be.
 """
 
 from __future__ import annotations
@@ -53,17 +56,18 @@ def batch_specs(graph: str, flat: Sequence[torch.Tensor],
                 f"so they must agree. Pass a tensor without a batch (a table, a mask shared by all "
                 f"samples) as a module buffer instead of an argument.")
         specs.append(TensorSpec((None, *t.shape[1:]), t.dtype, t.device))
+    if batch is not None and batch[0] == 1:  # its own entry, static (see the module docstring)
+        return tuple(TensorSpec.of(t) for t in flat)
     return tuple(specs)
 
 
-def export_arguments(flat: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], tuple]:
-    """Example arguments and `dynamic_shapes` for torch.export: one `Dim` for every batch dim.
-
-    A batch of 1 is traced with a batch-2 copy (torch.export specializes sizes 0 and 1)."""
-    batch = torch.export.Dim(BATCH_DIM_NAME, min=1)
-    examples = tuple(t.repeat(2, *([1] * (t.dim() - 1))) if is_batched(t) and t.shape[0] == 1 else t
-                     for t in flat)
-    return examples, tuple({0: batch} if is_batched(t) else None for t in flat)
+def export_arguments(flat: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], tuple | None]:
+    """Example arguments and `dynamic_shapes` for torch.export: one `Dim` for every batch dim;
+    none for a batch of 1 (static, see the module docstring)."""
+    if any(is_batched(t) and t.shape[0] == 1 for t in flat):
+        return tuple(flat), None
+    batch = torch.export.Dim(BATCH_DIM_NAME, min=2)
+    return tuple(flat), tuple({0: batch} if is_batched(t) else None for t in flat)
 
 
 HINT = ("\nThe graph has a dynamic batch (config.enable_dynamic_batch()): build() must work for any "
