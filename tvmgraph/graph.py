@@ -55,7 +55,7 @@ from .amp import autocast_args, check_scaler
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten, tuple_of_tensors
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
 from .trace import trace_build, tracing_graph
-from .training.accumulation import first_micro_batch
+from .training.accumulation import check_micro_batches, first_micro_batch
 from .training.data_parallel import DataParallel, Ranks
 from .training.pipeline_parallel import PipelineEntry, compile_pipeline
 from .training.optimizers import rule_for
@@ -465,6 +465,9 @@ class Graph:
                 entry = _holding(variants)
         if entry is None:
             entry = self._compile(st, signature, args_tree, flat, variants[-1] if variants else None)
+        elif signature.options.dynamic_batch and signature.options.gradient_accumulation_steps > 1:
+            check_micro_batches(st.name, lambda: self._leaf_paths(st, args_tree), flat,
+                                signature.options.gradient_accumulation_steps)
         entry.data_parallel = parallel
         return entry
 

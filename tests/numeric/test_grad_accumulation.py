@@ -160,6 +160,20 @@ def test_indivisible_batch_is_an_error_naming_graph_argument_and_fix() -> None:
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+def test_an_indivisible_batch_under_a_dynamic_batch_is_an_error_at_every_call() -> None:
+    """The dynamic program was compiled at batch 8 (4 micro-batches of 2); a later batch of 10
+    ran it on 4 x 2 rows, silently dropping two (the check ran at compile time only)."""
+    model = mlp()
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    graph.config.set_gradient_accumulation_steps(4)
+    graph.config.enable_dynamic_batch()
+    graph(torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(MicroBatchError, match=rf"{graph.name}: argument 'x' has 10 rows on dim 0"):
+        graph(torch.randn(10, 32), torch.randint(0, 10, (10,)))
+    assert graph.step == 1 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 def test_accumulation_without_optimizer_is_a_config_error() -> None:
     graph = ModuleGraph(mlp())
     graph.config.set_gradient_accumulation_steps(2)

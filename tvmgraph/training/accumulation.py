@@ -65,16 +65,23 @@ def first_micro_batch(graph: str, paths: Sequence[str], flat: Sequence[torch.Ten
         raise ConfigError(f"{graph}: set_gradient_accumulation_steps({steps}) is set but the graph has no "
                           f"optimizer; gradient accumulation applies to training graphs only. Leave it at 1 "
                           f"for this graph, or add_optimizer() in __init__.")
-    for path, t in zip(paths, flat):
+    check_micro_batches(graph, lambda: list(paths), flat, steps)
+    return [t.narrow(0, 0, t.shape[0] // steps) if t.dim() else t for t in flat]
+
+
+def check_micro_batches(graph: str, paths: Callable[[], list[str]], flat: Sequence[torch.Tensor], steps: int) -> None:
+    """MicroBatchError unless every batched argument splits into `steps` equal micro-batches;
+    `paths()` names the arguments. Checked at every call of a dynamic batch's program too: it
+    took a later batch of 10 in 4 micro-batches of 2 and trained on 8 rows, silently."""
+    for i, t in enumerate(flat):
         if t.dim() and t.shape[0] % steps:
             fits = [d for d in range(1, t.shape[0] + 1) if t.shape[0] % d == 0 and d > 1]
             raise MicroBatchError(
-                f"{graph}: argument '{path}' has {t.shape[0]} rows on dim 0, which gradient accumulation "
+                f"{graph}: argument '{paths()[i]}' has {t.shape[0]} rows on dim 0, which gradient accumulation "
                 f"cannot split into {steps} equal micro-batches (every argument with a dimension is split on "
                 f"dim 0). Pass a batch that is a multiple of {steps} (drop or pad the last batch: "
                 f"DataLoader(drop_last=True)), or set_gradient_accumulation_steps(n) with n dividing "
                 f"{t.shape[0]} ({', '.join(map(str, fits[:6])) or 'none above 1'}).")
-    return [t.narrow(0, 0, t.shape[0] // steps) if t.dim() else t for t in flat]
 
 
 def micro_batches(flat: Sequence[torch.Tensor], steps: int) -> list[list[torch.Tensor]]:
