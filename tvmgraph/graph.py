@@ -54,7 +54,7 @@ from .graph_repr import graph_repr
 from .amp import autocast_args, check_scaler
 from .spec import NotATreeError, Signature, TensorSpec, TreeDef, flatten, tuple_of_tensors
 from .stages import CompiledGraph, LoweredGraph, TracedGraph
-from .trace import trace_build, tracing_graph
+from .trace import shared_storage, trace_build, tracing_graph
 from .training.accumulation import check_micro_batches, first_micro_batch
 from .training.data_parallel import DataParallel, Ranks
 from .training.pipeline_parallel import PipelineEntry, compile_pipeline
@@ -363,6 +363,8 @@ class Graph:
             self._check_callable(st, args, {})
             flat, args_tree = self._flatten_args(st, args)
             entry = self._entry_for(st, args_tree, flat)
+        if any(m.kind == "user" for m in entry.signature.mutations):
+            self._refuse_shared_arguments(st, args_tree, flat)
         st.last = entry
         try:
             outputs = self._run(st, entry, flat)
@@ -470,6 +472,20 @@ class Graph:
                                 signature.options.gradient_accumulation_steps)
         entry.data_parallel = parallel
         return entry
+
+    def _refuse_shared_arguments(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> None:
+        """GraphArgumentError when two arguments share memory and build() updates one in place:
+        the program reads them as separate tensors, where eager's other one sees the update (a
+        program compiled for separate tensors and called with `g(x, x)` was 1.0 off eager). A
+        first call so fails to trace (trace.aliasing_hint); this checks the later ones."""
+        pair = shared_storage((str(i), t) for i, t in enumerate(flat))
+        if pair is not None:
+            paths = self._leaf_paths(st, args_tree)
+            first, second = (paths[int(i)] for i in pair)
+            raise GraphArgumentError(
+                f"{st.name}: arguments '{first}' and '{second}' share memory (one tensor, or views of one), and "
+                f"build() updates an argument in place, which the compiled program reads as separate tensors: "
+                f"pass a copy, `{second}.clone()`.")
 
     def _parallel(self, st: _GraphState) -> DataParallel | None:
         """The graph's data-parallel state when it trains in a process group of 2 or more ranks."""

@@ -326,6 +326,15 @@ def test_one_tensor_passed_twice_and_updated_in_place_names_the_arguments() -> N
     assert torch.equal(Adds()(x + 1, x + 1), torch.full((3,), 2.0))
     y = torch.ones(3)
     assert torch.equal(Adds()(y, y), torch.full((3,), 2.0))
+    # Compiled for separate tensors, then called with one tensor (or overlapping views) twice:
+    # the program read them as two, 1.0 off eager, silently; refused at every call now.
+    bumps = Bumps()
+    bumps(torch.zeros(3), torch.zeros(3))
+    z = torch.zeros(4)
+    for a, b in ((x, x), (z[:3], z[1:])):
+        with pytest.raises(errors.GraphArgumentError, match=rf"{bumps.name}: arguments 'a' and 'b' share memory"):
+            bumps(a, b)
+    assert torch.equal(x, torch.zeros(3))
 
 
 def test_a_slice_at_a_tensor_position_suggests_indexing_with_tensors() -> None:
