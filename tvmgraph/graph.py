@@ -365,6 +365,8 @@ class Graph:
             entry = self._entry_for(st, args_tree, flat)
         if any(m.kind == "user" for m in entry.signature.mutations):
             self._refuse_shared_arguments(st, args_tree, flat)
+        if entry.training is not None and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+            self._refuse_arguments_requiring_grad(st, args_tree, flat, entry)
         st.last = entry
         try:
             outputs = self._run(st, entry, flat)
@@ -472,6 +474,21 @@ class Graph:
                                 signature.options.gradient_accumulation_steps)
         entry.data_parallel = parallel
         return entry
+
+    def _refuse_arguments_requiring_grad(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor],
+                                         entry: CompiledGraph) -> None:
+        """GraphArgumentError for an argument that requires grad in a training call: eager's
+        backward() fills its .grad (and flows into what made it), the graph's computes the
+        parameters' gradients only, and the argument's stayed None, silently. A pipeline stage
+        takes its input's gradient (training/pipeline.py): allowed there."""
+        if entry.traced.signature.options.pipeline_stage is not None:
+            return
+        path = self._leaf_paths(st, args_tree)[next(i for i, t in enumerate(flat) if t.requires_grad)]
+        raise GraphArgumentError(
+            f"{st.name}: argument '{path}' requires grad, and the graph's backward() computes the gradients of its "
+            f"parameters only: '{path}'.grad (and the gradients of what produced it) would stay empty. Pass "
+            f"`{path}.detach()`, or register the module that produced it in the graph (or make '{path}' an "
+            f"nn.Parameter of a registered module to train it).")
 
     def _refuse_shared_arguments(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> None:
         """GraphArgumentError when two arguments share memory and build() updates one in place:

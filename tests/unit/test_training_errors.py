@@ -42,6 +42,20 @@ def test_backward_on_a_non_scalar_loss() -> None:
         graph(torch.ones(4, 3))
 
 
+def test_an_argument_requiring_grad_in_a_training_call_is_refused() -> None:
+    """Eager's backward() fills x.grad (an FGSM attack reads it; an upstream eager model gets its
+    gradients); the graph's computes its parameters' gradients only and x.grad stayed None,
+    silently. Refused, naming the argument and the fix; x.detach() or no_grad trains as before."""
+    graph = Train()
+    x = torch.ones(4, 3, requires_grad=True)
+    before = graph.model.weight.detach().clone()
+    with pytest.raises(errors.GraphArgumentError, match=rf"{graph.name}: argument 'x' requires grad.*`x\.detach\(\)`"):
+        graph(x)
+    assert x.grad is None and torch.equal(graph.model.weight, before)
+    graph(x.detach())
+    assert not torch.equal(graph.model.weight, before)
+
+
 def test_backward_twice() -> None:
     graph = Train(loss="twice")
     with pytest.raises(errors.BackwardError, match=r"backward\(\) was called twice"):
