@@ -22,6 +22,8 @@ import dataclasses
 import inspect
 import itertools
 import operator
+import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,6 +76,23 @@ MSG_INIT_NOT_CALLED = """\
             super().__init__()      # must come first
             self.model = model
 """
+
+# Graph calls in one process run one at a time, any graph, any thread. Tracing puts hooks on
+# the user's modules and torch.export patches torch's global state: another thread's call of an
+# already compiled graph over the same modules saw the hooks, traced again at the same time,
+# and failed inside torch.export ("Trying to pop empty mode stack"); concurrent first calls of
+# one graph failed alike. Running a compiled program holds the GIL anyway, and its kernels use
+# every core. Reentrant: build() may call another graph. A child forked while another thread
+# held it (a DataLoader worker) gets a fresh one.
+_ONE_CALL_AT_A_TIME = threading.RLock()
+
+
+def _fresh_call_lock() -> None:
+    global _ONE_CALL_AT_A_TIME
+    _ONE_CALL_AT_A_TIME = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_fresh_call_lock)
 
 
 class _GraphState:
@@ -352,6 +371,10 @@ class Graph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the graph: compile on the first call of each signature, then execute."""
+        with _ONE_CALL_AT_A_TIME:
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         st = self._state("calling the graph")
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             self._refuse_ambient_autocast(st, args, kwargs)
