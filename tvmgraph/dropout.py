@@ -8,6 +8,8 @@ the seed instead of keeping it, so no mask tensor lives between the two passes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tvm import te, tirx as tir
 
 from .counter_rng import bits, fmix32_reference, linear_index, op_key, op_key_reference, u32
@@ -19,8 +21,9 @@ def keep_threshold(p: float) -> int:
     return int(round((1.0 - p) * (1 << _BITS)))
 
 
-def _mask_value(seed: te.Tensor, shape: tuple[int, ...], p: float, salt: int, dtype: str):
-    """A function of an element index: 1 / (1 - p) where the element is kept, else 0."""
+def _mask_value(seed: te.Tensor, shape: Sequence[tir.PrimExpr], p: float, salt: int, dtype: str):
+    """A function of an element index: 1 / (1 - p) where the element is kept, else 0. `shape`
+    may be symbolic (a dynamic batch: its int() failed to compile a train-mode dropout)."""
     key = op_key(seed, salt)
     threshold = u32(keep_threshold(p))
     scale = tir.const(1.0 / (1.0 - p), dtype)
@@ -33,19 +36,15 @@ def _mask_value(seed: te.Tensor, shape: tuple[int, ...], p: float, salt: int, dt
     return value
 
 
-def _shape(t: te.Tensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in t.shape)
-
-
 def dropout_apply(x: te.Tensor, seed: te.Tensor, p: float, salt: int) -> te.Tensor:
     """Forward: `x * mask`; `seed` is int64[2]."""
-    mask = _mask_value(seed, _shape(x), p, salt, x.dtype)
+    mask = _mask_value(seed, x.shape, p, salt, x.dtype)
     return te.compute(x.shape, lambda *i: x(*i) * mask(*i), name="dropout")
 
 
 def dropout_grad(grad: te.Tensor, x: te.Tensor, seed: te.Tensor, p: float, salt: int) -> list[te.Tensor]:
     """Backward: `grad * mask` for x (the same mask, recomputed); zeros for the seed."""
-    mask = _mask_value(seed, _shape(x), p, salt, x.dtype)
+    mask = _mask_value(seed, x.shape, p, salt, x.dtype)
     grad_x = te.compute(x.shape, lambda *i: grad(*i) * mask(*i), name="dropout_grad")
     grad_seed = te.compute(seed.shape, lambda *i: tir.const(0, seed.dtype), name="dropout_seed_grad")
     return [grad_x, grad_seed]
@@ -53,7 +52,7 @@ def dropout_grad(grad: te.Tensor, x: te.Tensor, seed: te.Tensor, p: float, salt:
 
 def dropout_keep(x: te.Tensor, seed: te.Tensor, p: float, salt: int) -> te.Tensor:
     """The boolean keep mask (aten's second output of native_dropout)."""
-    mask = _mask_value(seed, _shape(x), p, salt, x.dtype)
+    mask = _mask_value(seed, x.shape, p, salt, x.dtype)
     return te.compute(x.shape, lambda *i: mask(*i) != tir.const(0, x.dtype), name="dropout_keep")
 
 

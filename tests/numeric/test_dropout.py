@@ -150,3 +150,20 @@ def test_rnn_dropout_between_layers_trains_as_eager(make) -> None:
         torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5, msg=name)
     half = ModuleGraph(RNNOutput(make(0.5)).train())
     assert not torch.equal(half(x), half(x))
+
+
+def test_dropout_trains_under_a_dynamic_batch() -> None:
+    """The mask's shape was taken as ints: a symbolic batch failed to compile (CompileError
+    called a tvmgraph bug), so a TransformerEncoderLayer (dropout 0.1) could not train with a
+    dynamic batch. Train mode at batches 8 and 5, one program; kept elements scaled by 1/(1-p)."""
+    model = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5))
+    graph = TrainGraph(model, lambda out, _: out.square().mean(), torch.optim.SGD(model.parameters(), lr=0.01))
+    graph.config.enable_dynamic_batch()
+    for batch in (8, 5):
+        graph(torch.randn(batch, 4), torch.zeros(batch))
+    inference = ModuleGraph(nn.Dropout(0.5).train())
+    inference.config.enable_dynamic_batch()
+    for batch in (8, 5):
+        out = inference(torch.ones(batch, 200))
+        assert out.shape == (batch, 200) and set(out.unique().tolist()) == {0.0, 2.0}
+    assert inference.num_compiled == 1 and graph.num_compiled == 1
