@@ -82,7 +82,7 @@ def _padded_softmax(x: te.Tensor, padded: int, log: bool) -> te.Tensor:
     """(log_)softmax over the last axis of `x`, computed on rows padded to `padded` with -inf."""
     rows = padded_rows(x, padded)
     out = topi.nn.log_softmax(rows, axis=-1) if log else topi.nn.softmax(rows, axis=-1)
-    return topi.strided_slice(out, [0] * len(x.shape), [int(d) for d in x.shape])
+    return topi.strided_slice(out, [0] * len(x.shape), list(x.shape), [1] * len(x.shape))  # (rows may be symbolic)
 
 
 @tvm.transform.module_pass(opt_level=0, name="PadRaggedSoftmax")

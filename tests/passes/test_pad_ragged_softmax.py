@@ -90,3 +90,23 @@ def _lanes() -> int:
     from tvmgraph.schedules.cpu_target import CPUTarget
 
     return CPUTarget.from_target(HOST).lanes("float32")
+
+
+def test_rows_of_a_symbolic_count_are_padded_and_match_torch() -> None:
+    """A dynamic batch's cross entropy over (batch * T, 20) logits: the pass took the row count
+    as an int, raised, and the graph compiled without it. Rows of 20 padded to 24 (AVX2's 8
+    lanes) for any count; the padded kernel run on this host."""
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 20), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.log_softmax(x, axis=-1))
+        bb.emit_func_output(y)
+    mod = padded(bb.get())
+    assert "R.call_tir(log_softmax_padded" in mod["main"].script()
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(mod), target=HOST), tvm.cpu())
+    for rows in (3, 10):
+        x = torch.randn(rows, 20)
+        out = torch.from_numpy(vm["main"](tvm.runtime.tensor(x.numpy())).numpy())
+        torch.testing.assert_close(out, torch.log_softmax(x, -1), atol=1e-5, rtol=1e-5)
