@@ -33,6 +33,7 @@ from .config import GraphConfig
 from .debug import GraphLog
 from .dynamic_batch import batch_specs
 from .errors import (
+    BackwardError,
     BuildNotImplementedError,
     ConfigError,
     DeviceMismatchError,
@@ -376,6 +377,13 @@ class Graph:
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         st = self._state("calling the graph")
+        if st.optimizers and not torch.is_grad_enabled():
+            # As eager's loss.backward() fails there. Before, a first call so failed to find the
+            # parameters (OptimizerError) and a compiled training graph trained, silently.
+            raise BackwardError(
+                f"{st.name}: the graph trains (add_optimizer) and was called under torch.no_grad() or "
+                f"torch.inference_mode(), where build()'s loss.backward() fails in eager. Call it outside, "
+                f"and evaluate with a graph that has no optimizer.")
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             self._refuse_ambient_autocast(st, args, kwargs)
         entry = None if kwargs else self._last_entry_again(st, args)

@@ -45,7 +45,7 @@ def test_backward_on_a_non_scalar_loss() -> None:
 def test_an_argument_requiring_grad_in_a_training_call_is_refused() -> None:
     """Eager's backward() fills x.grad (an FGSM attack reads it; an upstream eager model gets its
     gradients); the graph's computes its parameters' gradients only and x.grad stayed None,
-    silently. Refused, naming the argument and the fix; x.detach() or no_grad trains as before."""
+    silently. Refused, naming the argument and the fix; x.detach() trains as before."""
     graph = Train()
     x = torch.ones(4, 3, requires_grad=True)
     before = graph.model.weight.detach().clone()
@@ -54,6 +54,20 @@ def test_an_argument_requiring_grad_in_a_training_call_is_refused() -> None:
     assert x.grad is None and torch.equal(graph.model.weight, before)
     graph(x.detach())
     assert not torch.equal(graph.model.weight, before)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_a_training_call_under_no_grad_is_a_backward_error_every_time(context) -> None:
+    """Eager's loss.backward() fails under no_grad. Before: a first call so raised an
+    OptimizerError about build(), and a compiled graph's call trained, silently."""
+    graph = Train()
+    with context(), pytest.raises(errors.BackwardError, match=rf"{graph.name}: the graph trains .* torch.no_grad"):
+        graph(torch.ones(4, 3))
+    graph(torch.ones(4, 3))
+    before = graph.model.weight.detach().clone()
+    with context(), pytest.raises(errors.BackwardError):
+        graph(torch.ones(4, 3))
+    assert torch.equal(graph.model.weight, before) and graph.step == 1
 
 
 def test_backward_twice() -> None:
