@@ -298,6 +298,13 @@ def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> 
             f"{graph_name}: {what} is a {str(node.meta['val'].dtype).removeprefix('torch.')} tensor; TVM has "
             f"no complex dtypes. Keep complex values outside the graph: pass torch.view_as_real(z) (real and "
             f"imaginary parts as a last dim of 2) and compute with the parts.")
+    float8 = next((node for node in exported.graph.nodes if _dtypes(node) & _FLOAT8), None)
+    if float8 is not None:  # the importer raised NotImplementedError, reported as a tvmgraph bug
+        what = (f"input '{float8.name}'" if float8.op == "placeholder" else describe(float8))
+        dtype = sorted(_dtypes(float8) & _FLOAT8, key=str)[0]
+        raise UnsupportedOpError(
+            f"{graph_name}: {what} is a {str(dtype).removeprefix('torch.')} tensor; TVM 0.27's PyTorch importer has "
+            f"no float8 dtypes. Keep float8 casts outside the graph, or emulate the rounding in float32.")
     cond = getattr(torch.ops.higher_order, "cond", None)
     branching = [node for node in exported.graph.nodes if node.op == "call_function" and node.target is cond]
     if branching:  # TVM translates the branches with its own converters only (a CompileError)
@@ -313,6 +320,15 @@ def check_supported(exported: torch.export.ExportedProgram, graph_name: str) -> 
             + "\nRewrite that code with supported torch ops, or run the module eagerly outside "
             "the graph. Supported ops are listed by `tvmgraph.lower.supported_ops()`."
         )
+
+
+_FLOAT8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                             "float8_e8m0fnu") if hasattr(torch, name)}
+
+
+def _dtypes(node: torch.fx.Node) -> set[torch.dtype]:
+    values = node.meta.get("val")
+    return {v.dtype for v in (values if isinstance(values, (list, tuple)) else [values]) if isinstance(v, torch.Tensor)}
 
 
 def _is_complex(node: torch.fx.Node) -> bool:

@@ -240,6 +240,14 @@ def test_complex_tensors_are_refused_with_the_fix() -> None:
         graph(torch.ones(2, dtype=torch.complex64))
 
 
+def test_float8_casts_are_refused_with_the_fix() -> None:
+    """The importer raised NotImplementedError ("input_type torch.float8_e4m3fn is not handled"),
+    reported as a CompileError that called itself a tvmgraph bug."""
+    graph = ModuleGraph(Fn(lambda x: x.to(torch.float8_e4m3fn).float()))
+    with pytest.raises(UnsupportedOpError, match=r"float8_e4m3fn tensor; TVM 0.27's PyTorch importer has no float8"):
+        graph(torch.ones(2))
+
+
 def test_graph_name_is_in_the_refusal() -> None:
     graph = ModuleGraph(Fn(lambda z: torch.fft.rfft(z).abs()))
     with pytest.raises(UnsupportedOpError, match=rf"^{graph.name}: aten\._fft_r2c"):
