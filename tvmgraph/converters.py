@@ -246,6 +246,19 @@ def neg(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
     return stock_converter(importer, "neg.default")(node)
 
 
+def sign(key: str) -> Converter:
+    """sign / sgn; of an unsigned integer, `x > 0` (TVM's legalization makes a -1 of the
+    unsigned dtype, which it refuses: a PassError)."""
+    def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
+        x = importer.env[node.args[0]]
+        dtype = x.ty.dtype.dtype
+        if dtype.startswith("uint"):
+            bb = importer.block_builder
+            return bb.emit(relax.op.astype(relax.op.greater(x, relax.const(0, dtype)), dtype))
+        return stock_converter(importer, key)(node)
+    return convert
+
+
 _ITEMS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
 
 
@@ -699,6 +712,8 @@ CONVERTERS: dict[str, Converter] = {
     "index_put.default": index_put,
     "item.default": item,
     "neg.default": neg,
+    "sign.default": sign("sign.default"),
+    "sgn.default": sign("sgn.default"),
     "_local_scalar_dense.default": item,
     "add.Tensor": add_or_sub("add"),
     "add.Scalar": add_or_sub("add"),

@@ -262,6 +262,9 @@ FORWARD = [
     # TVM negated a uint8 by multiplying with a uint8 -1, which its legalization refused (a PassError)
     pytest.param(lambda u: (-u, torch.neg(u), -(u.to(torch.int8))),
                  lambda: (torch.tensor([[27, 143, 212, 0, 1, 255]], dtype=torch.uint8),), id="neg-unsigned"),
+    # sign of an unsigned integer: TVM's legalization made a uint8 -1 too (a PassError)
+    pytest.param(lambda u: (torch.sign(u), torch.sgn(u), torch.sign(u.to(torch.int8))),
+                 lambda: (torch.tensor([[27, 143, 212, 0, 1, 255]], dtype=torch.uint8),), id="sign-unsigned"),
     pytest.param(lambda i, j: (i < 0.5, i == 2.0, torch.where(i > 0, i, 0.5), torch.maximum(i, j.double()),
                                i.to(torch.uint8) * 2, i.to(torch.int8) + 1.5, torch.arange(6) / 6),
                  lambda: (_ints(), _ints().flip(1) * 1.5), id="promotion-mixed"),
