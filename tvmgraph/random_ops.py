@@ -14,8 +14,10 @@ The numbers follow torch's distributions, not its generator: a graph and eager d
 samples from the same `torch.manual_seed`. `rand` draws at the resolution of its dtype (24 bits
 for float32, 53 for float64, 8 for bfloat16, 11 for float16), so it never returns 1.0; the
 other distributions transform float32 draws (float64 for float64) and round the result to the
-dtype (at 8 bits, bfloat16 normals had no tail past 3.5); normals come from Box-Muller. Random ops with no converter here (`multinomial`, `randperm`,
-`poisson`) raise UnsupportedOpError like any op without a lowering.
+dtype (at 8 bits, bfloat16 normals had no tail past 3.5); normals come from Box-Muller.
+Random ops with no converter here (`multinomial`, `randperm`, `poisson`, `random_`,
+`bernoulli_` of a tensor p, a draw with a `generator=`) raise UnsupportedOpError like any op
+without a lowering.
 """
 
 from __future__ import annotations
