@@ -18,8 +18,10 @@ once. TVM 0.27 either refuses them in 16 bits or rounds at every step:
   and `F.normalize` and `F.cosine_similarity` gave 0;
 - a bfloat16 layer norm rounded its mean, centred values, variance and scale to bfloat16 one
   by one (OpInfo's sample with eps = -0.5: 2 ulps off torch's float32-then-rounded result).
-Each op of `FLOAT32_OPS` reads its 16-bit float inputs cast to float32, and each result is cast
-to the dtype torch gives it. Found by the 16-bit OpInfo sweeps
+- `x * 1e-8`, `x / 70000`, `x * 0.1` of float16 (`SCALAR_OPS` with a Python number): the
+  number became a float16 constant first (0, inf, and 1 ulp off for a third of the values).
+Each op of `FLOAT32_OPS` (and of `SCALAR_OPS` with a number) reads its 16-bit float inputs cast
+to float32, and each result is cast to the dtype torch gives it. Found by the 16-bit OpInfo sweeps
 (`TVMGRAPH_TEST_OPINFO=ci:bfloat16`, `ci:float16`) and tested in tests/numeric/test_amp.py.
 """
 
