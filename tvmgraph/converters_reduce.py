@@ -29,6 +29,7 @@ as torch's does.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
@@ -256,9 +257,24 @@ def variance(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
         return var
     n = importer._reduction_size(x, dims)
     if n is None:
-        return importer._var_correction(node)  # (it says what it cannot do)
+        shape = getattr(x.ty, "shape", None)
+        if shape is None:
+            return importer._var_correction(node)  # (it says what it cannot do)
+        return bb.emit(op.multiply(var, _symbolic_correction(bb, shape, dims, correction, x.ty.dtype.dtype)))
     scale = float(n) / float(n - correction) if n - correction > 0 else math.inf
     return bb.emit(op.multiply(var, relax.const(scale, x.ty.dtype.dtype)))
+
+
+def _symbolic_correction(bb: relax.BlockBuilder, shape: relax.ShapeExpr, dims: object, correction: float,
+                         dtype: str) -> relax.Expr:
+    """n / max(n - correction, 0) as a 0-d tensor, n the symbolic count of reduced elements (a
+    dynamic batch: `x.var(0)`, refused before). n is a sum of ones: autodiff fails on
+    `shape_to_tensor`. Where n - correction <= 0 it is inf, as the static scale."""
+    axes = range(len(shape)) if not dims else [int(d) % len(shape) for d in dims]
+    count = functools.reduce(operator.mul, [shape[a] for a in axes])
+    n = bb.emit(op.sum(op.ones(relax.ShapeExpr([count]), dtype)))
+    kept = op.maximum(op.subtract(n, relax.const(float(correction), dtype)), relax.const(0.0, dtype))
+    return bb.emit(op.divide(n, kept))
 
 
 def var_mean(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:

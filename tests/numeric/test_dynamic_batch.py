@@ -442,6 +442,22 @@ def test_a_batch_of_one_is_its_own_static_entry_where_build_sees_the_one() -> No
         train(torch.randn(1, 4), torch.randn(1, 8))
 
 
+def test_variance_along_the_batch_with_a_correction_matches_eager() -> None:
+    """var/std along a dynamic batch with the default correction (n - 1) were refused ("requires
+    statically known reduction-axis sizes"); n is counted at run time now. Inference, then
+    training through the unbiased variance."""
+    graph = dynamic(ModuleGraph(Fn(lambda x: (x.var(0), x.std(0), x.var((0, 1)), x.var(0, correction=2)))))
+    for batch in (5, 3, 9):
+        x = torch.randn(batch, 4)
+        for got, want in zip(graph(x), (x.var(0), x.std(0), x.var((0, 1)), x.var(0, correction=2))):
+            assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    run_dynamic_side_by_side(model, [(torch.randn(n, 4), torch.zeros(n)) for n in (6, 3, 8)],
+                             loss_fn=lambda out, _: out.var(0).sum())
+    assert graph.num_compiled == 1
+
+
 def test_batch_size_zero_is_a_clear_error() -> None:
     graph = dynamic(ModuleGraph(mlp()))
     with pytest.raises(GraphArgumentError, match=r"'args\[0\]' has batch size 0"):
