@@ -394,10 +394,11 @@ class Graph:
             self._check_callable(st, args, {})
             flat, args_tree = self._flatten_args(st, args)
             entry = self._entry_for(st, args_tree, flat)
-        if any(m.kind == "user" for m in entry.signature.mutations):
-            self._refuse_shared_arguments(st, args_tree, flat)
-        if entry.training is not None and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-            self._refuse_arguments_requiring_grad(st, args_tree, flat, entry)
+        if isinstance(entry, CompiledGraph):  # (a pipeline stage's entry has its own inputs)
+            if any(m.kind == "user" for m in entry.signature.mutations):
+                self._refuse_shared_arguments(st, args_tree, flat)
+            if entry.training is not None and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+                self._refuse_arguments_requiring_grad(st, args_tree, flat)
         st.last = entry
         try:
             outputs = self._run(st, entry, flat)
@@ -506,14 +507,10 @@ class Graph:
         entry.data_parallel = parallel
         return entry
 
-    def _refuse_arguments_requiring_grad(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor],
-                                         entry: CompiledGraph) -> None:
+    def _refuse_arguments_requiring_grad(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> None:
         """GraphArgumentError for an argument that requires grad in a training call: eager's
         backward() fills its .grad (and flows into what made it), the graph's computes the
-        parameters' gradients only, and the argument's stayed None, silently. A pipeline stage
-        takes its input's gradient (training/pipeline.py): allowed there."""
-        if entry.traced.signature.options.pipeline_stage is not None:
-            return
+        parameters' gradients only, and the argument's stayed None, silently."""
         path = self._leaf_paths(st, args_tree)[next(i for i, t in enumerate(flat) if t.requires_grad)]
         raise GraphArgumentError(
             f"{st.name}: argument '{path}' requires grad, and the graph's backward() computes the gradients of its "
