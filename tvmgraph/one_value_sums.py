@@ -20,6 +20,7 @@ TVM's, for a reduction that keeps an axis longer than 1). Exact up to the order 
 
 from __future__ import annotations
 
+import math
 
 import tvm
 from tvm import relax, te, tirx, topi
@@ -37,17 +38,81 @@ def to_one_value(shape: list, axis: object) -> bool:
     return all(isinstance(shape[i], tirx.IntImm) and int(shape[i]) == 1 for i in kept)
 
 
+# The schedules' chunks hold about sqrt(lanes n) elements (schedules/reduction.py
+# `_chunk_partials`), whole vectors of the innermost axis; 16 lanes is the most (AVX-512).
+CHUNKED_FROM = 1 << 12
+_LANES = 16
+
+
+def cut(shape: list) -> tuple[int, int] | None:
+    """(axis, m): where a sum of all of `shape` is cut in two, [0, m) and [m, extent) of that
+    axis, so that the schedules can chunk the first part; None to leave it whole.
+
+    The chunks are whole runs of the innermost axes, the outermost of them split at a divisor:
+    a length with no divisor near the chunk size (a prime 3999971, 2 x 1000003) was summed in one
+    chain per vector lane, and `x.var()` of such a tensor of 1e3 + randn came out 408 (eager 1).
+    The axis cut is the one the chunks split; m is a multiple of a power of two that makes a
+    chunk (so a divisor exists), the tail a short sum."""
+    if not all(isinstance(d, (int, tirx.IntImm)) for d in shape):
+        return None
+    dims = [int(d) for d in shape]
+    n = math.prod(dims)
+    if n < CHUNKED_FROM:
+        return None
+    target = math.isqrt(_LANES * n)
+    inner = 1
+    for axis in reversed(range(len(dims))):
+        extent = dims[axis]
+        if extent * inner >= target:
+            lanes = _LANES if axis == len(dims) - 1 else 1  # whole vectors in the innermost axis
+            least = max(lanes, math.ceil(target / inner))
+            if any(extent % d == 0 and d % lanes == 0 for d in range(least, min(extent // 2, 64 * least) + 1)):
+                return None  # the schedules find a chunk of this axis (within 64 chunk sizes)
+            step = 1 << math.ceil(math.log2(least))
+            return (axis, extent - extent % step) if extent >= 2 * step else None
+        inner *= extent
+    return None
+
+
+def _total(x: te.Tensor, term=None) -> te.Tensor:
+    """The 0-d sum of `term(*index)` (default: x's elements) over x's index space, cut (`cut`)."""
+    term = term or (lambda *i: x(*i))
+    where = cut(list(x.shape))
+    if where is None:
+        return te.compute((), lambda: _sum_over(x.shape, term, None), name="total")
+    axis, m = where
+    head = te.compute((), lambda: _sum_over(x.shape, term, (axis, 0, m)), name="total_head")
+    tail = te.compute((), lambda: _sum_over(x.shape, term, (axis, m, int(x.shape[axis]))), name="total_tail")
+    return te.compute((), lambda: head() + tail(), name="total")
+
+
+def _sum_over(shape: list, term, span: tuple[int, int, int] | None) -> tirx.PrimExpr:
+    """te.sum of `term` over `shape`, axis `span[0]` over [span[1], span[2]) only."""
+    axes = []
+    for k, extent in enumerate(shape):
+        if span is not None and k == span[0]:
+            axes.append(te.reduce_axis((0, span[2] - span[1]), name=f"k{k}"))
+        else:
+            axes.append(te.reduce_axis((0, extent), name=f"k{k}"))
+    index = [a + span[1] if span is not None and k == span[0] and span[1] else a for k, a in enumerate(axes)]
+    return te.sum(term(*index), axis=axes)
+
+
+def _sum(x: te.Tensor) -> te.Tensor:
+    return _total(x)
+
+
 def _mean(x: te.Tensor) -> te.Tensor:
-    return topi.divide(topi.sum(x), _compute_shape_prod(x, None))
+    return topi.divide(_total(x), _compute_shape_prod(x, None))
 
 
 def _variance(x: te.Tensor) -> te.Tensor:
     mean = _mean(x)
-    squares = te.compute(x.shape, lambda *i: (x(*i) - mean()) * (x(*i) - mean()), name="squared_deviation")
-    return _mean(squares)
+    squares = _total(x, lambda *i: (x(*i) - mean()) * (x(*i) - mean()))
+    return topi.divide(squares, _compute_shape_prod(x, None))
 
 
-_ZERO_DIM = {"relax.sum": topi.sum, "relax.mean": _mean, "relax.variance": _variance}
+_ZERO_DIM = {"relax.sum": _sum, "relax.mean": _mean, "relax.variance": _variance}
 
 
 def _register(op_name: str) -> None:
