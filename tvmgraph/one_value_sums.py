@@ -128,7 +128,8 @@ def _register(op_name: str) -> None:
             return fallback(bb, call)
 
         def reduce(data: te.Tensor) -> te.Tensor:
-            return topi.reshape(zero_dim(data), list(out_shape.values))
+            value = zero_dim(data)  # (0-d: left unreshaped, or FuseOps saw an opaque kernel)
+            return topi.reshape(value, list(out_shape.values)) if len(out_shape.values) else value
         return bb.call_te(reduce, x, primfunc_name_hint=op_name.split(".")[-1])
 
     tvm.ir.register_op_attr(op_name, "FLegalize", legalize, level=_LEVEL)
