@@ -14,6 +14,9 @@ mean too), which the schedules chunk, then reshaped to the kept shape:
     mean(x (1000, 1000), keepdims=True)  ->  reshape(sum(x) / 1e6, (1, 1))
     variance(x)                          ->  sum((x - sum(x) / n)^2) / n, its mean 0-d
 
+A length with no divisor for a chunk is cut after whole chunks (`cut`), and the two parts
+summed apart: `sum(x (1000003,))  ->  sum(x[:999424]) + sum(x[999424:])`.
+
 Registered at a level above ragged_sums' legalizations (it falls back to them, and they to
 TVM's, for a reduction that keeps an axis longer than 1). Exact up to the order of the sums.
 """
