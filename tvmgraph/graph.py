@@ -24,6 +24,7 @@ import itertools
 import operator
 import os
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -101,7 +102,8 @@ class _GraphState:
     attributes and ours never collide."""
 
     __slots__ = ("name", "config", "log", "modules", "guard", "entries",
-                 "last", "build_params", "arity", "optimizers", "step", "grad_scaler", "data_parallel", "pipeline")
+                 "last", "build_params", "arity", "optimizers", "step", "grad_scaler", "data_parallel", "pipeline",
+                 "warned_of_input_grads")
 
     def __init__(self, name: str, cls: str):
         self.name = name
@@ -119,6 +121,7 @@ class _GraphState:
         self.grad_scaler: torch.amp.GradScaler | None = None  # set_grad_scaler (tvmgraph/amp.py)
         self.data_parallel: DataParallel | None = None  # in a process group (training/data_parallel.py)
         self.pipeline: PipelineEntry | None = None  # the last pipelined entry (training/pipeline_parallel.py)
+        self.warned_of_input_grads = False  # Graph._warn_of_arguments_requiring_grad, once
 
 
 class Graph:
@@ -397,8 +400,9 @@ class Graph:
         if isinstance(entry, CompiledGraph):  # (a pipeline stage's entry has its own inputs)
             if any(m.kind == "user" for m in entry.signature.mutations):
                 self._refuse_shared_arguments(st, args_tree, flat)
-            if entry.training is not None and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-                self._refuse_arguments_requiring_grad(st, args_tree, flat)
+            if (entry.training is not None and not st.warned_of_input_grads and torch.is_grad_enabled()
+                    and any(t.requires_grad for t in flat)):
+                self._warn_of_arguments_requiring_grad(st, args_tree, flat)
         st.last = entry
         try:
             outputs = self._run(st, entry, flat)
@@ -507,16 +511,19 @@ class Graph:
         entry.data_parallel = parallel
         return entry
 
-    def _refuse_arguments_requiring_grad(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> None:
-        """GraphArgumentError for an argument that requires grad in a training call: eager's
-        backward() fills its .grad (and flows into what made it), the graph's computes the
-        parameters' gradients only, and the argument's stayed None, silently."""
+    def _warn_of_arguments_requiring_grad(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> None:
+        """A UserWarning (once per graph) for an argument that requires grad in a training call:
+        eager's backward() fills its .grad (and flows into what made it); the graph's computes
+        the parameters' gradients only, and the argument's stayed None, silently. Not an error:
+        the parameters' update is right, and code that drops those gradients anyway (a GAN's
+        discriminator step given the generator's output) trains as in eager."""
+        st.warned_of_input_grads = True
         path = self._leaf_paths(st, args_tree)[next(i for i, t in enumerate(flat) if t.requires_grad)]
-        raise GraphArgumentError(
+        warnings.warn(
             f"{st.name}: argument '{path}' requires grad, and the graph's backward() computes the gradients of its "
-            f"parameters only: '{path}'.grad (and the gradients of what produced it) would stay empty. Pass "
-            f"`{path}.detach()`, or register the module that produced it in the graph (or make '{path}' an "
-            f"nn.Parameter of a registered module to train it).")
+            f"parameters only: '{path}'.grad (and the gradients of what produced it) stay empty. Pass "
+            f"`{path}.detach()` to say so, or register the module that produced it in the graph (or make "
+            f"'{path}' an nn.Parameter of a registered module to train it).", UserWarning, stacklevel=4)
 
     def _refuse_shared_arguments(self, st: _GraphState, args_tree: TreeDef, flat: list[torch.Tensor]) -> None:
         """GraphArgumentError when two arguments share memory and build() updates one in place:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -42,18 +43,25 @@ def test_backward_on_a_non_scalar_loss() -> None:
         graph(torch.ones(4, 3))
 
 
-def test_an_argument_requiring_grad_in_a_training_call_is_refused() -> None:
+def test_an_argument_requiring_grad_in_a_training_call_is_warned_of_once() -> None:
     """Eager's backward() fills x.grad (an FGSM attack reads it; an upstream eager model gets its
-    gradients); the graph's computes its parameters' gradients only and x.grad stayed None,
-    silently. Refused, naming the argument and the fix; x.detach() trains as before."""
+    gradients); the graph's computes its parameters' gradients only and x.grad stays None. That
+    was silent; a UserWarning names the argument and the fix, once per graph. The step itself is
+    eager's."""
     graph = Train()
+    reference = copy.deepcopy(graph.model)
     x = torch.ones(4, 3, requires_grad=True)
-    before = graph.model.weight.detach().clone()
-    with pytest.raises(errors.GraphArgumentError, match=rf"{graph.name}: argument 'x' requires grad.*`x\.detach\(\)`"):
+    with pytest.warns(UserWarning, match=rf"{graph.name}: argument 'x' requires grad.*`x\.detach\(\)`"):
         graph(x)
-    assert x.grad is None and torch.equal(graph.model.weight, before)
-    graph(x.detach())
-    assert not torch.equal(graph.model.weight, before)
+    assert x.grad is None
+    reference(x.detach()).sum().backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    torch.testing.assert_close(graph.model.weight.detach(), reference.weight.detach())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph(x)
 
 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
