@@ -84,3 +84,15 @@ def test_statistics_of_a_million_values_with_a_large_mean_match_torch() -> None:
         assert g.shape == e.shape, name
         rtol = 1e-6 if name in ("mean", "sum", "sum-of-a-view", "var_mean.mean") else 2e-3
         torch.testing.assert_close(g.double(), e, rtol=rtol, atol=0, msg=name)
+
+
+def test_sums_of_nothing_are_eagers_zero_and_nan() -> None:
+    """A (0, 3) tensor: the 0-d kernel over an empty range never initialized its sum (4e9 came
+    back for x.sum()); empty reductions keep the fallbacks' 0 and NaN."""
+    class Empty(tvmgraph.nn.Graph):
+        def build(self, x):
+            return x.sum(), x.mean(), x.sum((0, 1), keepdim=True), x.var()
+
+    x = torch.randn(0, 3)
+    for got, want in zip(Empty()(x), Empty.build(None, x)):
+        torch.testing.assert_close(got, want, equal_nan=True)
