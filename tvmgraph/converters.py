@@ -163,9 +163,9 @@ def _normalized(bb: relax.BlockBuilder, x: relax.Expr, weight: relax.Expr | None
 
 
 def _unbiased_scale(bb: relax.BlockBuilder, count: tvm.tirx.PrimExpr, dtype: str) -> relax.Expr:
-    """count / max(count - 1, 1) as a 0-d tensor for a symbolic `count`: the sum of `count` ones
-    (autodiff fails on `shape_to_tensor`; the ones cost far less than the batch norm itself)."""
-    n = bb.emit(relax.op.sum(relax.op.ones(relax.ShapeExpr([count]), dtype)))
+    """count / max(count - 1, 1) as a 0-d tensor for a symbolic `count` (symbolic_scalars.counted:
+    the ones cost far less than the batch norm itself)."""
+    n = symbolic_scalars.counted(bb, count, dtype)
     return bb.emit(relax.op.divide(n, relax.op.maximum(n - relax.const(1.0, dtype), relax.const(1.0, dtype))))
 
 

@@ -41,6 +41,7 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
+from . import symbolic_scalars
 from .converters_nn import _arg, _dtype, _static_dim, _static_shape, stock_converter
 from .converters_nn import isnan as _isnan
 from .converters_sort import pick as _pick
@@ -268,11 +269,10 @@ def variance(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Ex
 def _symbolic_correction(bb: relax.BlockBuilder, shape: relax.ShapeExpr, dims: object, correction: float,
                          dtype: str) -> relax.Expr:
     """n / max(n - correction, 0) as a 0-d tensor, n the symbolic count of reduced elements (a
-    dynamic batch: `x.var(0)`, refused before). n is a sum of ones: autodiff fails on
-    `shape_to_tensor`. Where n - correction <= 0 it is inf, as the static scale."""
+    dynamic batch: `x.var(0)`, refused before; symbolic_scalars.counted). Where n - correction
+    <= 0 it is inf, as the static scale."""
     axes = range(len(shape)) if not dims else [int(d) % len(shape) for d in dims]
-    count = functools.reduce(operator.mul, [shape[a] for a in axes])
-    n = bb.emit(op.sum(op.ones(relax.ShapeExpr([count]), dtype)))
+    n = symbolic_scalars.counted(bb, functools.reduce(operator.mul, [shape[a] for a in axes]), dtype)
     kept = op.maximum(op.subtract(n, relax.const(float(correction), dtype)), relax.const(0.0, dtype))
     return bb.emit(op.divide(n, kept))
 

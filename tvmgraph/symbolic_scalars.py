@@ -35,6 +35,12 @@ def scalar_tensor(bb: relax.BlockBuilder, expr: object, dtype: str) -> relax.Exp
     return relax.const(expr, dtype)
 
 
+def counted(bb: relax.BlockBuilder, count: tirx.PrimExpr, dtype: str) -> relax.Expr:
+    """A 0-d `dtype` tensor of the symbolic size `count` as the sum of `count` ones, for a value
+    autodiff must pass (it fails on `shape_to_tensor`): batch norm's and var's corrections."""
+    return bb.emit(relax.op.sum(relax.op.ones(relax.ShapeExpr([count]), dtype)))
+
+
 def _operand(importer: ExportedProgramImporter, arg: object) -> object:
     return importer.env[arg] if isinstance(arg, torch.fx.Node) else arg
 
