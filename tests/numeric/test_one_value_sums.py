@@ -9,20 +9,16 @@ import tvm
 from tvm import relax
 
 import tvmgraph
+from tests.numeric.test_cpu_schedules import unary_module
 from tvmgraph.one_value_sums import cut, to_one_value
 
 HOST = tvm.target.Target({"kind": "llvm", "mcpu": tvm.get_global_func("tvm.codegen.llvm.GetHostCPUName")()})
 
 
 def legalized(build, shape: tuple) -> str:
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(build(x))
-        bb.emit_func_output(out)
+    """The TIR of `main(x) = build(x)` (x: float32 of `shape`) after LegalizeOps."""
     with HOST:
-        mod = relax.transform.LegalizeOps()(bb.get())
+        mod = relax.transform.LegalizeOps()(unary_module(shape, build))
     return "".join(f.script() for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
 
 
