@@ -1179,6 +1179,39 @@ def test_sums_over_small_images_take_in_the_rows_for_their_chains() -> None:
     assert max(widths) == ROW_CHAINS * lanes, widths
 
 
+LONG_SUMS = {
+    # (shape, the Relax op, torch's, the bound on the error relative to the float64 result's
+    # largest value; what it was before, one chain per column or per lane)
+    "column-sum": ((200003, 4), lambda v: relax.op.sum(v, axis=[0]), lambda x: x.sum(0), 2e-6),  # 1.3e-5
+    "column-variance": ((200003, 4), lambda v: relax.op.variance(v, axis=[0]),
+                        lambda x: x.var(0, unbiased=False), 5e-6),  # 6e-5
+    "ragged-row-layer-norm": ((2, 100003), lambda v: relax.op.nn.layer_norm(
+        v, relax.const(np.ones(100003, "float32")), relax.const(np.zeros(100003, "float32")), axes=[-1]),
+        lambda x: torch.nn.functional.layer_norm(x, (100003,)), 1e-4),  # 5.6e-4
+    "long-row-variance": ((4, 2, 524288), lambda v: relax.op.variance(v, axis=[0, 2]),
+                          lambda x: x.var((0, 2), unbiased=False), 2e-6),  # 6e-6
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LONG_SUMS.values(), ids=LONG_SUMS.keys())
+def test_long_sums_of_data_far_from_zero_keep_their_digits(case: tuple) -> None:
+    """Sums of 1e3 + randn, the kind of data where a long chain of float32 additions loses the
+    digits that matter: a column reduction is cut into chunks of rows (`_column_chunks`), a row
+    that no vector divides into whole vectors and a partial one (`_rfactor_row`: it had been one
+    serial chain, and a layer norm over 500009 of them came out noise), and a row too long for
+    its chains into chunks (`_chunk_long_row`). Each within its bound of float64."""
+    shape, relax_op, torch_op, bound = case
+    torch.manual_seed(0)
+    x = torch.randn(*shape) + 1e3
+    out, scheduled = run_relax(unary_module(shape, relax_op), x)
+    exact = torch_op(x.double())
+    error = ((out.double() - exact).abs().max() / exact.abs().max()).item()
+    assert error <= bound, error
+    for func in prim_funcs(scheduled).values():
+        assert_scheduled(func, parallel=False)
+
+
 def test_an_argmax_reduction_runs_its_rows_in_parallel() -> None:
     """Max pooling's gradient (TOPI's, for overlapping windows) first takes each window's argmax:
     a reduction to two buffers (index and value), which rfactor cannot split; its nest was left

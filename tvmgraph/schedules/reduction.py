@@ -23,7 +23,15 @@ reduction whose input is contiguous along a reduced axis gets the rfactor vector
 whose input is contiguous along a kept axis ("column" reduction, `dy.sum(0)`) loops over the
 reduced axes outside and vectorizes the kept axis inside, parallel over chunks of it (a kept
 extent that no vector divides, a 1-D max pooling's 495 windows: whole vectors, then a serial
-tail).
+tail). A column over at least CHUNKED_FROM rows is first summed in chunks of about sqrt(rows)
+rows (`_column_chunks`), in parallel, then the chunks' sums.
+
+Long sums keep their digits: one chain of float32 additions over 1e5-1e6 values far from zero
+loses them (`x.var(0)` of (1e6, 4) values of 1e3 + randn came out 80 for 1). Besides the
+columns' chunks, a row whose chains would each add more than LONG_CHAINS_FROM elements is
+first cut into chunks (`_chunk_long_row`), and a row of RAGGED_ROWS_FROM or more that no vector
+divides is still summed in chains, the last vector partial (`_rfactor_row`; block by block,
+since TVM's compute_at drops the predicate that this takes).
 
 A reduction of a whole tensor to one value (a loss) is first cut into chunks of about
 sqrt(lanes * n) elements (`_chunk_partials`): each chunk is then a row, summed as above, in
@@ -33,11 +41,11 @@ tensor (or `lanes` chains) lost digits: an MSE loss was off by 5e-5 of its value
 Last, every element-wise row that no vector divides (a softmax's exp over a ViT's 65 tokens)
 is cut into whole vectors and a serial tail (`loops.vectorize_tails`).
 
-Limits: rfactor needs the contiguous reduced extent to be a multiple of 4 (a row of 65 is
-summed serially); a symbolic reduced
-axis (a dynamic batch) must come before the static ones that the vector runs along; a
-reduction to one value whose length has no divisor near its chunk size stays one chain per
-lane.
+Limits: rfactor needs the contiguous reduced extent to be a multiple of 4 below
+RAGGED_ROWS_FROM (a row of 65 is summed serially); a symbolic reduced axis (a dynamic batch)
+must come before the static ones that the vector runs along, and is neither chunked in rows
+nor in columns; a long row that no divisor cuts into chunks keeps long chains (a ragged row of
+500009: 15,600 additions per chain, 9e-5 of the layer norm's output off; eager 7e-6).
 """
 
 from __future__ import annotations
@@ -162,6 +170,8 @@ def _schedule_rows(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
                 return False  # a reduction that keeps a non-row axis is not a row reduction
             if not _reduces_contiguously(sch, block):
                 return False  # summing down columns: better block by block
+            if _is_ragged_row(sch, block, n_rows, _lanes(sch, block, cpu)):
+                return False  # its chains cannot move under the row (`_rfactor_row`)
     # A row's work is all its blocks' (a batch-norm running-mean update writes one value per
     # channel after summing 16384: counting the output block alone, 144 channels of it ran on
     # one core).
@@ -169,7 +179,7 @@ def _schedule_rows(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
     partials = []
     for block in blocks[:-1]:
         if not is_spatial(sch, block):
-            partials += _rfactor_row(sch, block, n_rows, _lanes(sch, block, cpu))
+            partials += _row_partials(sch, block, n_rows, _lanes(sch, block, cpu))[1]
     last = blocks[-1]
     loops = sch.get_loops(last)
     row = sch.fuse(*loops[:n_rows]) if n_rows > 1 else loops[0]
@@ -226,6 +236,8 @@ def _schedule_channels(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
                        if k == "S" and not is_one(iv.dom.extent)]  # keepdims' unit axes aside
             if len(spatial) != 1 or not _reduces_contiguously(sch, block):
                 return False
+            if _is_ragged_row(sch, block, 1, _lanes(sch, block, cpu)):
+                return False  # its chains cannot move under the channel (`_rfactor_row`)
             channel[block] = spatial[0]
     if not channel:
         return False
@@ -277,10 +289,10 @@ def _schedule_channels(sch: s_tir.Schedule, cpu: CPUTarget) -> bool:
         if not is_spatial(sch, block):
             # NOTE: each reduction on its own loop nest, before the merge: rfactor of a block
             # that shares its loop with another fails inside TVM.
-            block_partials = _rfactor_row(sch, block, 1, _lanes(sch, block, cpu))
-            for partial in reversed(block_partials):
+            added, vectorized = _row_partials(sch, block, 1, _lanes(sch, block, cpu))
+            for partial in reversed(added):
                 sch.compute_at(partial, sch.get_loops(block)[0], preserve_unit_loops=True)
-            partials += block_partials
+            partials += vectorized
     merged = sch.merge(*[sch.get_loops(block)[0] for block in blocks])
     parallelize(sch, [merged], largest // channels)
     for block in sch.get_child_blocks(merged):
@@ -314,10 +326,93 @@ def _vectorize_tail(sch: s_tir.Schedule, block: SBlockRV, depth: int, lanes: int
 # layer_norm over 1024 x 256 0.22 -> 0.048 ms (torch 0.075), softmax over 32 x 128 x 128
 # 0.41 -> 0.25 ms (torch 0.38).
 ROW_CHAINS = 4
+# A row at least this long that no vector divides is still summed in chains (`_rfactor_row`);
+# shorter ones (a ViT's 197 tokens) stay serial, where a chain's rounding error is small.
+RAGGED_ROWS_FROM = 1 << 12
+
+
+# A row whose chains (`_rfactor_row`) would each add more than this many elements is first cut
+# into chunks (`_chunk_long_row`).
+LONG_CHAINS_FROM = 1 << 12
+
+
+def _chunk_long_row(sch: s_tir.Schedule, block: SBlockRV, n_rows: int,
+                    lanes: int) -> tuple[SBlockRV, int] | None:
+    """A row too long for its chains cut into chunks of about sqrt(lanes * ROW_CHAINS * n)
+    elements, each summed on its own: `rfactor` on its outermost reduced loop (past keepdims'
+    loops of extent 1), split at a divisor (no predicate: the callers move the chunks' block
+    with compute_at). Returns (the chunks' block, how many of its loops precede the rest of
+    the row: the rows' and the chunk's); `block` then adds the chunks' sums. None for a row
+    short enough, or one no divisor cuts.
+
+    Why: a chain per vector lane over a whole row, a training batch norm over (16, C, 250000)
+    of mean 1e3 came out 1e-3 off (eager 7e-6): 125,000 float32 additions per chain."""
+    if not _reduces_contiguously(sch, block):
+        return None
+    reduce_loops = _static_reduce_loops(sch, block, n_rows)
+    if len(reduce_loops) != len(sch.get_loops(block)) - n_rows:
+        return None  # a symbolic extent: the chunks would not be whole
+    while reduce_loops and static_extent(sch, reduce_loops[0]) == 1:
+        reduce_loops = reduce_loops[1:]
+    extents = [static_extent(sch, l) for l in reduce_loops]
+    n = math.prod(extents) if extents else 0
+    chained = lanes * ROW_CHAINS
+    if n <= chained * LONG_CHAINS_FROM:
+        return None
+    target = math.isqrt(chained * n)
+    outer, rest = extents[0], n // extents[0]
+    loop = reduce_loops[0]
+    if rest < target // 2:
+        # The chunk takes whole iterations of the outer loop: a divisor of it near the target,
+        # at whole vectors when the outer loop is the row itself.
+        whole = 1 if len(reduce_loops) > 1 else chained
+        per_chunk = math.ceil(target / rest)
+        size = next((d for d in range(per_chunk, min(outer // 2, 4 * per_chunk) + 1)
+                     if outer % d == 0 and d % whole == 0), None)
+        if size is None:
+            return None
+        loop, _ = sch.split(loop, [None, size])
+    depth = [sch.get(l).same_as(sch.get(loop)) for l in sch.get_loops(block)].index(True) + 1
+    try:
+        return sch.rfactor(loop, factor_axis=len(sch.get(block).writes[0].region)), depth
+    except s_tir.ScheduleError:  # a reducer rfactor does not know: the chains stay long
+        return None
+
+
+def _row_partials(sch: s_tir.Schedule, block: SBlockRV, n_rows: int, lanes: int,
+                  ragged: bool = False) -> tuple[list[SBlockRV], list[SBlockRV]]:
+    """`_rfactor_row` of `block`, or of its chunks (`_chunk_long_row`): (the blocks added
+    before `block`, in the order they run; those of them that `_vectorize_partial` takes)."""
+    chunked = _chunk_long_row(sch, block, n_rows, lanes)
+    if chunked is None:
+        partials = _rfactor_row(sch, block, n_rows, lanes, ragged)
+        return partials, partials
+    chunks, depth = chunked
+    partials = _rfactor_row(sch, chunks, depth, lanes, ragged)
+    return [*partials, chunks], partials
+
+
+def _static_reduce_loops(sch: s_tir.Schedule, block: SBlockRV, n_rows: int) -> list[LoopRV]:
+    """The block's reduced loops after its first `n_rows`, from the first static one on: a
+    symbolic reduced extent (a dynamic batch: batch-norm statistics over N, H, W) stays a
+    serial loop outside, and the static trailing loops form the vector."""
+    reduce_loops = sch.get_loops(block)[n_rows:]
+    while reduce_loops and static_extent(sch, reduce_loops[0]) is None:
+        reduce_loops = reduce_loops[1:]
+    return reduce_loops
+
+
+def _is_ragged_row(sch: s_tir.Schedule, block: SBlockRV, n_rows: int, lanes: int) -> bool:
+    """Whether `block` sums a contiguous row at least RAGGED_ROWS_FROM long that no vector
+    divides (`_rfactor_row` cuts it only when asked: its partial sums have a predicate)."""
+    if is_spatial(sch, block) or not _reduces_contiguously(sch, block):
+        return False
+    extents = [static_extent(sch, l) for l in _static_reduce_loops(sch, block, n_rows)]
+    return bool(extents) and _vector_suffix(extents, lanes) is None and extents[-1] >= RAGGED_ROWS_FROM
 
 
 def _rfactor_row(
-    sch: s_tir.Schedule, block: SBlockRV, n_rows: int, lanes: int
+    sch: s_tir.Schedule, block: SBlockRV, n_rows: int, lanes: int, ragged: bool = False
 ) -> list[SBlockRV]:
     """Vectorize a reduction over its trailing loops: partial sums in up to ROW_CHAINS vectors
     of `lanes`, those vectors added into one, then its lanes summed.
@@ -325,15 +420,17 @@ def _rfactor_row(
     Only when the reduced elements are contiguous (the innermost read index is reduced);
     otherwise the block keeps its serial reduction loop. Returns the partial-sum blocks, in
     the order they run (none, or the chains' sums and, with several chains, their sum).
+
+    A long row that no vector divides (`_is_ragged_row`) is cut only when `ragged` is set:
+    into whole vectors, the last one partial, so that the chains' block has a predicate. TVM's
+    compute_at drops a block's predicate (the last vector then read past the row), so the
+    caller leaves that block at the root. Why: such a row (a layer norm over 500009 elements,
+    a batch norm over (2, C, 200003)) was summed in one serial chain, and over data of mean
+    1e3 its mean came out wrong by more than the data's spread: the output was noise.
     """
     if not _reduces_contiguously(sch, block):
         return []
-    loops = sch.get_loops(block)
-    reduce_loops = loops[n_rows:]
-    # A symbolic reduced extent (a dynamic batch: batch-norm statistics over N, H, W) stays
-    # a serial loop outside; the static trailing loops form the vector.
-    while reduce_loops and static_extent(sch, reduce_loops[0]) is None:
-        reduce_loops = reduce_loops[1:]
+    reduce_loops = _static_reduce_loops(sch, block, n_rows)
     if not reduce_loops:
         return []
     # The vector is cut from the fewest innermost loops whose elements it divides: cut from all
@@ -341,6 +438,9 @@ def _rfactor_row(
     # gathers them one lane at a time (a (512, 512, 3, 3) gradient: 1.8 ms instead of 0.1).
     extents = [static_extent(sch, l) for l in reduce_loops]
     suffix = _vector_suffix(extents, lanes)
+    ragged = ragged and _is_ragged_row(sch, block, n_rows, lanes)
+    if ragged:
+        suffix = (1, lanes)
     if suffix is None:
         return []
     count, width = suffix
@@ -352,7 +452,8 @@ def _rfactor_row(
     fused = sch.fuse(*reduce_loops[-count:]) if count > 1 else reduce_loops[-1]
     extent = static_extent(sch, fused) or width
     # Each chain at least two vectors long, else the chains' sum costs what they save.
-    chains = next((c for c in (ROW_CHAINS, 2) if extent % (width * c) == 0 and extent >= 2 * width * c), 1)
+    chains = ROW_CHAINS if ragged else next(
+        (c for c in (ROW_CHAINS, 2) if extent % (width * c) == 0 and extent >= 2 * width * c), 1)
     _, lane = sch.split(fused, [None, width * chains])
     # The partial sums go last in their buffer, so that one vector store writes them all.
     axis = len(sch.get(block).writes[0].region)
@@ -456,9 +557,8 @@ def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None
         # pooling gradient, 4.7 ms of its training step). Its rows run in parallel.
         schedule_leading_spatial(sch, block)
         return
-    column = _contiguous_spatial_loop(sch, block)
-    if column is not None:
-        _schedule_column(sch, block, column, lanes)
+    if _contiguous_spatial_loop(sch, block) is not None:
+        _schedule_column(sch, block, lanes)
         return
     # Row-like: spatial loops outside (parallel), reduction loops inside (rfactor vector).
     spatial, reduce_ = _split_kinds(sch, block)
@@ -475,13 +575,17 @@ def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None
     for l in reduce_:
         work *= work_extent(sch, l)
     row = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
-    partials = _rfactor_row(sch, block, 1, lanes)
+    ragged = _is_ragged_row(sch, block, 1, lanes)
+    added, vectorized = _row_partials(sch, block, 1, lanes, ragged=True)
     # The partial sums of a row are computed right before they are summed (each block moved
-    # after its consumer).
-    for partial in reversed(partials):
+    # after its consumer), except a ragged row's chains (a predicate: see `_rfactor_row`),
+    # which run as a parallel nest of their own before.
+    if ragged and added:
+        parallelize(sch, sch.get_loops(added[0])[:1], work)
+    for partial in reversed(added[1:] if ragged else added):
         sch.compute_at(partial, row, preserve_unit_loops=True)
     parallelize(sch, [row], work)
-    for partial in partials:
+    for partial in vectorized:
         _vectorize_partial(sch, partial)
 
 
@@ -561,19 +665,85 @@ def _contiguous_spatial_loop(sch: s_tir.Schedule, block: SBlockRV) -> int | None
     return None
 
 
-def _schedule_column(sch: s_tir.Schedule, block: SBlockRV, column: int, lanes: int) -> None:
+def _schedule_column(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None:
+    """A long column reduction first cut into chunks of rows (`_column_chunks`), then each
+    block as `_schedule_column_block` runs it."""
+    chunks = _column_chunks(sch, block)
+    if chunks is not None:
+        _schedule_column_block(sch, chunks, lanes)
+    _schedule_column_block(sch, block, lanes)
+
+
+def _column_loops(sch: s_tir.Schedule, block: SBlockRV) -> tuple[list[LoopRV], LoopRV, list[LoopRV]] | None:
+    """(the other kept loops, the kept loop the largest read is contiguous along, the reduced
+    loops), each in loop order; None if a loop binds no iterator of its own."""
+    stmt = sch.get(block)
+    loops = sch.get_loops(block)
+    realize = sch.get(loops[-1]).body
+    read = _largest_read(stmt)
+    if read is None or not isinstance(realize, s_tir.SBlockRealize):
+        return None
+    contiguous = vars_in(read.region[-1].min)
+    others, col, reduce_ = [], None, []
+    for loop in loops:
+        var = sch.get(loop).loop_var
+        bound = [iv for iv, value in zip(stmt.iter_vars, realize.iter_values) if var in vars_in(value)]
+        if len(bound) != 1:
+            return None
+        (iv,) = bound
+        if iv.iter_type == tirx.IterVar.CommReduce:
+            reduce_.append(loop)
+        elif iv.var in contiguous and col is None:
+            col = loop
+        else:
+            others.append(loop)
+    return (others, col, reduce_) if col is not None and reduce_ else None
+
+
+def _column_chunks(sch: s_tir.Schedule, block: SBlockRV) -> SBlockRV | None:
+    """A column reduction over at least CHUNKED_FROM rows cut into chunks of about sqrt(rows)
+    rows, each summed on its own (`rfactor` on the outermost reduced loop: a block of
+    per-chunk sums, then their sum in `block`). Returns the per-chunk block, or None for a
+    short or symbolic one.
+
+    Why: each output was one chain of additions down its column. `x.var(0)` of a float32
+    (1e6, 4) tensor of 1e3 + randn came out 80 (eager 1), a Linear layer's bias gradient over
+    1e6 rows 1e-2 off. The chunks also run in parallel (few columns ran on one thread)."""
+    found = _column_loops(sch, block)
+    if found is None:
+        return None
+    _, _, reduce_ = found
+    extents = [static_extent(sch, l) for l in reduce_]
+    if any(e is None for e in extents) or math.prod(extents) < CHUNKED_FROM:
+        return None
+    rows = math.prod(extents)
+    target = math.isqrt(rows)
+    outer, rest = extents[0], rows // extents[0]
+    if outer < 2:
+        return None
+    loop = reduce_[0]
+    per_chunk = math.ceil(target / rest)
+    if per_chunk < outer:
+        # At a divisor near the target when there is one; else the last chunk is partial (a
+        # predicate, which this schedule keeps: it moves no block with compute_at).
+        size = next((d for d in range(per_chunk, min(outer, 2 * per_chunk) + 1) if outer % d == 0), per_chunk)
+        loop, _ = sch.split(loop, [None, size])
+    try:
+        return sch.rfactor(loop, factor_axis=0)
+    except s_tir.ScheduleError:  # a reducer rfactor does not know: one chain per column
+        return None
+
+
+def _schedule_column_block(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None:
     """Reduced loops outside, the contiguous kept loop inside as the vector; parallel over
     the other kept loops and chunks of the contiguous one."""
-    kinds = iter_kinds(sch, block)
-    assert kinds is not None
-    loops = sch.get_loops(block)
-    col = loops[column]
+    found = _column_loops(sch, block)
+    assert found is not None
+    others, col, reduce_ = found
     extent = static_extent(sch, col) or 0
     width = lanes
     while width >= 4 and extent % width:
         width //= 2
-    others = [l for n, (l, k) in enumerate(zip(loops, kinds)) if k == "S" and n != column]
-    reduce_ = [l for l, k in zip(loops, kinds) if k == "R"]
     work = math.prod(work_extent(sch, l) for l in reduce_)
     if width < 4:
         if extent > 2 * lanes and _schedule_column_in_vectors(sch, others, col, reduce_, extent, lanes, work):
