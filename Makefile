@@ -10,11 +10,15 @@ STAMP   := $(VENV)/.installed
 demo: $(STAMP)
 	$(BIN)/python examples/train_digits.py
 
+# Two workers, a module each at a time (module fixtures compile once): a test run uses a little
+# over one core on average (LLVM, torch.export), and CI has two.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run

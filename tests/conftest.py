@@ -123,6 +123,21 @@ class Fn(torch.nn.Module):
         return self.fn(*args)
 
 
+# The longest modules (minutes each on 2 cores), run first: `make test` shares the modules out
+# to two pytest-xdist workers (--dist loadfile) in collection order, and one of these last left
+# a worker alone for ten minutes at the end.
+LONGEST_FIRST = ("tests/numeric/test_opinfo.py", "tests/numeric/test_tuning.py",
+                 "tests/numeric/test_dynamic_batch.py", "tests/distributed/test_data_parallel.py",
+                 "tests/unit/test_compiled_cache.py", "tests/numeric/test_model_zoo.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: the order within a module, and of the others, is kept
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

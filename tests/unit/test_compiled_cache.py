@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,13 +104,22 @@ def _flip_byte(path: Path, offset: int | None = None) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.fixture(scope="module")
+def mlp_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(a cache holding the one entry MLP_SCRIPT compiled in another process, its output);
+    each test damages a copy."""
+    root = tmp_path_factory.mktemp("mlp-cache")
+    return root, _run_in_fresh_process(root, MLP_SCRIPT)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated_library", "flipped_library_byte", "flipped_json_byte",
                                     "garbage_metadata", "appended_byte", "missing_library"])
-def test_corrupt_entry_is_detected_and_rebuilt(damage: str, tmp_path: Path) -> None:
+def test_corrupt_entry_is_detected_and_rebuilt(damage: str, tmp_path: Path, mlp_cache: tuple[Path, str]) -> None:
     """Entries are written by another process (a library this process has mapped is never
     damaged under it); damaged ones are reported, removed and rebuilt, with the same results."""
-    expected = _run_in_fresh_process(tmp_path, MLP_SCRIPT)
+    pristine, expected = mlp_cache
+    shutil.copytree(pristine, tmp_path, dirs_exist_ok=True)
     (entry,) = (tmp_path / "compiled").iterdir()
     (lib,) = entry.glob("lib-*.so")
     if damage == "truncated_library":
