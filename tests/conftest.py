@@ -124,8 +124,8 @@ class Fn(torch.nn.Module):
 
 
 # The longest modules (minutes each on 2 cores), run first: `make test` shares the modules out
-# to two pytest-xdist workers (--dist loadfile) in collection order, and one of these last left
-# a worker alone for ten minutes at the end.
+# to two pytest-xdist workers in collection order (--dist loadfile --no-loadscope-reorder, see
+# the Makefile), and one of these last left a worker alone for ten minutes at the end.
 LONGEST_FIRST = ("tests/numeric/test_opinfo.py", "tests/numeric/test_tuning.py",
                  "tests/numeric/test_dynamic_batch.py", "tests/distributed/test_data_parallel.py",
                  "tests/unit/test_compiled_cache.py", "tests/numeric/test_model_zoo.py")
