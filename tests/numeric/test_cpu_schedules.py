@@ -1189,7 +1189,7 @@ LONG_SUMS = {
         v, relax.const(np.ones(100003, "float32")), relax.const(np.zeros(100003, "float32")), axes=[-1]),
         lambda x: torch.nn.functional.layer_norm(x, (100003,)), 1e-4),  # 5.6e-4
     "long-row-variance": ((4, 2, 524288), lambda v: relax.op.variance(v, axis=[0, 2]),
-                          lambda x: x.var((0, 2), unbiased=False), 2e-6),  # 6e-6
+                          lambda x: x.var((0, 2), unbiased=False), 2e-6),  # 3e-6
 }
 
 
@@ -1224,9 +1224,10 @@ def test_a_long_ragged_rows_chains_peel_their_partial_vector_and_normalize_row_b
     torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (n,)), **TOL)
     (func,) = prim_funcs(scheduled).values()
     text = func.script()
-    whole = n // CPUTarget.from_target(TARGET).lanes("float32") // ROW_CHAINS
+    lanes = CPUTarget.from_target(TARGET).lanes("float32")
+    whole = n // (lanes * ROW_CHAINS)  # the chains' whole steps; the last one peeled
     assert text.count(f"in range(T.int64({whole}), T.int64({whole + 1})):") == 2, text  # the sum's, the variance's
-    assert f"in range(T.int64({n - n % 8}), T.int64({n})):" in text or f"in range(T.int64({n - n % 16}), T.int64({n})):" in text, text
+    assert f"in range(T.int64({n - n % lanes}), T.int64({n})):" in text, text  # the normalization's tail
 
 
 def test_an_argmax_reduction_runs_its_rows_in_parallel() -> None:
