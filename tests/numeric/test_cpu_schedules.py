@@ -1212,6 +1212,16 @@ def test_long_sums_of_data_far_from_zero_keep_their_digits(case: tuple) -> None:
         assert_scheduled(func, parallel=False)
 
 
+def test_a_row_whose_chunks_no_vector_divides_keeps_to_its_own_values() -> None:
+    """A max over (540, 4099) per row: the row is cut into chunks of 3 x 4099 (no vector
+    divides them, though 4 divides 540 x 4099), whose chains need a predicate; moved under the
+    row, they dropped it, and row 0's max read row 1's values (101.99 for 4.93)."""
+    x = torch.randn(2, 540, 4099)
+    x[1] += 100
+    out, _ = run_relax(unary_module((2, 540, 4099), lambda v: relax.op.max(v, axis=[1, 2])), x)
+    torch.testing.assert_close(out, x.amax((1, 2)), atol=0, rtol=0)
+
+
 def test_a_long_ragged_rows_chains_peel_their_partial_vector_and_normalize_row_by_row() -> None:
     """A layer norm over rows of 100003: the chains' last vector (under the predicate) is a
     loop of its own, and the normalization runs row by row, whole vectors then a tail (under

@@ -592,11 +592,13 @@ def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None
     for l in reduce_:
         work *= work_extent(sch, l)
     row = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
-    ragged = _is_ragged_row(sch, block, 1, lanes)
     added, vectorized = _row_partials(sch, block, 1, lanes, ragged=True)
     # The partial sums of a row are computed right before they are summed (each block moved
     # after its consumer), except a ragged row's chains (a predicate: see `_rfactor_row`),
-    # which run as a parallel nest of their own before.
+    # which run as a parallel nest of their own before. Asked of the block itself: a row whose
+    # chunks (`_chunk_long_row`) are ragged when the whole row is not (3 x 4099 of 540 x 4099)
+    # had its chains moved, and a max over (2, 540, 4099) read the next row's values.
+    ragged = bool(added) and _has_predicate(sch, added[0])
     if ragged and added:
         parallelize(sch, sch.get_loops(added[0])[:1], work)
     for partial in reversed(added[1:] if ragged else added):
@@ -606,6 +608,13 @@ def schedule_reduction(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> None
         _vectorize_partial(sch, partial)
     if ragged and vectorized:
         _peel_partial_vector(sch, vectorized[0])
+
+
+def _has_predicate(sch: s_tir.Schedule, block: SBlockRV) -> bool:
+    """Whether `block` runs under a predicate other than true (a split that no factor divides)."""
+    realize = sch.get(sch.get_loops(block)[-1]).body
+    predicate = realize.predicate if isinstance(realize, s_tir.SBlockRealize) else None
+    return predicate is not None and not (isinstance(predicate, tirx.IntImm) and predicate.value == 1)
 
 
 def _peel_partial_vector(sch: s_tir.Schedule, partial: SBlockRV) -> None:
