@@ -29,6 +29,7 @@ import tvm
 from tvm import relax, te, tirx, topi
 from tvm.relax.transform.legalize_ops.statistical import _compute_shape_prod, _has_const_zero_reduction_dim
 
+from tvmgraph.schedules.chunk_sizes import divisor_between
 from tvmgraph.ragged_sums import reduced_axes  # (registers its legalizations first: the fallbacks)
 
 _LEVEL = 12  # above ragged_sums' 11, itself above TVM's 10
@@ -69,7 +70,7 @@ def cut(shape: list) -> tuple[int, int] | None:
         if extent * inner >= target:
             lanes = _LANES if axis == len(dims) - 1 else 1  # whole vectors in the innermost axis
             least = max(lanes, math.ceil(target / inner))
-            if any(extent % d == 0 and d % lanes == 0 for d in range(least, min(extent // 2, 64 * least) + 1)):
+            if divisor_between(extent, least, min(extent // 2, 64 * least), lanes) is not None:
                 return None  # the schedules find a chunk of this axis (within 64 chunk sizes)
             step = 1 << math.ceil(math.log2(least))
             return (axis, extent - extent % step) if extent >= 2 * step else None

@@ -59,6 +59,7 @@ from tvm.s_tir.schedule import LoopRV, SBlockRV
 from tvm.target import Target
 
 from .unchecked import Schedule
+from .chunk_sizes import divisor_between
 from .cpu_target import CPUTarget, is_cpu
 from .loops import (
     element_bytes,
@@ -369,8 +370,7 @@ def _chunk_long_row(sch: s_tir.Schedule, block: SBlockRV, n_rows: int,
         # at whole vectors when the outer loop is the row itself.
         whole = 1 if len(reduce_loops) > 1 else chained
         per_chunk = math.ceil(target / rest)
-        size = next((d for d in range(per_chunk, min(outer // 2, 4 * per_chunk) + 1)
-                     if outer % d == 0 and d % whole == 0), None)
+        size = divisor_between(outer, per_chunk, min(outer // 2, 4 * per_chunk), whole)
         if size is None:
             return None
         loop, _ = sch.split(loop, [None, size])
@@ -672,8 +672,7 @@ def _chunk_partials(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> SBlockR
     outer = loops[:len(loops) - count]
     if chunk > 2 * target:
         extent, rest = extents[-count], chunk // extents[-count]
-        size = next((d for d in range(1, extent) if extent % d == 0 and d * rest >= target
-                     and (count > 1 or d % lanes == 0)), None)
+        size = divisor_between(extent, math.ceil(target / rest), extent - 1, 1 if count > 1 else lanes)
         if size is not None:
             ko, _ = sch.split(loops[-count], [None, size])
             outer = [*outer, ko]
@@ -768,7 +767,7 @@ def _column_chunks(sch: s_tir.Schedule, block: SBlockRV) -> SBlockRV | None:
     if per_chunk < outer:
         # At a divisor near the target when there is one; else the last chunk is partial (a
         # predicate, which this schedule keeps: it moves no block with compute_at).
-        size = next((d for d in range(per_chunk, min(outer, 2 * per_chunk) + 1) if outer % d == 0), per_chunk)
+        size = divisor_between(outer, per_chunk, min(outer, 2 * per_chunk)) or per_chunk
         loop, _ = sch.split(loop, [None, size])
     try:
         return sch.rfactor(loop, factor_axis=0)
