@@ -268,12 +268,14 @@ def _instance_norm(data: te.Tensor, gamma: te.Tensor, beta: te.Tensor, channel_a
     """(x - mean) / sqrt(var + eps) * gamma + beta over `axes`, gamma and beta along the
     channel axis, in x's own dtype."""
     dtype = data.dtype
-    count = tirx.const(functools.reduce(operator.mul, [int(data.shape[a]) for a in axes], 1), dtype)
+    # A symbolic count under a dynamic batch (F.batch_norm without running statistics reaches
+    # here, its batch among the axes).
+    count = tirx.Cast(dtype, functools.reduce(operator.mul, [data.shape[a] for a in axes]))
     mean = topi.divide(topi.sum(data, axis=axes, keepdims=True), count)
     centered = topi.subtract(data, mean)
     var = topi.divide(topi.sum(topi.multiply(centered, centered), axis=axes, keepdims=True), count)
     inverse = topi.divide(tirx.const(1.0, dtype), topi.sqrt(topi.add(var, tirx.const(epsilon, dtype))))
-    along = [int(d) if i == channel_axis else 1 for i, d in enumerate(data.shape)]
+    along = [d if i == channel_axis else 1 for i, d in enumerate(data.shape)]
     scaled = topi.multiply(topi.multiply(centered, inverse), topi.reshape(gamma, along))
     return topi.add(scaled, topi.reshape(beta, along))
 

@@ -458,6 +458,33 @@ def test_variance_along_the_batch_with_a_correction_matches_eager() -> None:
     assert graph.num_compiled == 1
 
 
+def test_long_sums_along_a_dynamic_batch_keep_their_digits() -> None:
+    """A column sum over a symbolic count of rows was one chain of additions per column (the
+    schedules chunked only static ones): `x.var(0)` of 1e6 rows of 1e3 + randn came out 80
+    (eager 1.0), a sum over (batch, 512) rows 60x eager's error. Against float64."""
+    graph = dynamic(ModuleGraph(Fn(lambda x: (x.var(0), x.sum(0)))))
+    torch.manual_seed(0)
+    for batch in (1_000_000, 5):
+        x = 1e3 + torch.randn(batch, 4)
+        variance, total = graph(x)
+        assert_close(variance.double(), x.double().var(0), atol=0, rtol=2e-5)
+        assert_close(total.double(), x.double().sum(0), atol=0, rtol=1e-6)
+    graph = dynamic(ModuleGraph(Fn(lambda x: x.sum((0, 1)))))
+    x = 1e3 + torch.randn(64, 512, 64)
+    assert_close(graph(x).double(), x.double().sum((0, 1)), atol=0, rtol=1e-6)
+
+
+def test_batch_norm_without_running_statistics_under_a_dynamic_batch_matches_eager() -> None:
+    """F.batch_norm with no running statistics reaches Relax as an instance norm over the
+    batch's axes; its legalization counted the elements with int() and raised on the symbolic
+    batch (a PassError)."""
+    graph = dynamic(ModuleGraph(Fn(lambda x: F.batch_norm(x, None, None, training=True))))
+    torch.manual_seed(0)
+    for batch in (5, 8):
+        x = torch.randn(batch, 3, 4, 4)
+        assert_close(graph(x), F.batch_norm(x, None, None, training=True), atol=1e-5, rtol=1e-4)
+
+
 def test_batch_size_zero_is_a_clear_error() -> None:
     graph = dynamic(ModuleGraph(mlp()))
     with pytest.raises(GraphArgumentError, match=r"'args\[0\]' has batch size 0"):

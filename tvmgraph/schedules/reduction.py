@@ -62,6 +62,7 @@ from .unchecked import Schedule
 from .chunk_sizes import divisor_between
 from .cpu_target import CPUTarget, is_cpu
 from .loops import (
+    REFERENCE_BATCH,
     element_bytes,
     enough_per_thread,
     inline_spatial_blocks,
@@ -741,33 +742,41 @@ def _column_loops(sch: s_tir.Schedule, block: SBlockRV) -> tuple[list[LoopRV], L
     return (others, col, reduce_) if col is not None and reduce_ else None
 
 
+# A column reduction whose rows are a dynamic batch is cut into chunks of at least this many
+# rows, whatever the batch turns out to be (its count is unknown when the kernel is built).
+SYMBOLIC_CHUNK_ROWS = 1 << 10
+
+
 def _column_chunks(sch: s_tir.Schedule, block: SBlockRV) -> SBlockRV | None:
     """A column reduction over at least CHUNKED_FROM rows cut into chunks of about sqrt(rows)
     rows, each summed on its own (`rfactor` on the outermost reduced loop: a block of
     per-chunk sums, then their sum in `block`). Returns the per-chunk block, or None for a
-    short or symbolic one.
+    short one, or one with a symbolic reduced loop inside another.
 
     Why: each output was one chain of additions down its column. `x.var(0)` of a float32
     (1e6, 4) tensor of 1e3 + randn came out 80 (eager 1), a Linear layer's bias gradient over
-    1e6 rows 1e-2 off. The chunks also run in parallel (few columns ran on one thread)."""
+    1e6 rows 1e-2 off. The chunks also run in parallel (few columns ran on one thread).
+    A symbolic outermost reduced loop (a dynamic batch) is cut too, into chunks of at least
+    SYMBOLIC_CHUNK_ROWS rows: left whole, the same `x.var(0)` came out 80 under a dynamic batch."""
     found = _column_loops(sch, block)
     if found is None:
         return None
     _, _, reduce_ = found
     extents = [static_extent(sch, l) for l in reduce_]
-    if any(e is None for e in extents) or math.prod(extents) < CHUNKED_FROM:
+    if any(e is None for e in extents[1:]):
         return None
-    rows = math.prod(extents)
-    target = math.isqrt(rows)
-    outer, rest = extents[0], rows // extents[0]
-    if outer < 2:
+    outer = extents[0]  # None: a dynamic batch
+    rest = math.prod(extents[1:])
+    rows = rest * (outer or REFERENCE_BATCH)
+    if outer is not None and (rows < CHUNKED_FROM or outer < 2):
         return None
+    target = math.isqrt(rows) if outer is not None else max(math.isqrt(rows), SYMBOLIC_CHUNK_ROWS)
     loop = reduce_[0]
     per_chunk = math.ceil(target / rest)
-    if per_chunk < outer:
+    if per_chunk > 1 and (outer is None or per_chunk < outer):
         # At a divisor near the target when there is one; else the last chunk is partial (a
         # predicate, which this schedule keeps: it moves no block with compute_at).
-        size = divisor_between(outer, per_chunk, min(outer, 2 * per_chunk)) or per_chunk
+        size = (outer and divisor_between(outer, per_chunk, min(outer, 2 * per_chunk))) or per_chunk
         loop, _ = sch.split(loop, [None, size])
     try:
         return sch.rfactor(loop, factor_axis=0)
