@@ -461,15 +461,22 @@ def test_variance_along_the_batch_with_a_correction_matches_eager() -> None:
 def test_long_sums_along_a_dynamic_batch_keep_their_digits() -> None:
     """A column sum over a symbolic count of rows was one chain of additions per column (the
     schedules chunked only static ones): `x.var(0)` of 1e6 rows of 1e3 + randn came out 80
-    (eager 1.0), a sum over (batch, 512) rows 60x eager's error; a row along the batch (a
+    (eager 1.0), a sum over (batch, 512) rows 60x eager's error; sums to one value the same
+    (`x.var()` 80 too, an MSE loss 1e-4 off); a row along the batch (a
     batch norm's statistics) summed in chains that grew with the batch. Against float64."""
-    graph = dynamic(ModuleGraph(Fn(lambda x: (x.var(0), x.sum(0)))))
+    graph = dynamic(ModuleGraph(Fn(lambda x: (x.var(0), x.sum(0), x.var(), x.mean((0, 1), keepdim=True)))))
     torch.manual_seed(0)
     for batch in (1_000_000, 5):
         x = 1e3 + torch.randn(batch, 4)
-        variance, total = graph(x)
+        variance, total, variance_all, mean = graph(x)
         assert_close(variance.double(), x.double().var(0), atol=0, rtol=2e-5)
         assert_close(total.double(), x.double().sum(0), atol=0, rtol=1e-6)
+        assert_close(variance_all.double(), x.double().var(), atol=0, rtol=2e-5)
+        assert_close(mean.double(), x.double().mean((0, 1), keepdim=True), atol=0, rtol=1e-6)
+    graph = dynamic(ModuleGraph(Fn(lambda x: F.mse_loss(x, torch.zeros_like(x)))))
+    for batch in (100_000, 64):
+        x = 1e3 + torch.randn(batch, 1000)
+        assert_close(graph(x).double(), F.mse_loss(x.double(), torch.zeros_like(x.double())), atol=0, rtol=1e-6)
     graph = dynamic(ModuleGraph(Fn(lambda x: x.sum((0, 1)))))
     x = 1e3 + torch.randn(64, 512, 64)
     assert_close(graph(x).double(), x.double().sum((0, 1)), atol=0, rtol=1e-6)
