@@ -42,7 +42,8 @@ from tvm import relax, te
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from . import (added_decompositions, converters, converters_cholesky, converters_linalg, decompositions,
-               empty_results, half_in_float32, random_ops, result_shapes, type_promotion, zero_dim)
+               empty_results, half_in_float32, random_ops, result_shapes, scans_in_float64, type_promotion,
+               zero_dim)
 from .errors import TraceError, UnsupportedOpError
 from .trace import global_hooks_on_user_modules, math_attention
 
@@ -462,6 +463,7 @@ def to_relax(exported: torch.export.ExportedProgram, graph_name: str, has_loss: 
                        **converters_linalg.converters(differentiated=has_loss),
                        **converters_cholesky.converters(differentiated=has_loss))
     convert_map.update(_returned_copies())
+    convert_map = scans_in_float64.with_float64_scans(convert_map)
     convert_map = zero_dim.with_zero_dim(type_promotion.with_promotion(half_in_float32.with_float32(convert_map)))
     convert_map = {key: _named_errors(fn, graph_name) for key, fn in convert_map.items()}
     convert_map = empty_results.with_empty_results(convert_map)
