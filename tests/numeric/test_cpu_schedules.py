@@ -1477,7 +1477,7 @@ def test_sgd_momentum_update_is_parallel_and_vectorized() -> None:
 
 FAST = {
     # name: (rewrite, reference, input range, absolute tolerance, relative tolerance)
-    "exp": (fast_exp, np.exp, (-87.0, 88.0), 0.0, 3e-7),
+    "exp": (fast_exp, np.exp, (-87.0, 88.72), 0.0, 3e-7),
     "erf": (fast_erf, None, (-6.0, 6.0), 1e-6, 0.0),
     "tanh": (fast_tanh, np.tanh, (-12.0, 12.0), 1e-6, 0.0),
     "sigmoid": (fast_sigmoid, None, (-30.0, 30.0), 1e-6, 0.0),
@@ -1509,6 +1509,18 @@ def test_fast_exp_of_minus_infinity_is_zero() -> None:
     out = tvm.runtime.tensor(np.ones(16, "float32"))
     lib["main"](tvm.runtime.tensor(np.full(16, -np.inf, "float32")), out)
     assert (out.numpy() == 0.0).all()
+
+
+def test_fast_exp_is_finite_up_to_floats_largest_and_inf_past_it() -> None:
+    """exp(88.5) is 2.7e38, finite in float32: the clamp at TOPI's 88.376 made n = 128 there, and
+    the bit-built 2^128 sent x in [88.376, 88.72] to inf. Past ln(3.4e38), inf as in torch."""
+    data = np.array([88.38, 88.5, 88.7, 88.72, 88.73, 89.0, 1e30, np.inf] * 2, "float32")
+    x = te.placeholder((16,), name="x")
+    y = te.compute(x.shape, lambda i: fast_exp(x[i]), name="y")
+    lib = tvm.compile(te.create_prim_func([x, y]), target=TARGET)
+    out = tvm.runtime.tensor(np.zeros(16, "float32"))
+    lib["main"](tvm.runtime.tensor(data), out)
+    np.testing.assert_allclose(out.numpy(), torch.exp(torch.from_numpy(data)).numpy(), rtol=3e-7)
 
 
 def test_a_fast_function_reads_its_argument_once() -> None:

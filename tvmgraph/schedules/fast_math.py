@@ -7,8 +7,8 @@ each float32 call into the polynomial TVM's TOPI uses for `fast_exp`/`fast_erf`/
 (Cephes exp with a bit-built power of two; Eigen's rational erf and tanh), which vectorize.
 
 Accuracy, measured against numpy float64 over [-20, 20] (see tests/numeric/test_cpu_schedules):
-exp within 2 ulp-ish (relative 3e-7) for x in [-87, 88], 0 below (exact 0 for -inf, which
-masked softmax relies on), 3.4e38 above instead of inf; erf and tanh within 1e-6 absolute;
+exp within 2 ulp-ish (relative 3e-7) for x in [-87, 88.72], 0 below (exact 0 for -inf, which
+masked softmax relies on), inf above as in torch; erf and tanh within 1e-6 absolute;
 sigmoid within 1e-6 absolute. A NaN input gives NaN as in torch, through the clamps' max/min,
 once PropagateNaN (propagate_nan.py) has made those NaN-propagating.
 
@@ -55,7 +55,9 @@ def _let(value: tirx.PrimExpr, body: Callable[[tirx.PrimExpr], tirx.PrimExpr], n
 
 def fast_exp(x: tirx.PrimExpr, bind: bool = True) -> tirx.PrimExpr:
     """exp(x) = 2^n * exp(f), f = x - n ln 2 in [-ln2/2, ln2/2] (TOPI's fast_exp)."""
-    return _let(tirx.max(tirx.min(x, _c(88.3762626647950)), _c(-88.3762626647949)), _exp_of, "exp_x", bind)
+    # Up to ln(3.4028235e38), float32's largest finite value: TOPI's 88.376 sent exp(88.5)
+    # (2.7e38) to inf. Above it, inf as in torch (2^n * y passes the largest float).
+    return _let(tirx.max(tirx.min(x, _c(88.72283935546875)), _c(-88.3762626647949)), _exp_of, "exp_x", bind)
 
 
 def _exp_of(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -67,8 +69,12 @@ def _exp_of(x: tirx.PrimExpr) -> tirx.PrimExpr:
          5.0000001201e-1),
     )
     y = poly * f * f + f + _c(1.0)
-    two_n = tirx.reinterpret(_F32, tirx.shift_left(tirx.Cast("int32", n + _c(127.0)), 23))
-    return tirx.max(two_n * y, x)
+    # For n > 0, 2^n as 2^(n - 1) * 2, the 2 taken with y: n reaches 128 near the top, and a
+    # bit-built 2^128 is inf. At the bottom n = -127 builds 0 (and 2^(n - 1) a negative exponent).
+    top = n > _c(0.0)
+    biased = n + _c(127.0) - tirx.Select(top, _c(1.0), _c(0.0))
+    two_n = tirx.reinterpret(_F32, tirx.shift_left(tirx.Cast("int32", biased), 23))
+    return tirx.max(two_n * (y * tirx.Select(top, _c(2.0), _c(1.0))), x)
 
 
 def fast_erf(x: tirx.PrimExpr, bind: bool = True) -> tirx.PrimExpr:
