@@ -46,6 +46,7 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   15.9375. Here it is eager's tensor, as a constant.
 - activations (elu, softplus, mish): see converters_activation.py.
 - xlogy, xlog1py: see converters_xlogy.py.
+- log1p, expm1 (accurate near 0): see log1p_expm1.py.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 - reductions, scans, scatters, strided views, distances: see converters_reduce.py.
 - elementwise math functions (special functions, hypot, fmax, copysign, cosh, ...): see
@@ -68,7 +69,7 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 from . import (advanced_indexing, converters_activation, converters_cholesky, converters_floor_division,
                converters_gcd, converters_histogram, converters_integer_power, converters_linalg, converters_nn,
                converters_polynomials, converters_reduce, converters_shift, converters_sort, converters_special,
-               converters_xlogy, stop_gradient, symbolic_scalars)
+               converters_xlogy, log1p_expm1, stop_gradient, symbolic_scalars)
 from .legalize_fixes import broadcast_shape
 from .converters_nn import (_arg, _dtype, _mean_rstd, _output_used, _static_shape, as_dtype, isnan, operand,
                             per_channel_affine, result_dtype, stock_converter)
@@ -733,6 +734,7 @@ CONVERTERS.update(converters_nn.CONVERTERS)
 CONVERTERS.update(converters_reduce.CONVERTERS)
 CONVERTERS.update(converters_special.CONVERTERS)
 CONVERTERS.update(converters_xlogy.CONVERTERS)
+CONVERTERS.update(log1p_expm1.CONVERTERS)
 CONVERTERS.update(converters_floor_division.CONVERTERS)
 CONVERTERS.update(converters_shift.CONVERTERS)
 CONVERTERS.update(converters_gcd.CONVERTERS)

@@ -20,10 +20,12 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from .converters_nn import _arg, _dtype
+from .log1p_expm1 import expm1
 
 
 def elu(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
-    """scale * (x if x > 0 else alpha * (exp(x * input_scale) - 1))."""
+    """scale * (x if x > 0 else alpha * expm1(x * input_scale)) (log1p_expm1.py: exp(x) - 1
+    gave 0 for x = -1e-20)."""
     alpha, scale, input_scale = (float(_arg(node, i, k, 1.0)) for i, k in ((1, "alpha"), (2, "scale"),
                                                                            (3, "input_scale")))
     return _elu(importer.block_builder, importer.env[node.args[0]], alpha, scale, input_scale)
@@ -46,7 +48,7 @@ def _elu(bb: relax.BlockBuilder, x: relax.Expr, alpha: float, scale: float, inpu
     # gradient was 0 * inf = NaN (ELU/SELU/CELU trained to NaN on inputs near 90).
     below = relax.op.where(positive_side, const(0.0), x)  # (minimum's gradient splits the tie at 0)
     scaled = below if input_scale == 1.0 else relax.op.multiply(below, const(input_scale))
-    negative = relax.op.multiply(const(alpha * scale), relax.op.subtract(relax.op.exp(scaled), const(1.0)))
+    negative = relax.op.multiply(const(alpha * scale), expm1(scaled, dtype))
     positive = x if scale == 1.0 else relax.op.multiply(x, const(scale))
     return bb.emit(relax.op.where(positive_side, positive, negative))
 

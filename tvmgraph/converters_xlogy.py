@@ -20,6 +20,7 @@ from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from .converters_nn import operand, result_dtype
+from .log1p_expm1 import log1p
 
 op = relax.op
 
@@ -40,13 +41,8 @@ def _x_log(log, pole: float, neutral: float):  # noqa: ANN001, ANN202  (relax.op
     return convert
 
 
-def _log1p(x: relax.Expr) -> relax.Expr:
-    """log(1 + x), as the stock converter of log1p (Relax has no log1p)."""
-    return op.log(op.add(x, relax.const(1.0, x.ty.dtype.dtype)))
-
-
 xlogy = _x_log(op.log, 0.0, 1.0)
-xlog1py = _x_log(_log1p, -1.0, 0.0)
+xlog1py = _x_log(log1p, -1.0, 0.0)
 
 CONVERTERS = {
     "xlogy.Tensor": xlogy,

@@ -41,6 +41,10 @@
   precision emulation learned nothing). Here the value is rounded to the nearest bfloat16 (ties
   to even, as torch) in float32 bits before the cast.
 
+- `relax.nn.softplus` (softplus, mish): TOPI's `log(1 + exp(beta x)) / beta` lost the digits
+  of a small exp(beta x) to 1 + exp: softplus(-16) came out 1.19e-7 (eager 1.125e-7), and 0 from
+  -17 down. Here `log1p` (tvmgraph/log1p_expm1.py has the Relax-level one).
+
 Importing this module registers them (at a level above TVM's own).
 """
 
@@ -294,3 +298,23 @@ def _nn_instance_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 tvm.ir.register_op_attr("relax.nn.instance_norm", "FLegalize", _nn_instance_norm, level=_LEVEL)
+
+
+def _softplus(x: te.Tensor, beta: float, threshold: float) -> te.Tensor:
+    """x where beta x > threshold, else log1p(exp(beta x)) / beta (torch's kernel)."""
+    dtype = x.dtype
+
+    def value(*index: tirx.PrimExpr) -> tirx.PrimExpr:
+        scaled = x(*index) * tirx.const(beta, dtype)
+        smooth = tirx.log1p(tirx.exp(scaled)) / tirx.const(beta, dtype)
+        return tirx.Select(scaled > tirx.const(threshold, dtype), x(*index), smooth)
+
+    return te.compute(x.shape, value, name="softplus")
+
+
+def _nn_softplus(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    return bb.call_te(_softplus, call.args[0], float(call.attrs.beta), float(call.attrs.threshold),
+                      primfunc_name_hint="softplus")
+
+
+tvm.ir.register_op_attr("relax.nn.softplus", "FLegalize", _nn_softplus, level=_LEVEL)
