@@ -45,6 +45,10 @@
   of a small exp(beta x) to 1 + exp: softplus(-16) came out 1.19e-7 (eager 1.125e-7), and 0 from
   -17 down. Here `log1p` (tvmgraph/log1p_expm1.py has the Relax-level one).
 
+- `relax.tanh` of float64: TVM's LLVM lowering `(1 - e^-2x) / (1 + e^-2x)` lost a small x
+  (tanh(1e-35) was 0, tanh(1e-12) 1e-12 * (1 - 2e-5)). Here libm's `tanh`; float32 keeps
+  TVM's (schedules/fast_math.py makes it a rational function, exact near zero).
+
 Importing this module registers them (at a level above TVM's own).
 """
 
@@ -318,3 +322,14 @@ def _nn_softplus(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 tvm.ir.register_op_attr("relax.nn.softplus", "FLegalize", _nn_softplus, level=_LEVEL)
+
+
+def _tanh(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    x = call.args[0]
+    if not isinstance(x.ty, relax.TensorType) or str(x.ty.dtype.dtype) != "float64":
+        return bb.call_te(topi.tanh, x, primfunc_name_hint="tir_tanh")  # TVM's own, as before
+    return bb.call_te(lambda t: te.compute(t.shape, lambda *i: tirx.call_pure_extern("float64", "tanh", t(*i)),
+                                           name="tanh"), x, primfunc_name_hint="tanh")
+
+
+tvm.ir.register_op_attr("relax.tanh", "FLegalize", _tanh, level=_LEVEL)

@@ -1,4 +1,4 @@
-"""`log1p` and `expm1` accurate near zero, from Relax ops (so autodiff differentiates them).
+"""`log1p`, `expm1` and `atanh` accurate near zero, from Relax ops (so autodiff differentiates them).
 
 Relax has neither: the stock converters computed `log(1 + x)` and `exp(x) - 1`, which lose
 every digit of a small x to the rounding of 1 + x or of exp(x): `log1p(1e-8)` was 0,
@@ -14,9 +14,9 @@ the result. Each series reads its input through a `where` that gives it 0 outsid
 so that its unused branch has a finite gradient (a `where`'s gradient multiplies the branch it
 drops by 0, and 0 * inf is NaN). 16-bit floats are computed in float32, as torch does.
 
-Softplus and mish (`relax.nn.softplus`) take `log1p` in their legalization (legalize_fixes.py).
-Not fixed: TVM's float64 `tanh` of a tiny x (tanh(1e-35) is 0, 2e-10 off at 1e-7), which float64
-mish of a large negative x reads; float32 tanh is schedules/fast_math.py's, exact there.
+`atanh` is `log1p(2x / (1 - x)) / 2` (TVM's `log((1 + x) / (1 - x)) / 2` gave atanh(1e-30) = 0).
+Softplus and mish (`relax.nn.softplus`) take `log1p` in their legalization, and a float64 `tanh`
+libm's (TVM's `(1 - e^-2x) / (1 + e^-2x)` gave tanh(1e-35) = 0): legalize_fixes.py.
 """
 
 from __future__ import annotations
@@ -85,6 +85,16 @@ def expm1(x: relax.Expr, dtype: str | None = None) -> relax.Expr:
     return relax.op.where(near, series, relax.op.subtract(relax.op.exp(x), one))
 
 
+def atanh(x: relax.Expr, dtype: str | None = None) -> relax.Expr:
+    """log((1 + x) / (1 - x)) / 2 as log1p(2x / (1 - x)) / 2: TVM's form lost a small x the same
+    way (float32 atanh(1e-30) was 0)."""
+    dtype = dtype or _dtype(x)
+    if dtype not in _LOG1P_TERMS and dtype not in _HALF:
+        return relax.op.atanh(x)
+    one, two, half = (relax.const(v, dtype) for v in (1.0, 2.0, 0.5))
+    return relax.op.multiply(half, log1p(relax.op.divide(relax.op.multiply(two, x), relax.op.subtract(one, x)), dtype))
+
+
 def _converter(fn):  # noqa: ANN001, ANN202  (log1p or expm1)
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         return importer.block_builder.emit(fn(importer.env[node.args[0]]))
@@ -95,4 +105,5 @@ def _converter(fn):  # noqa: ANN001, ANN202  (log1p or expm1)
 CONVERTERS = {
     "log1p.default": _converter(log1p),
     "expm1.default": _converter(expm1),
+    "atanh.default": _converter(atanh),
 }
