@@ -1,6 +1,6 @@
 """`log1p`, `expm1` and `atanh` accurate near zero, from Relax ops (so autodiff differentiates them).
 
-Relax has neither: the stock converters computed `log(1 + x)` and `exp(x) - 1`, which lose
+Relax has no log1p or expm1: the stock converters computed `log(1 + x)` and `exp(x) - 1`, which lose
 every digit of a small x to the rounding of 1 + x or of exp(x): `log1p(1e-8)` was 0,
 `log1p(3e-6)` 2.98e-6, `expm1(-1e-6)` -1.0133e-6, ELU, SELU and CELU of -1e-20 0, and the
 log-sigmoid of 25 (torch's decomposition: `min(x, 0) - log1p(exp(-|x|))`) 0. Near zero they
@@ -95,7 +95,7 @@ def atanh(x: relax.Expr, dtype: str | None = None) -> relax.Expr:
     return relax.op.multiply(half, log1p(relax.op.divide(relax.op.multiply(two, x), relax.op.subtract(one, x)), dtype))
 
 
-def _converter(fn):  # noqa: ANN001, ANN202  (log1p or expm1)
+def _converter(fn):  # noqa: ANN001, ANN202  (log1p, expm1 or atanh)
     def convert(node: torch.fx.Node, importer: ExportedProgramImporter) -> relax.Expr:
         return importer.block_builder.emit(fn(importer.env[node.args[0]]))
 
