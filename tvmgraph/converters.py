@@ -46,7 +46,7 @@ Each converter takes `(node, importer)` like a `custom_convert_map` entry of
   15.9375. Here it is eager's tensor, as a constant.
 - activations (elu, softplus, mish): see converters_activation.py.
 - xlogy, xlog1py: see converters_xlogy.py.
-- log1p, expm1 (accurate near 0): see log1p_expm1.py.
+- log1p, expm1, atanh (accurate near 0): see log1p_expm1.py.
 - pooling, interpolation, normalization and grid sampling: see converters_nn.py.
 - reductions, scans, scatters, strided views, distances: see converters_reduce.py.
 - elementwise math functions (special functions, hypot, fmax, copysign, cosh, ...): see

@@ -350,56 +350,47 @@ def _chunk_long_row(sch: s_tir.Schedule, block: SBlockRV, n_rows: int,
     short enough, or one no divisor cuts.
 
     Why: a chain per vector lane over a whole row, a training batch norm over (16, C, 250000)
-    of mean 1e3 came out 1e-3 off (eager 7e-6): 125,000 float32 additions per chain."""
+    of mean 1e3 came out 1e-3 off (eager 7e-6): 125,000 float32 additions per chain.
+
+    A row whose outermost reduced loop is a dynamic batch's, the rest static, takes a chunk per
+    batch item, when the row at REFERENCE_BATCH is that long and an item fills the chains: a
+    training batch norm's statistics over (batch, C, 128, 128) had been summed in 64 chains of
+    batch * 256 additions (3x the static graph's error)."""
     if not _reduces_contiguously(sch, block):
         return None
+    loops = sch.get_loops(block)
     reduce_loops = _static_reduce_loops(sch, block, n_rows)
-    symbolic = sch.get_loops(block)[n_rows:len(sch.get_loops(block)) - len(reduce_loops)]
+    symbolic = loops[n_rows:len(loops) - len(reduce_loops)]
     if len(symbolic) > 1 or any(static_extent(sch, l) is None for l in reduce_loops):
         return None
-    if symbolic:
-        return _chunk_per_batch(sch, block, symbolic[0], reduce_loops, lanes)
-    while reduce_loops and static_extent(sch, reduce_loops[0]) == 1:
-        reduce_loops = reduce_loops[1:]
-    extents = [static_extent(sch, l) for l in reduce_loops]
-    n = math.prod(extents) if extents else 0
     chained = lanes * ROW_CHAINS
-    if n <= chained * LONG_CHAINS_FROM:
-        return None
-    target = math.isqrt(chained * n)
-    outer, rest = extents[0], n // extents[0]
-    loop = reduce_loops[0]
-    if rest < target // 2:
-        # The chunk takes whole iterations of the outer loop: a divisor of it near the target,
-        # at whole vectors when the outer loop is the row itself.
-        whole = 1 if len(reduce_loops) > 1 else chained
-        per_chunk = math.ceil(target / rest)
-        size = divisor_between(outer, per_chunk, min(outer // 2, 4 * per_chunk), whole)
-        if size is None:
+    if symbolic:
+        (loop,) = symbolic
+        per_item = math.prod(static_extent(sch, l) for l in reduce_loops)
+        if per_item < chained or per_item * work_extent(sch, loop) <= chained * LONG_CHAINS_FROM:
             return None
-        loop, _ = sch.split(loop, [None, size])
+    else:
+        while reduce_loops and static_extent(sch, reduce_loops[0]) == 1:
+            reduce_loops = reduce_loops[1:]
+        extents = [static_extent(sch, l) for l in reduce_loops]
+        n = math.prod(extents) if extents else 0
+        if n <= chained * LONG_CHAINS_FROM:
+            return None
+        target = math.isqrt(chained * n)
+        outer, rest = extents[0], n // extents[0]
+        loop = reduce_loops[0]
+        if rest < target // 2:
+            # The chunk takes whole iterations of the outer loop: a divisor of it near the
+            # target, at whole vectors when the outer loop is the row itself.
+            whole = 1 if len(reduce_loops) > 1 else chained
+            per_chunk = math.ceil(target / rest)
+            size = divisor_between(outer, per_chunk, min(outer // 2, 4 * per_chunk), whole)
+            if size is None:
+                return None
+            loop, _ = sch.split(loop, [None, size])
     depth = [sch.get(l).same_as(sch.get(loop)) for l in sch.get_loops(block)].index(True) + 1
     try:
         return sch.rfactor(loop, factor_axis=len(sch.get(block).writes[0].region)), depth
-    except s_tir.ScheduleError:  # a reducer rfactor does not know: the chains stay long
-        return None
-
-
-def _chunk_per_batch(sch: s_tir.Schedule, block: SBlockRV, batch: LoopRV, rest: list[LoopRV],
-                     lanes: int) -> tuple[SBlockRV, int] | None:
-    """`_chunk_long_row` of a row whose outermost reduced loop is a dynamic batch's, the rest
-    static: a chunk per iteration of it (a whole one: no predicate). None when the row at
-    REFERENCE_BATCH is short enough, or the rest fills no chain.
-
-    Why: a training batch norm's statistics over (batch, C, 128, 128) under a dynamic batch
-    were summed in 64 chains of batch * 256 additions (3x the static graph's error)."""
-    chained = lanes * ROW_CHAINS
-    per_item = math.prod(static_extent(sch, l) for l in rest)
-    if per_item < chained or per_item * work_extent(sch, batch) <= chained * LONG_CHAINS_FROM:
-        return None
-    depth = [sch.get(l).same_as(sch.get(batch)) for l in sch.get_loops(block)].index(True) + 1
-    try:
-        return sch.rfactor(batch, factor_axis=len(sch.get(block).writes[0].region)), depth
     except s_tir.ScheduleError:  # a reducer rfactor does not know: the chains stay long
         return None
 
@@ -667,29 +658,35 @@ CHUNKED_FROM = 1 << 12
 def _chunk_partials(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> SBlockRV | None:
     """A reduction to one value split into chunks of about sqrt(lanes * n) elements, each
     summed on its own (`rfactor`: a block of per-chunk results, then their sum). Returns the
-    per-chunk block, or None for a short or symbolic reduction.
+    per-chunk block, or None for a short reduction or one symbolic past its outermost loop.
 
     Why: in one chain of float32 additions, the rounding error grows with the chain's length.
     Summed `lanes` at a time, the MSE loss of a (8, 128, 256) tensor was off by 5e-5 of its
     value against torch's (torch sums in blocks: 6e-8); per chunk, each chain is about
-    sqrt(n / lanes) long. The chunks also run in parallel (one thread summed it all)."""
+    sqrt(n / lanes) long. The chunks also run in parallel (one thread summed it all).
+
+    A symbolic outermost loop (a dynamic batch) stays outside the chunk: chunks of at least
+    SYMBOLIC_CHUNK_ELEMENTS within a batch item, or whole items, whose sums, as many as the
+    batch makes, are added in runs (`_sum_in_runs`). Left whole, `x.var()` of (batch, 4) at a
+    batch of 1e6 came out 80 (eager 1.0), an MSE loss over (batch, 40) 1e-4 off (static: 4e-7);
+    runs of items instead, the last one partial, put a predicate on every vector lane, which
+    LLVM runs lane by lane (a mean over (4096, 10): 50 us, per item 25)."""
     if not _reduces_contiguously(sch, block):
         return None
     loops = sch.get_loops(block)
     extents = [static_extent(sch, l) for l in loops]
     if any(e is None for e in extents[1:]):
         return None
-    if extents[0] is None:
-        return _chunk_batch_partials(sch, block, lanes)
-    n = math.prod(extents)
-    if n < CHUNKED_FROM:
+    batch = extents[0] is None
+    n = math.prod(extents[1:]) * (REFERENCE_BATCH if batch else extents[0])
+    if not batch and n < CHUNKED_FROM:
         return None
-    target = math.isqrt(lanes * n)
-    # The chunk is the fewest innermost loops holding `target` elements, the outermost of them
-    # split (at a divisor, so that no chunk is partial; the innermost at whole vectors) where
-    # they hold more than twice that.
+    target = max(math.isqrt(lanes * n), SYMBOLIC_CHUNK_ELEMENTS if batch else 0)
+    # The chunk is the fewest innermost loops holding `target` elements (a batch's loop stays
+    # outside), the outermost of them split (at a divisor, so that no chunk is partial; the
+    # innermost at whole vectors) where they hold more than twice that.
     count, chunk = 0, 1
-    while count < len(loops) and chunk < target:
+    while count < len(loops) - batch and chunk < target:
         count += 1
         chunk *= extents[-count]
     outer = loops[:len(loops) - count]
@@ -710,47 +707,19 @@ def _chunk_partials(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> SBlockR
         sch.reorder(*outer, *units)
     fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
     try:
-        return sch.rfactor(fused, factor_axis=0)
+        chunks = sch.rfactor(fused, factor_axis=0)
     except s_tir.ScheduleError:  # a reducer rfactor does not know: one chain per lane below
         return None
+    if batch:
+        _sum_in_runs(sch, block)
+    return chunks
 
 
-# A sum to one value over a dynamic batch is cut into chunks within each batch item when an
-# item holds at least this many elements, else into items; the chunks' sums are added in runs
-# of SUM_RUN.
+# A sum to one value over a dynamic batch is cut into chunks of at least this many elements
+# within each batch item, or into whole items when an item holds fewer; the chunks' sums are
+# added in runs of SUM_RUN.
 SYMBOLIC_CHUNK_ELEMENTS = 1 << 14
 SUM_RUN = 1 << 10
-
-
-def _chunk_batch_partials(sch: s_tir.Schedule, block: SBlockRV, lanes: int) -> SBlockRV | None:
-    """`_chunk_partials` of a sum whose outermost loop is a dynamic batch's, the rest static:
-    chunks of a batch item's innermost loops when one holds SYMBOLIC_CHUNK_ELEMENTS, else a
-    chunk per item (whole: no predicate). Their count is the batch's, so their sums are added
-    in runs (`_sum_in_runs`).
-
-    Why: left whole, `x.var()` of (batch, 4) at a batch of 1e6 came out 80 (eager 1.0), an MSE
-    loss over (batch, 40) 1e-4 off (static: 4e-7). Runs of items instead, the last one partial,
-    put a predicate on every vector lane, which LLVM runs lane by lane: a mean over (4096, 10)
-    took 50 us, per item 25."""
-    loops = sch.get_loops(block)
-    per_item = math.prod(static_extent(sch, l) for l in loops[1:])
-    target = max(math.isqrt(lanes * per_item * REFERENCE_BATCH), SYMBOLIC_CHUNK_ELEMENTS)
-    if per_item >= target:
-        # The chunk is the fewest innermost loops holding `target` elements; the loops outside
-        # them, the batch's among them, fused count the chunks.
-        inner = 1
-        while math.prod(static_extent(sch, l) for l in loops[-inner:]) < target:
-            inner += 1
-        outer = loops[:-inner]
-        chunk_loop = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-    else:
-        chunk_loop = loops[0]
-    try:
-        chunks = sch.rfactor(chunk_loop, factor_axis=0)
-    except s_tir.ScheduleError:  # a reducer rfactor does not know: one chain per lane
-        return None
-    _sum_in_runs(sch, block)
-    return chunks
 
 
 def _sum_in_runs(sch: s_tir.Schedule, block: SBlockRV) -> None:
